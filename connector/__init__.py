@@ -1,0 +1,1 @@
+"""Engine-side glue: SGLang adapters and the SGLang-compatible CPU worker (issue: connector)."""

@@ -1,0 +1,352 @@
+"""MemPool: one instance's KV memory (tiers of fixed-size blocks) and its prompt index.
+
+The API keeps MemServe's names (Table 1): alloc_mem/free_mem, insert/match/delete,
+swap_out/swap_in. Blocks a running request owns are *active*; `insert` turns them into
+*historical* KV that later requests `match`, and that eviction or swapping may move once no
+request holds a lock on it.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntFlag
+from typing import Any
+
+from mempool.address import MemType, block_of, decode, instance_of, mem_type_of
+from mempool.allocator import BlockAllocator
+from mempool.arena import Arena, HugePages, make_arena
+from mempool.errors import BlockInUse, InvalidAddress, MemPoolError
+from mempool.layout import KVBlockSpec, Layout
+from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode
+
+
+class InvalidRequest(MemPoolError, ValueError):
+    """A call's arguments are malformed (wrong size, type, length or instance)."""
+
+
+class InsertFlags(IntFlag):
+    NONE = 0
+    LOCK = 1  # keep the inserted prefix locked: the request is still running (chunked prefill)
+    KEEP_DUPLICATES = 2  # do not free given blocks whose pages were cached already
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """What `match` found: block addresses of the cached prefix (blocks_per_page per page)."""
+
+    addrs: list[int]
+    num_tokens: int
+    node: TreeNode
+    locked: bool
+
+
+class MemPool:
+    """Blocks on the host tier (and a device tier when asked) plus the radix index over them."""
+
+    def __init__(
+        self,
+        instance_id: int,
+        spec: KVBlockSpec,
+        host_blocks: int,
+        device_blocks: int = 0,
+        layout: Layout | str = Layout.AGGREGATED,
+        huge_pages: HugePages = "auto",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.instance_id = instance_id
+        self.spec = spec
+        self.layout = Layout.parse(layout)
+        self.block_size = spec.block_size(self.layout)
+        self.blocks_per_page = spec.blocks_per_page(self.layout)
+        self.arenas: dict[MemType, Arena] = {}
+        self.allocators: dict[MemType, BlockAllocator] = {}
+        for mem_type, count in ((MemType.HOST, host_blocks), (MemType.DEVICE, device_blocks)):
+            if count:
+                self.arenas[mem_type] = make_arena(mem_type, count, self.block_size, huge_pages)
+                self.allocators[mem_type] = BlockAllocator(instance_id, mem_type, count)
+        if not self.allocators:
+            raise InvalidRequest("a MemPool needs host_blocks or device_blocks > 0")
+        self._by_type = {int(t): a for t, a in self.allocators.items()}
+        self.index = RadixTree(spec.page_size, self.blocks_per_page, clock)
+        self._indexed: set[int] = set()
+
+    # ----------------------------------------------------------------- memory API
+
+    def alloc_mem(
+        self, size: int, mem_type: MemType | str = MemType.HOST, instance_id: int | None = None
+    ) -> list[int]:
+        """Allocate blocks covering `size` bytes, all or nothing; returns their addresses."""
+        if instance_id is not None and instance_id != self.instance_id:
+            raise InvalidRequest(
+                f"alloc_mem on instance {instance_id}, but this pool is instance "
+                f"{self.instance_id}; memory on a peer is allocated by transfer"
+            )
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise InvalidRequest(f"size must be a positive number of bytes, got {size!r}")
+        allocator = self._allocator(mem_type)
+        count = -(-size // self.block_size)
+        if count > allocator.num_blocks:
+            raise InvalidRequest(
+                f"size {size} bytes needs {count} blocks of {self.block_size}; the "
+                f"{allocator.mem_type.name.lower()} arena has only {allocator.num_blocks}"
+            )
+        return allocator.alloc(count)
+
+    def alloc_blocks(self, count: int, mem_type: MemType | str = MemType.HOST) -> list[int]:
+        """Allocate `count` blocks (the engine-side spelling of alloc_mem)."""
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise InvalidRequest(f"count must be a positive int, got {count!r}")
+        return self.alloc_mem(count * self.block_size, mem_type)
+
+    def free_mem(self, addrs: Sequence[int]) -> None:
+        """Free blocks that are allocated and not indexed; all or nothing."""
+        addrs = self._addr_list(addrs)
+        if not self._indexed.isdisjoint(addrs):
+            raise BlockInUse(
+                "some blocks are in the prompt index; delete or evict the prompt instead"
+            )
+        self._free_blocks(addrs)
+
+    def read_block(self, addr: int) -> bytes:
+        """A copy of one allocated block's bytes."""
+        arena, block = self._locate(addr)
+        return arena.read(block)
+
+    def write_block(self, addr: int, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite one allocated block (exactly block_size bytes)."""
+        arena, block = self._locate(addr)
+        arena.write(block, data)
+
+    def view_block(self, addr: int) -> memoryview:
+        """Zero-copy view of a host (or emulated device) block."""
+        arena, block = self._locate(addr)
+        if not hasattr(arena, "view"):
+            raise InvalidRequest(f"block {addr:#x} lives in GPU memory; use read_block")
+        return arena.view(block)  # type: ignore[union-attr]
+
+    # ----------------------------------------------------------------- index API
+
+    def insert(
+        self, tokens: Tokens, addrs: Sequence[int], flags: InsertFlags = InsertFlags.NONE
+    ) -> InsertResult:
+        """Index the whole pages of `tokens` to `addrs` (blocks_per_page per page).
+
+        The pool takes ownership of the blocks: the ones it adopts become historical KV, and
+        blocks given for pages already cached are freed (unless KEEP_DUPLICATES). A request's
+        partial last page is not indexed; its block stays with the caller.
+        """
+        addrs = self._addr_list(addrs)
+        if not self._owns(addrs):
+            raise InvalidAddress("insert names blocks this pool has not allocated")
+        clash = self._indexed.intersection(addrs)
+        if clash:
+            self._check_reinsert(tokens, addrs, clash)
+        result = self.index.insert(tokens, addrs)
+        adopted = addrs[result.existing_tokens // self.spec.page_size * self.blocks_per_page :]
+        self._indexed.update(adopted)
+        if result.duplicates and not flags & InsertFlags.KEEP_DUPLICATES:
+            self._free_blocks(result.duplicates)
+        if flags & InsertFlags.LOCK:
+            self.index.lock(result.node)
+        return result
+
+    def match(self, tokens: Tokens, lock: bool = False) -> PrefixMatch:
+        """Longest cached prefix of `tokens`: its block addresses; `lock` pins it until release."""
+        found = self.index.match(tokens)
+        if lock:
+            self.index.lock(found.node)
+        return PrefixMatch(found.value.tolist(), found.num_tokens, found.node, lock)
+
+    def release(self, target: PrefixMatch | InsertResult) -> None:
+        """Unpin what `match(lock=True)` or `insert(flags=LOCK)` pinned."""
+        if isinstance(target, PrefixMatch):
+            if not target.locked:
+                raise InvalidRequest("release of a match that is not locked (or released twice)")
+            target.locked = False
+        self.index.unlock(target.node)
+
+    def delete(self, tokens: Tokens) -> int:
+        """Drop the cached pages only this prompt uses; returns the blocks freed."""
+        removed = self.index.delete(tokens)
+        self._release_indexed(removed)
+        return len(removed)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least `num_blocks` historical blocks, least recently used first."""
+        pages = -(-num_blocks // self.blocks_per_page)
+        _, removed = self.index.evict(pages)
+        self._release_indexed(removed)
+        return len(removed)
+
+    def flush(self) -> int:
+        """Drop the whole index; refused while a running request holds a lock."""
+        if self.index.protected_pages:
+            raise BlockInUse(f"{self.index.protected_pages} pages are locked by running requests")
+        removed = self.index.reset()
+        self._release_indexed(removed)
+        return len(removed)
+
+    # ----------------------------------------------------------------- tiers
+
+    def swap_out(self, num_blocks: int) -> list[int]:
+        """Move up to `num_blocks` least-recently-used historical blocks device -> host.
+
+        Returns the new host addresses; the index follows. OutOfBlocks (nothing moved) when
+        the host tier lacks room.
+        """
+        if MemType.DEVICE not in self.allocators or MemType.HOST not in self.allocators:
+            raise InvalidRequest("swap needs both a device and a host tier")
+        nodes = sorted(
+            (n for n in self.index._nodes() if n.lock_ref == 0 and n.value is not None),
+            key=lambda n: n.last_access,
+        )
+        victims: list[int] = []
+        device = int(MemType.DEVICE)
+        for node in nodes:
+            victims.extend(a for a in node.value if mem_type_of(a) == device)  # type: ignore[union-attr]
+            if len(victims) >= num_blocks:
+                break
+        return self._move(victims[:num_blocks], MemType.HOST)
+
+    def swap_in(self, addrs: Sequence[int]) -> list[int]:
+        """Move these host blocks to the device tier; returns new addresses in the same order."""
+        if MemType.DEVICE not in self.allocators:
+            raise InvalidRequest("swap_in needs a device tier")
+        addrs = self._addr_list(addrs)
+        host = int(MemType.HOST)
+        if any(mem_type_of(a) != host for a in addrs) or not self._owns(addrs):
+            raise InvalidAddress("swap_in takes allocated host blocks of this pool")
+        return self._move(addrs, MemType.DEVICE)
+
+    # ----------------------------------------------------------------- reporting
+
+    def stats(self) -> dict[str, Any]:
+        tiers = {
+            t.name.lower(): {
+                "blocks": a.num_blocks,
+                "free": a.num_free,
+                "used": a.num_used,
+                "block_bytes": self.block_size,
+                "backing": self.arenas[t].backing,
+            }
+            for t, a in self.allocators.items()
+        }
+        return {
+            "instance_id": self.instance_id,
+            "layout": self.layout.value,
+            "page_size": self.spec.page_size,
+            "tiers": tiers,
+            "cached_tokens": self.index.num_pages * self.spec.page_size,
+            "evictable_pages": self.index.evictable_pages,
+            "protected_pages": self.index.protected_pages,
+        }
+
+    def close(self) -> None:
+        for arena in self.arenas.values():
+            arena.close()
+
+    # ----------------------------------------------------------------- helpers
+
+    def _allocator(self, mem_type: MemType | str) -> BlockAllocator:
+        try:
+            parsed = MemType.parse(mem_type)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        allocator = self.allocators.get(parsed)
+        if allocator is None:
+            raise InvalidRequest(f"this pool has no {parsed.name.lower()} tier")
+        return allocator
+
+    def _addr_list(self, addrs: Sequence[int]) -> list[int]:
+        if isinstance(addrs, int | str | bytes):
+            raise InvalidRequest(f"expected a list of addresses, got {type(addrs).__name__}")
+        addrs = list(addrs)
+        if not addrs:
+            raise InvalidRequest("the address list is empty")
+        return addrs
+
+    def _tier_of(self, addr: int) -> BlockAllocator | None:
+        """The allocator an address would belong to here, or None if it names another owner."""
+        if not isinstance(addr, int) or instance_of(addr) != self.instance_id:
+            return None
+        return self._by_type.get(mem_type_of(addr))
+
+    def _owns(self, addrs: list[int]) -> bool:
+        first = self._tier_of(addrs[0])
+        if first is not None and first.owns(addrs):
+            return True
+        return all((t := self._tier_of(a)) is not None and t.owns((a,)) for a in addrs)
+
+    def _free_blocks(self, addrs: list[int]) -> None:
+        """Free a list that may span tiers: every part is validated before any is freed."""
+        first = self._tier_of(addrs[0])
+        if first is not None and first.owns(addrs):
+            first.free(addrs)  # the common case: one tier (free still rejects repeats)
+            return
+        groups: dict[BlockAllocator, list[int]] = {}
+        for addr in addrs:
+            tier = self._tier_of(addr)
+            if tier is None:
+                raise InvalidAddress(self._explain_foreign(addr))
+            groups.setdefault(tier, []).append(addr)
+        for tier, part in groups.items():
+            if not tier.owns(part) or len(set(part)) != len(part):
+                tier.free(part)  # raises, naming the bad address; nothing was freed yet
+        for tier, part in groups.items():
+            tier.free(part)
+
+    def _explain_foreign(self, addr: object) -> str:
+        try:
+            inst, mem_type, _ = decode(addr)  # type: ignore[arg-type]
+        except ValueError as exc:
+            return str(exc)
+        if inst != self.instance_id:
+            return f"address {addr:#x} belongs to instance {inst}, not {self.instance_id}"
+        return f"address {addr:#x} names the {mem_type.name.lower()} tier, which this pool lacks"
+
+    def _release_indexed(self, removed: array) -> None:
+        if removed:
+            blocks = removed.tolist()
+            self._indexed.difference_update(blocks)
+            self._free_blocks(blocks)
+
+    def _check_reinsert(self, tokens: Tokens, addrs: list[int], clash: set[int]) -> None:
+        """Indexed blocks may only be given again for the very pages that hold them."""
+        cached = self.index.match(tokens).value
+        for i, addr in enumerate(addrs):
+            if addr in clash and (i >= len(cached) or cached[i] != addr):
+                raise BlockInUse(
+                    f"block {addr:#x} already caches other tokens; it cannot index position {i}"
+                )
+
+    def _locate(self, addr: int) -> tuple[Arena, int]:
+        tier = self._tier_of(addr)
+        if tier is None or not tier.owns((addr,)):
+            raise InvalidAddress(f"address {addr!r} is not an allocated block of this pool")
+        return self.arenas[tier.mem_type], block_of(addr)
+
+    def _move(self, addrs: list[int], to: MemType) -> list[int]:
+        """Copy blocks to tier `to`, repoint the index, free the old blocks."""
+        if not addrs:
+            return []
+        new = self.allocators[to].alloc(len(addrs))
+        mapping = dict(zip(addrs, new, strict=True))
+        for old, fresh in mapping.items():
+            src, sblock = self._locate(old)
+            dst, dblock = self._locate(fresh)
+            dst.write(dblock, src.view(sblock) if hasattr(src, "view") else src.read(sblock))  # type: ignore[union-attr]
+        moved_indexed = self._indexed.intersection(addrs)
+        if moved_indexed:
+            for node in self.index._nodes():
+                value = node.value
+                if value is not None and not moved_indexed.isdisjoint(value):
+                    for i, addr in enumerate(value):
+                        if addr in mapping:
+                            value[i] = mapping[addr]
+            self._indexed.difference_update(moved_indexed)
+            self._indexed.update(mapping[a] for a in moved_indexed)
+        self._free_blocks(addrs)
+        return new
