@@ -1,0 +1,299 @@
+"""MemPool API: memory, index and tier calls as an engine uses them, and every refusal."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mempool import (
+    BlockInUse,
+    InsertFlags,
+    InvalidAddress,
+    InvalidRequest,
+    KVBlockSpec,
+    MemPool,
+    MemType,
+    OutOfBlocks,
+    decode,
+    encode,
+)
+
+SPEC = KVBlockSpec(layers=2, kv_heads=1, head_dim=4, dtype="float16", page_size=4)
+
+
+@pytest.fixture
+def pool() -> MemPool:
+    p = MemPool(3, SPEC, host_blocks=32, device_blocks=16)
+    yield p
+    p.close()
+
+
+def fill(pool: MemPool, addrs: list[int]) -> list[bytes]:
+    """Give each block distinct random bytes, as a prefill would."""
+    data = [os.urandom(pool.block_size) for _ in addrs]
+    for addr, payload in zip(addrs, data, strict=True):
+        pool.write_block(addr, payload)
+    return data
+
+
+def free_counts(pool: MemPool) -> dict[str, int]:
+    return {name: tier["free"] for name, tier in pool.stats()["tiers"].items()}
+
+
+def test_alloc_rounds_bytes_up_to_blocks_and_names_owner(pool: MemPool) -> None:
+    addrs = pool.alloc_mem(pool.block_size + 1, "device", 3)
+    assert len(addrs) == 2
+    assert all(decode(a).instance == 3 and decode(a).mem_type is MemType.DEVICE for a in addrs)
+    pool.free_mem(addrs)
+    assert free_counts(pool) == {"host": 32, "device": 16}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0,), "positive number of bytes"),
+        ((-8,), "positive number of bytes"),
+        ((1.5,), "positive number of bytes"),
+        (("64",), "positive number of bytes"),
+        ((64, "hbm"), "unknown memory type"),
+        ((64, MemType.HOST, 4), "instance 4"),
+    ],
+)
+def test_alloc_bad_arguments(pool: MemPool, args: tuple, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        pool.alloc_mem(*args)
+    assert free_counts(pool) == {"host": 32, "device": 16}
+
+
+def test_alloc_beyond_arena_and_exhaustion(pool: MemPool) -> None:
+    with pytest.raises(InvalidRequest, match="has only 16"):
+        pool.alloc_mem(17 * pool.block_size, "device")
+    held = pool.alloc_blocks(10, "device")
+    with pytest.raises(OutOfBlocks, match="7 blocks requested, 6 free"):
+        pool.alloc_blocks(7, "device")
+    assert free_counts(pool)["device"] == 6
+    pool.free_mem(held)
+
+
+def test_missing_tier_is_clear() -> None:
+    host_only = MemPool(0, SPEC, host_blocks=4)
+    with pytest.raises(InvalidRequest, match="no device tier"):
+        host_only.alloc_blocks(1, "device")
+    with pytest.raises(InvalidRequest, match="both a device and a host tier"):
+        host_only.swap_out(1)
+    with pytest.raises(InvalidRequest, match="needs host_blocks or device_blocks"):
+        MemPool(0, SPEC, host_blocks=0)
+
+
+@pytest.mark.parametrize(
+    ("addrs", "error", "message"),
+    [
+        ([], InvalidRequest, "empty"),
+        (5, InvalidRequest, "list of addresses"),
+        ([encode(9, MemType.HOST, 0)], InvalidAddress, "instance 9"),
+        (["x"], InvalidAddress, "int"),
+    ],
+)
+def test_free_bad_lists(pool: MemPool, addrs: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        pool.free_mem(addrs)  # type: ignore[arg-type]
+
+
+def test_free_is_all_or_nothing_across_tiers(pool: MemPool) -> None:
+    host = pool.alloc_blocks(2, "host")
+    dev = pool.alloc_blocks(2, "device")
+    pool.free_mem(host[:1])
+    with pytest.raises(InvalidAddress, match="not allocated"):
+        pool.free_mem([dev[0], host[1], host[0]])
+    assert free_counts(pool) == {"host": 31, "device": 14}
+    pool.free_mem([dev[0], host[1], dev[1]])
+    assert free_counts(pool) == {"host": 32, "device": 16}
+    with pytest.raises(InvalidAddress, match="double free"):
+        pool.free_mem(dev[:1])
+
+
+def test_context_caching_round(pool: MemPool) -> None:
+    """A request prefills, finishes (insert), and the next turn matches its pages."""
+    prompt = list(range(100, 114))  # 3 whole pages + 2 tokens
+    blocks = pool.alloc_blocks(4, "device")  # the 4th holds the partial page
+    data = fill(pool, blocks)
+    result = pool.insert(prompt, blocks[:3])
+    assert (result.existing_tokens, result.new_tokens) == (0, 12)
+    pool.free_mem(blocks[3:])  # the partial page's block stays with the engine
+    turn2 = prompt + [7, 8, 9]
+    found = pool.match(turn2, lock=True)
+    assert found.num_tokens == 12 and found.addrs == blocks[:3]
+    assert [pool.read_block(a) for a in found.addrs] == data[:3]
+    with pytest.raises(BlockInUse):
+        pool.free_mem(found.addrs)  # indexed blocks are not the caller's to free
+    more = pool.alloc_blocks(2, "device")
+    pool.insert(turn2 + [1, 2, 3], found.addrs + more)  # 5 pages: 3 cached + 2 new
+    pool.release(found)
+    assert pool.match(turn2 + [1, 2, 3]).num_tokens == 20
+    assert pool.stats()["cached_tokens"] == 20
+
+
+def test_duplicate_pages_are_freed_unless_kept(pool: MemPool) -> None:
+    prompt = list(range(8))
+    first = pool.alloc_blocks(2)
+    pool.insert(prompt, first)
+    second = pool.alloc_blocks(2)  # the same prompt computed again in parallel
+    result = pool.insert(prompt, second)
+    assert result.duplicates == second
+    assert free_counts(pool)["host"] == 30
+    third = pool.alloc_blocks(2)
+    pool.insert(prompt, third, InsertFlags.KEEP_DUPLICATES)
+    assert free_counts(pool)["host"] == 28  # still the caller's
+    pool.free_mem(third)
+
+
+def test_insert_refusals_change_nothing(pool: MemPool) -> None:
+    prompt = list(range(8))
+    blocks = pool.alloc_blocks(2)
+    with pytest.raises(ValueError, match="expected 2 addresses"):
+        pool.insert(prompt, blocks[:1])
+    with pytest.raises(InvalidAddress, match="not allocated"):
+        pool.insert(prompt, [blocks[0], encode(3, MemType.HOST, 31)])
+    with pytest.raises(TypeError, match="token"):
+        pool.insert(["a"] * 8, blocks)
+    with pytest.raises(ValueError, match="empty"):
+        pool.insert([], blocks)
+    assert pool.stats()["cached_tokens"] == 0
+    pool.insert(prompt, blocks)
+    other = pool.alloc_blocks(2)
+    with pytest.raises(BlockInUse, match="already caches other tokens"):
+        pool.insert(list(range(50, 58)), [other[0], blocks[1]])  # block reused for new tokens
+    assert pool.match(list(range(50, 58))).num_tokens == 0
+    pool.free_mem(other)
+
+
+def test_lock_protects_from_eviction_and_flush(pool: MemPool) -> None:
+    a, b = list(range(8)), list(range(50, 58))
+    pool.insert(a, pool.alloc_blocks(2))
+    pool.insert(b, pool.alloc_blocks(2))
+    held = pool.match(a, lock=True)
+    with pytest.raises(BlockInUse, match="locked"):
+        pool.flush()
+    assert pool.evict(100) == 2  # only b's pages go
+    assert pool.match(a).num_tokens == 8 and pool.match(b).num_tokens == 0
+    pool.release(held)
+    with pytest.raises(InvalidRequest, match="not locked"):
+        pool.release(held)
+    assert pool.flush() == 2
+    assert free_counts(pool) == {"host": 32, "device": 16}
+
+
+def test_delete_frees_the_prompt_blocks(pool: MemPool) -> None:
+    shared = list(range(8))
+    pool.insert(shared + [1, 1, 1, 1], pool.alloc_blocks(3))
+    pool.insert(shared + [2, 2, 2, 2], pool.match(shared).addrs + pool.alloc_blocks(1))
+    assert pool.delete(shared + [1, 1, 1, 1]) == 1
+    assert pool.match(shared + [2, 2, 2, 2]).num_tokens == 12
+    assert pool.delete(shared + [2, 2, 2, 2]) == 3
+    assert free_counts(pool)["host"] == 32
+
+
+def test_swap_out_and_in_keep_bytes_and_index(pool: MemPool) -> None:
+    old, new = list(range(8)), list(range(40, 48))
+    old_blocks = pool.alloc_blocks(2, "device")
+    old_data = fill(pool, old_blocks)
+    pool.insert(old, old_blocks)
+    pool.insert(new, pool.alloc_blocks(2, "device"))
+    pool.match(new)  # old is now least recently used
+    moved = pool.swap_out(2)
+    assert all(decode(a).mem_type is MemType.HOST for a in moved)
+    found = pool.match(old)
+    assert found.addrs == moved
+    assert [pool.read_block(a) for a in found.addrs] == old_data
+    assert all(decode(a).mem_type is MemType.DEVICE for a in pool.match(new).addrs)
+    back = pool.swap_in(found.addrs)
+    assert pool.match(old).addrs == back
+    assert [pool.read_block(a) for a in back] == old_data
+    assert free_counts(pool) == {"host": 32, "device": 12}
+
+
+def test_swap_skips_locked_and_refuses_when_host_full() -> None:
+    pool = MemPool(0, SPEC, host_blocks=1, device_blocks=8)
+    pool.insert(list(range(8)), pool.alloc_blocks(2, "device"))
+    held = pool.match(list(range(8)), lock=True)
+    assert pool.swap_out(2) == []  # everything historical is locked
+    pool.release(held)
+    with pytest.raises(OutOfBlocks):
+        pool.swap_out(2)
+    assert all(decode(a).mem_type is MemType.DEVICE for a in pool.match(list(range(8))).addrs)
+    assert free_counts(pool) == {"host": 1, "device": 6}
+
+
+def test_swap_in_refuses_device_or_foreign_blocks(pool: MemPool) -> None:
+    dev = pool.alloc_blocks(1, "device")
+    with pytest.raises(InvalidAddress, match="host blocks"):
+        pool.swap_in(dev)
+    with pytest.raises(InvalidAddress):
+        pool.swap_in([encode(3, MemType.HOST, 5)])  # not allocated
+
+
+def test_block_io_refusals(pool: MemPool) -> None:
+    (addr,) = pool.alloc_blocks(1)
+    with pytest.raises(InvalidAddress, match="not an allocated block"):
+        pool.read_block(encode(3, MemType.HOST, 30))
+    with pytest.raises(Exception, match="block size"):
+        pool.write_block(addr, b"short")
+
+
+def test_discrete_layout_indexes_2l_blocks_per_page() -> None:
+    pool = MemPool(0, SPEC, host_blocks=16, layout="discrete")
+    assert pool.blocks_per_page == 2 * SPEC.layers
+    prompt = list(range(8))
+    blocks = pool.alloc_blocks(8)
+    pool.insert(prompt, blocks)
+    assert pool.match(prompt + [1]).addrs == blocks
+    with pytest.raises(ValueError, match="expected 8 addresses"):
+        pool.insert(list(range(20, 28)), pool.alloc_blocks(2))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "match_lock", "release", "evict", "delete"]),
+            st.integers(0, 5),
+        ),
+        max_size=30,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_no_block_leaks_under_random_use(ops: list[tuple[str, int]]) -> None:
+    """Whatever the engine does, released state returns every block to the free lists."""
+    pool = MemPool(0, SPEC, host_blocks=64)
+    prompts = [[i % 3] * 4 + [i] * 4 + [j] * 4 for i in range(3) for j in range(2)]
+    held = []
+    for op, k in ops:
+        prompt = prompts[k % len(prompts)]
+        if op == "insert":
+            cached = pool.match(prompt)
+            need = 3 - len(cached.addrs)
+            try:
+                fresh = pool.alloc_blocks(need) if need else []
+            except OutOfBlocks:
+                pool.evict(need)
+                continue
+            pool.insert(prompt, cached.addrs + fresh)
+        elif op == "match_lock":
+            held.append(pool.match(prompt, lock=True))
+        elif op == "release" and held:
+            pool.release(held.pop(k % len(held)))
+        elif op == "evict":
+            pool.evict(k + 1)
+        elif op == "delete":
+            try:
+                pool.delete(prompt)
+            except BlockInUse:
+                assert pool.index.protected_pages > 0
+        stats = pool.stats()["tiers"]["host"]
+        assert stats["used"] == pool.index.num_pages
+    for match in held:
+        pool.release(match)
+    pool.flush()
+    assert free_counts(pool) == {"host": 64}
