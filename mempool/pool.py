@@ -20,7 +20,7 @@ from mempool.allocator import BlockAllocator
 from mempool.arena import Arena, HugePages, make_arena
 from mempool.errors import BlockInUse, InvalidAddress, MemPoolError
 from mempool.layout import KVBlockSpec, Layout
-from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode
+from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode, token_array
 
 
 class InvalidRequest(MemPoolError, ValueError):
@@ -138,6 +138,7 @@ class MemPool:
         blocks given for pages already cached are freed (unless KEEP_DUPLICATES). A request's
         partial last page is not indexed; its block stays with the caller.
         """
+        tokens = token_array(tokens)  # once: the reinsert check and the insert share it
         addrs = self._addr_list(addrs)
         if not self._owns(addrs):
             raise InvalidAddress("insert names blocks this pool has not allocated")
@@ -315,9 +316,12 @@ class MemPool:
 
     def _check_reinsert(self, tokens: Tokens, addrs: list[int], clash: set[int]) -> None:
         """Indexed blocks may only be given again for the very pages that hold them."""
-        cached = self.index.match(tokens).value
+        cached = self.index.match(tokens).value.tolist()
+        n = len(cached)
+        if addrs[:n] == cached and clash.isdisjoint(addrs[n:]):
+            return  # the usual case: a finished request re-inserts its matched prefix
         for i, addr in enumerate(addrs):
-            if addr in clash and (i >= len(cached) or cached[i] != addr):
+            if addr in clash and (i >= n or cached[i] != addr):
                 raise BlockInUse(
                     f"block {addr:#x} already caches other tokens; it cannot index position {i}"
                 )

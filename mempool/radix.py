@@ -23,15 +23,15 @@ TOKEN_BYTES = 4  # token ids are stored as uint32
 Tokens = Sequence[int] | array
 
 
-def as_token_bytes(tokens: Tokens) -> bytes:
-    """Token ids as uint32 bytes; TypeError/ValueError naming the problem otherwise."""
+def token_array(tokens: Tokens) -> array:
+    """Token ids as a uint32 array (converted once per call); clear errors for bad input."""
     if isinstance(tokens, array) and tokens.typecode == "I":
-        data = tokens.tobytes()
+        data = tokens
     elif isinstance(tokens, str | bytes | bytearray | memoryview):
         raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__}")
     else:
         try:
-            data = array("I", tokens).tobytes()
+            data = array("I", tokens)
         except TypeError as exc:
             raise TypeError(f"tokens must be a sequence of int token ids: {exc}") from None
         except OverflowError:
@@ -39,6 +39,11 @@ def as_token_bytes(tokens: Tokens) -> bytes:
     if not data:
         raise ValueError("tokens must not be empty")
     return data
+
+
+def as_token_bytes(tokens: Tokens) -> bytes:
+    """Token ids as uint32 bytes, the tree's key form."""
+    return token_array(tokens).tobytes()
 
 
 @dataclass(eq=False, slots=True)
