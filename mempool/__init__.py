@@ -5,9 +5,16 @@ a page radix tree, and the KV layouts (discrete and huge-page aggregated).
 """
 
 from mempool.address import Address, MemType, decode, encode
-from mempool.errors import BlockInUse, InvalidAddress, MemPoolError, OutOfBlocks
+from mempool.errors import (
+    BlockInUse,
+    InvalidAddress,
+    InvalidRequest,
+    InvalidTokens,
+    MemPoolError,
+    OutOfBlocks,
+)
 from mempool.layout import KVBlockSpec, Layout, aggregate, disaggregate, transfer_segments
-from mempool.pool import InsertFlags, InvalidRequest, MemPool, PrefixMatch
+from mempool.pool import InsertFlags, MemPool, PrefixMatch
 from mempool.radix import InsertResult, Match, RadixTree, TreeNode
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "InsertResult",
     "InvalidAddress",
     "InvalidRequest",
+    "InvalidTokens",
     "KVBlockSpec",
     "Layout",
     "Match",

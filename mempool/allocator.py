@@ -47,10 +47,21 @@ class BlockAllocator:
 
     def free(self, addrs: list[int]) -> None:
         """Return blocks; any bad address rejects the whole call and frees nothing."""
-        if not self._allocated.issuperset(addrs) or len(set(addrs)) != len(addrs):
+        if not self.try_free(addrs):
             raise InvalidAddress(self._explain(addrs))
-        self._allocated.difference_update(addrs)
+
+    def try_free(self, addrs: list[int]) -> bool:
+        """Free and return True, or return False with nothing freed (a bad or repeated address)."""
+        allocated = self._allocated
+        if not allocated.issuperset(addrs):
+            return False
+        before = len(allocated)
+        allocated.difference_update(addrs)
+        if len(allocated) != before - len(addrs):  # an address was named twice: undo
+            allocated.update(addrs)
+            return False
         self._free.extend(addrs)
+        return True
 
     def owns(self, addrs: Iterable[int]) -> bool:
         """True when every address is currently allocated here."""

@@ -101,8 +101,15 @@ class HostArena:
         self.view(block)[:] = data
 
     def close(self) -> None:
+        """Unmap; MemPoolError, arena still usable, while views of its blocks are alive."""
         self._view.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            self._view = memoryview(self._map)
+            raise MemPoolError(
+                "cannot close the arena while views of its blocks are alive; drop them first"
+            ) from None
 
 
 class CudaArena:

@@ -15,3 +15,11 @@ class InvalidAddress(MemPoolError):
 
 class BlockInUse(MemPoolError):
     """The blocks are referenced by the index or locked by a running request."""
+
+
+class InvalidRequest(MemPoolError, ValueError):
+    """A call's arguments are malformed (wrong size, length, value or instance)."""
+
+
+class InvalidTokens(InvalidRequest, TypeError):
+    """Tokens that are not a sequence of int token ids."""

@@ -18,13 +18,9 @@ from typing import Any
 from mempool.address import MemType, block_of, decode, instance_of, mem_type_of
 from mempool.allocator import BlockAllocator
 from mempool.arena import Arena, HugePages, make_arena
-from mempool.errors import BlockInUse, InvalidAddress, MemPoolError
+from mempool.errors import BlockInUse, InvalidAddress, InvalidRequest, MemPoolError
 from mempool.layout import KVBlockSpec, Layout
 from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode, token_array
-
-
-class InvalidRequest(MemPoolError, ValueError):
-    """A call's arguments are malformed (wrong size, type, length or instance)."""
 
 
 class InsertFlags(IntFlag):
@@ -132,16 +128,18 @@ class MemPool:
     def insert(
         self, tokens: Tokens, addrs: Sequence[int], flags: InsertFlags = InsertFlags.NONE
     ) -> InsertResult:
-        """Index the whole pages of `tokens` to `addrs` (blocks_per_page per page).
+        """Index the whole pages of `tokens` to `addrs` (blocks_per_page per whole page).
 
         The pool takes ownership of the blocks: the ones it adopts become historical KV, and
-        blocks given for pages already cached are freed (unless KEEP_DUPLICATES). A request's
-        partial last page is not indexed; its block stays with the caller.
+        blocks given for pages already cached are freed (unless KEEP_DUPLICATES). Pass no
+        block for a request's partial last page: it is never indexed and stays the caller's.
         """
         tokens = token_array(tokens)  # once: the reinsert check and the insert share it
         addrs = self._addr_list(addrs)
         if not self._owns(addrs):
             raise InvalidAddress("insert names blocks this pool has not allocated")
+        if len(set(addrs)) != len(addrs):
+            raise InvalidRequest("insert names the same block for two pages")
         clash = self._indexed.intersection(addrs)
         if clash:
             self._check_reinsert(tokens, addrs, clash)
@@ -156,7 +154,7 @@ class MemPool:
 
     def match(self, tokens: Tokens, lock: bool = False) -> PrefixMatch:
         """Longest cached prefix of `tokens`: its block addresses; `lock` pins it until release."""
-        found = self.index.match(tokens)
+        found = self.index.match(tokens, split=lock)
         if lock:
             self.index.lock(found.node)
         return PrefixMatch(found.value.tolist(), found.num_tokens, found.node, lock)
@@ -246,8 +244,15 @@ class MemPool:
         }
 
     def close(self) -> None:
+        """Unmap every tier; MemPoolError (tier left usable) while block views are alive."""
+        errors = []
         for arena in self.arenas.values():
-            arena.close()
+            try:
+                arena.close()
+            except MemPoolError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise MemPoolError("; ".join(errors))
 
     # ----------------------------------------------------------------- helpers
 
@@ -284,9 +289,8 @@ class MemPool:
     def _free_blocks(self, addrs: list[int]) -> None:
         """Free a list that may span tiers: every part is validated before any is freed."""
         first = self._tier_of(addrs[0])
-        if first is not None and first.owns(addrs):
-            first.free(addrs)  # the common case: one tier (free still rejects repeats)
-            return
+        if first is not None and first.try_free(addrs):
+            return  # the common case: every block of one tier, each named once
         groups: dict[BlockAllocator, list[int]] = {}
         for addr in addrs:
             tier = self._tier_of(addr)

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mempool.errors import BlockInUse
+from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
 
 TOKEN_BYTES = 4  # token ids are stored as uint32
 Tokens = Sequence[int] | array
@@ -28,16 +28,18 @@ def token_array(tokens: Tokens) -> array:
     if isinstance(tokens, array) and tokens.typecode == "I":
         data = tokens
     elif isinstance(tokens, str | bytes | bytearray | memoryview):
-        raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__}")
+        raise InvalidTokens(
+            f"tokens must be a sequence of int token ids, got {type(tokens).__name__}"
+        )
     else:
         try:
             data = array("I", tokens)
         except TypeError as exc:
-            raise TypeError(f"tokens must be a sequence of int token ids: {exc}") from None
+            raise InvalidTokens(f"tokens must be a sequence of int token ids: {exc}") from None
         except OverflowError:
-            raise ValueError("token ids must lie in 0..4294967295") from None
+            raise InvalidRequest("token ids must lie in 0..4294967295") from None
     if not data:
-        raise ValueError("tokens must not be empty")
+        raise InvalidRequest("tokens must not be empty")
     return data
 
 
@@ -92,9 +94,9 @@ class RadixTree:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+            raise InvalidRequest(f"page_size must be a positive int, got {page_size!r}")
         if slots_per_page < 0:
-            raise ValueError(f"slots_per_page must be >= 0, got {slots_per_page}")
+            raise InvalidRequest(f"slots_per_page must be >= 0, got {slots_per_page}")
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.stride = slots_per_page
@@ -109,33 +111,38 @@ class RadixTree:
     def num_pages(self) -> int:
         return self.evictable_pages + self.protected_pages
 
-    def match(self, tokens: Tokens, ttl: float | None = None) -> Match:
-        """Longest cached page-aligned prefix; splits the last node so `node` ends exactly there.
+    def match(self, tokens: Tokens, ttl: float | None = None, split: bool = False) -> Match:
+        """Longest cached page-aligned prefix of `tokens`.
 
-        With `ttl`, holders not confirmed within the last `ttl` seconds are ignored.
+        With `split`, a match ending inside an edge splits it so that `node` ends exactly at
+        the match (needed to `lock` it); without, the tree is left as it is and `node` is the
+        deepest node the match covers whole. With `ttl`, holders not confirmed within the
+        last `ttl` seconds are ignored.
         """
         key = self._page_key(tokens)
         now = self.clock()
         cutoff = None if ttl is None else now - ttl
-        node, pos = self._descend(key, split=True, now=now)
-        value = array("Q")
-        holder_tokens: dict[Hashable, int] = {}
+        end, pos = self._descend(key, split=split, now=now)
         path = []
-        walk = node
+        walk = end
         while walk is not self.root:
             path.append(walk)
             walk = walk.parent  # type: ignore[assignment]
+        path.reverse()
+        value = array("Q")
+        holder_tokens: dict[Hashable, int] = {}
         depth = 0
-        for step in reversed(path):
-            depth += len(step.key)
+        for step in path:
+            depth = min(depth + len(step.key), pos)  # the last step may be covered in part
             if step.value is not None:
-                value.extend(step.value)
+                value.extend(step.value[: depth // self.page_bytes * self.stride - len(value)])
             if step.holders:
                 tokens_here = depth // TOKEN_BYTES
                 for holder, seen in step.holders.items():
                     if cutoff is None or seen >= cutoff:
                         holder_tokens[holder] = tokens_here
-        return Match(pos // TOKEN_BYTES, value, node, holder_tokens)
+        node = path[-1].parent if path and depth < self._depth(path[-1]) else end
+        return Match(pos // TOKEN_BYTES, value, node or self.root, holder_tokens)
 
     def insert(
         self,
@@ -238,7 +245,7 @@ class RadixTree:
         walk = node
         while walk is not self.root:
             if walk.lock_ref <= 0:
-                raise ValueError("unlock of a node that is not locked")
+                raise InvalidRequest("unlock of a node that is not locked")
             walk = walk.parent  # type: ignore[assignment]
         while node is not self.root:
             node.lock_ref -= 1
@@ -331,12 +338,12 @@ class RadixTree:
     def _check_value(self, value: Sequence[int] | array | None, pages: int) -> array | None:
         if self.stride == 0:
             if value is not None:
-                raise ValueError("this tree stores no values (slots_per_page=0)")
+                raise InvalidRequest("this tree stores no values (slots_per_page=0)")
             return None
         if value is None:
-            raise ValueError("insert needs one address list entry per page slot")
+            raise InvalidRequest("insert needs one address list entry per page slot")
         if len(value) != pages * self.stride:
-            raise ValueError(
+            raise InvalidRequest(
                 f"expected {pages * self.stride} addresses for {pages} whole pages "
                 f"({self.stride} per page), got {len(value)}"
             )
@@ -345,7 +352,7 @@ class RadixTree:
         try:
             return array("Q", value)
         except (TypeError, OverflowError) as exc:
-            raise TypeError(f"addresses must be 64-bit unsigned ints: {exc}") from None
+            raise InvalidTokens(f"addresses must be 64-bit unsigned ints: {exc}") from None
 
     def _descend(self, key: bytes, split: bool, now: float | None) -> tuple[TreeNode, int]:
         """Walk `key` down; returns the deepest fully matched node and the bytes matched.
@@ -370,11 +377,15 @@ class RadixTree:
 
     def _ends_inside(self, node: TreeNode, pos: int) -> bool:
         """True when `pos` (a non-split descent's end) falls inside `node`'s edge."""
-        depth, walk = 0, node
-        while walk is not self.root:
-            depth += len(walk.key)
-            walk = walk.parent  # type: ignore[assignment]
-        return pos < depth
+        return pos < self._depth(node)
+
+    def _depth(self, node: TreeNode) -> int:
+        """Key bytes from the root to the end of `node`."""
+        depth = 0
+        while node is not self.root:
+            depth += len(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return depth
 
     def _common_pages(self, edge: bytes, key: bytes, pos: int) -> int:
         """Whole pages `edge` shares with key[pos:] (at least 1: the first page matched)."""

@@ -15,6 +15,7 @@ from mempool import (
     InvalidRequest,
     KVBlockSpec,
     MemPool,
+    MemPoolError,
     MemType,
     OutOfBlocks,
     decode,
@@ -297,3 +298,33 @@ def test_no_block_leaks_under_random_use(ops: list[tuple[str, int]]) -> None:
         pool.release(match)
     pool.flush()
     assert free_counts(pool) == {"host": 64}
+
+
+def test_insert_refuses_one_block_for_two_pages(pool: MemPool) -> None:
+    (block,) = pool.alloc_blocks(1)
+    with pytest.raises(InvalidRequest, match="same block for two pages"):
+        pool.insert(list(range(8)), [block, block])
+    assert pool.stats()["cached_tokens"] == 0
+    pool.free_mem([block])
+    assert free_counts(pool) == {"host": 32, "device": 16}
+
+
+def test_every_refusal_is_a_mempool_error(pool: MemPool) -> None:
+    for call in (
+        lambda: pool.insert(["x"] * 8, pool.alloc_blocks(2)),
+        lambda: pool.match([]),
+        lambda: pool.insert(list(range(8)), pool.alloc_blocks(1)),
+    ):
+        with pytest.raises(MemPoolError):
+            call()
+
+
+def test_close_with_live_views_is_refused_and_pool_stays_usable() -> None:
+    pool = MemPool(0, SPEC, host_blocks=4)
+    (block,) = pool.alloc_blocks(1)
+    view = pool.view_block(block)
+    with pytest.raises(MemPoolError, match="views"):
+        pool.close()
+    pool.write_block(block, bytes(pool.block_size))
+    view.release()
+    pool.close()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mempool.errors import BlockInUse
+from mempool.errors import BlockInUse, InvalidRequest
 from mempool.radix import RadixTree
 
 PAGE = 2
@@ -141,7 +141,7 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def lock(self, data: st.DataObject) -> None:
         tokens = self.draw_tokens(data)
-        found = self.tree.match(tokens)
+        found = self.tree.match(tokens, split=True)  # a lock needs the node to end at the match
         if found.num_tokens:
             self.tree.lock(found.node)
             self.locks.append((found.node, tokens[: found.num_tokens]))
@@ -221,7 +221,7 @@ def test_eviction_is_lru_and_spares_locked() -> None:
     tree.insert([3, 4], [3, 4])
     tree.insert([5, 6], [5, 6])
     tree.match([1, 2])  # now [3, 4] is the least recently used
-    held = tree.match([5, 6])
+    held = tree.match([5, 6], split=True)
     tree.lock(held.node)
     count, removed = tree.evict(2)
     assert count == 2 and removed.tolist() == [3, 4]
@@ -238,7 +238,7 @@ def test_delete_keeps_shared_prefix_and_refuses_locked() -> None:
     tree.insert([1, 2, 9], [1, 2, 9])
     assert tree.delete([1, 2, 3]).tolist() == [3]
     assert tree.match([1, 2, 9]).num_tokens == 3
-    held = tree.match([1, 2, 9])
+    held = tree.match([1, 2, 9], split=True)
     tree.lock(held.node)
     with pytest.raises(BlockInUse):
         tree.delete([1, 2, 9])
@@ -252,7 +252,7 @@ def test_unlock_without_lock_raises_and_changes_nothing() -> None:
     tree = RadixTree(page_size=1, slots_per_page=1)
     tree.insert([1, 2], [1, 2])
     node = tree.match([1, 2]).node
-    with pytest.raises(ValueError, match="not locked"):
+    with pytest.raises(InvalidRequest, match="not locked"):
         tree.unlock(node)
     assert tree.evictable_pages == 2
 
@@ -333,3 +333,22 @@ def test_remove_holder_after_feedback_and_death() -> None:
     tree.remove_holder("b")
     assert tree.match([1, 2, 3, 4, 5]).holder_tokens == {"a": 2}
     assert tree.num_pages == 2
+
+
+def test_match_without_split_leaves_the_tree_alone() -> None:
+    """Partial hits must not fragment the tree: a router matches every request."""
+    tree = RadixTree(page_size=2, slots_per_page=1)
+    tree.insert(list(range(16)), list(range(8)))
+    for cut in range(2, 16, 2):
+        found = tree.match(list(range(cut)) + [99, 99])
+        assert found.value.tolist() == list(range(cut // 2))
+        assert found.node is tree.root  # the only node is covered in part
+    assert len(list(tree._nodes())) == 1
+    exact = tree.match(list(range(6)), split=True)
+    assert len(list(tree._nodes())) == 2 and len(exact.node.key) == 6 * 4
+
+
+def test_holders_of_a_partly_covered_node_count_only_the_covered_pages() -> None:
+    tree = RadixTree(page_size=2, slots_per_page=0)
+    tree.insert([1, 2, 3, 4, 5, 6], holder="a")
+    assert tree.match([1, 2, 3, 4, 9, 9]).holder_tokens == {"a": 4}

@@ -1,0 +1,118 @@
+"""The MemPool micro-benchmark runs end to end in quick mode and writes sane result files.
+
+Only the shape and sanity of the results are checked: timings on shared machines are too
+noisy for thresholds, so targets are reported by the benchmark, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NAME = "mempool_micro"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+POSITIVE_FLOATS = (
+    "alloc_ns_per_block",
+    "free_ns_per_block",
+    "alloc_p50_us",
+    "free_p50_us",
+    "insert_4k_us",
+    "match_4k_us",
+    "match_4k_partial_us",
+    "aggregate_calls_ratio",
+    "index_rss_mib_per_million_tokens",
+    "index_tracemalloc_mib_per_million_tokens",
+    "memory_tokens_measured",
+)
+TARGETS = (
+    "alloc_ns_per_block",
+    "insert_4k_us",
+    "match_4k_us",
+    "index_rss_mib_per_million_tokens",
+    "aggregate_calls_ratio",
+)
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run the quick benchmark once for every check in this module."""
+    out = tmp_path_factory.mktemp("mempool_micro")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mempool_micro", "--out", str(out), "--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def figures(out_dir: Path) -> dict[str, Any]:
+    return json.loads((out_dir / f"{NAME}.json").read_text())
+
+
+def test_output_files_exist(out_dir: Path) -> None:
+    for suffix in ("json", "md", "png"):
+        path = out_dir / f"{NAME}.{suffix}"
+        assert path.is_file() and path.stat().st_size > 0, path
+
+
+@pytest.mark.parametrize("key", POSITIVE_FLOATS)
+def test_figure_is_positive_finite_float(figures: dict[str, Any], key: str) -> None:
+    value = figures[key]
+    assert isinstance(value, float) and not isinstance(value, bool), (key, value)
+    assert math.isfinite(value) and value > 0, (key, value)
+
+
+def test_aggregate_calls_ratio_is_two_per_layer(figures: dict[str, Any]) -> None:
+    assert isinstance(figures["layers"], int) and figures["layers"] > 0
+    assert figures["aggregate_calls_ratio"] == 2 * figures["layers"]
+
+
+def test_layout_roundtrip_is_exact(figures: dict[str, Any]) -> None:
+    assert figures["layout_roundtrip_exact"] is True
+
+
+def test_quick_mode_scales_memory_from_fewer_tokens(figures: dict[str, Any]) -> None:
+    assert figures["mode"] == "quick"
+    assert figures["memory_tokens_measured"] >= 200_000
+    assert figures["preload_cached_tokens"] >= 100_000
+
+
+def test_targets_and_memserve_ratios_reported(figures: dict[str, Any]) -> None:
+    targets = figures["targets"]
+    for name in TARGETS:
+        assert isinstance(targets[name]["met"], bool), name
+        assert targets[name]["value"] == figures[name], name
+    published = targets["memserve_published"]
+    assert published["alloc_ns_per_block"] == 800
+    assert published["insert_4k_us_max"] == 700
+    for name in ("alloc", "insert"):
+        ratio = figures["memserve_ratio"][name]
+        assert isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0, name
+
+
+def test_curves_cover_the_sweeps(figures: dict[str, Any]) -> None:
+    assert [p["blocks"] for p in figures["alloc_curve"]] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    tokens = [p["tokens"] for p in figures["index_curve"]]
+    assert tokens == [256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def test_markdown_has_a_row_per_figure(out_dir: Path, figures: dict[str, Any]) -> None:
+    lines = (out_dir / f"{NAME}.md").read_text().splitlines()
+    assert "| name | value | unit | target | met |" in lines
+    for name in (*POSITIVE_FLOATS, "layers", "layout_roundtrip_exact"):
+        assert any(line.startswith(f"| {name} |") for line in lines), name
+
+
+def test_plot_is_a_png(out_dir: Path) -> None:
+    assert (out_dir / f"{NAME}.png").read_bytes().startswith(PNG_MAGIC)
