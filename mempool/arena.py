@@ -16,6 +16,7 @@ from mempool.errors import MemPoolError
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 HugePages = Literal["auto", "off", "require"]
 
 
@@ -37,6 +38,7 @@ class HostArena:
     block_size: int
     huge_pages: HugePages = "auto"
     emulated_device: bool = False
+    reserve: bool = True
     backing: str = field(init=False, default="pages")
     mem_type: MemType = field(init=False, default=MemType.HOST)
 
@@ -55,6 +57,8 @@ class HostArena:
 
     def _map_region(self) -> mmap.mmap:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if not self.reserve:
+            flags |= _MAP_NORESERVE
         if self.huge_pages != "off":
             try:
                 region = mmap.mmap(
@@ -164,11 +168,15 @@ Arena = HostArena | CudaArena
 
 
 def make_arena(
-    mem_type: MemType, num_blocks: int, block_size: int, huge_pages: HugePages = "auto"
+    mem_type: MemType,
+    num_blocks: int,
+    block_size: int,
+    huge_pages: HugePages = "auto",
+    reserve: bool = True,
 ) -> Arena:
     """Host tier: mmap. Device tier: CUDA when present, else the emulated host stand-in."""
     if mem_type is MemType.HOST:
-        return HostArena(num_blocks, block_size, huge_pages)
+        return HostArena(num_blocks, block_size, huge_pages, reserve=reserve)
     if cuda_available():
         return CudaArena(num_blocks, block_size)
     return HostArena(num_blocks, block_size, huge_pages="off", emulated_device=True)

@@ -40,7 +40,11 @@ class PrefixMatch:
 
 
 class MemPool:
-    """Blocks on the host tier (and a device tier when asked) plus the radix index over them."""
+    """Blocks on the host tier (and a device tier when asked) plus the radix index over them.
+
+    `reserve=False` maps the host arena with MAP_NORESERVE: capacity is virtual until blocks
+    are written, so many simulated instances can model GPU-sized caches on one machine.
+    """
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class MemPool:
         layout: Layout | str = Layout.AGGREGATED,
         huge_pages: HugePages = "auto",
         clock: Callable[[], float] = time.monotonic,
+        reserve: bool = True,
     ) -> None:
         self.instance_id = instance_id
         self.spec = spec
@@ -61,7 +66,9 @@ class MemPool:
         self.allocators: dict[MemType, BlockAllocator] = {}
         for mem_type, count in ((MemType.HOST, host_blocks), (MemType.DEVICE, device_blocks)):
             if count:
-                self.arenas[mem_type] = make_arena(mem_type, count, self.block_size, huge_pages)
+                self.arenas[mem_type] = make_arena(
+                    mem_type, count, self.block_size, huge_pages, reserve
+                )
                 self.allocators[mem_type] = BlockAllocator(instance_id, mem_type, count)
         if not self.allocators:
             raise InvalidRequest("a MemPool needs host_blocks or device_blocks > 0")
@@ -167,26 +174,25 @@ class MemPool:
             target.locked = False
         self.index.unlock(target.node)
 
-    def delete(self, tokens: Tokens) -> int:
-        """Drop the cached pages only this prompt uses; returns the blocks freed."""
-        removed = self.index.delete(tokens)
-        self._release_indexed(removed)
-        return len(removed)
+    def delete(self, tokens: Tokens) -> list[int]:
+        """Drop the cached pages only this prompt uses; returns the freed block addresses."""
+        return self._release_indexed(self.index.delete(tokens))
 
-    def evict(self, num_blocks: int) -> int:
-        """Free at least `num_blocks` historical blocks, least recently used first."""
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free at least `num_blocks` historical blocks, least recently used first.
+
+        Returns the freed addresses (fewer than asked when the rest is locked), so a caller
+        that publishes cache events can say which pages went.
+        """
         pages = -(-num_blocks // self.blocks_per_page)
         _, removed = self.index.evict(pages)
-        self._release_indexed(removed)
-        return len(removed)
+        return self._release_indexed(removed)
 
-    def flush(self) -> int:
+    def flush(self) -> list[int]:
         """Drop the whole index; refused while a running request holds a lock."""
         if self.index.protected_pages:
             raise BlockInUse(f"{self.index.protected_pages} pages are locked by running requests")
-        removed = self.index.reset()
-        self._release_indexed(removed)
-        return len(removed)
+        return self._release_indexed(self.index.reset())
 
     # ----------------------------------------------------------------- tiers
 
@@ -312,11 +318,12 @@ class MemPool:
             return f"address {addr:#x} belongs to instance {inst}, not {self.instance_id}"
         return f"address {addr:#x} names the {mem_type.name.lower()} tier, which this pool lacks"
 
-    def _release_indexed(self, removed: array) -> None:
-        if removed:
-            blocks = removed.tolist()
+    def _release_indexed(self, removed: array) -> list[int]:
+        blocks = removed.tolist()
+        if blocks:
             self._indexed.difference_update(blocks)
             self._free_blocks(blocks)
+        return blocks
 
     def _check_reinsert(self, tokens: Tokens, addrs: list[int], clash: set[int]) -> None:
         """Indexed blocks may only be given again for the very pages that hold them."""

@@ -1,0 +1,47 @@
+"""The model step behind the scheduler: a real tiny model (`hf`) or a latency model (`sim`).
+
+The scheduler owns MemPool and batching; a backend only computes. Per step it prefills the
+new sequences (their prompt after the cached prefix) and decodes one token for each running
+sequence, appending the next token id to `seq.output_ids`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from connector.worker.sequence import Sequence
+from mempool import KVBlockSpec, MemPool
+
+
+class Backend(ABC):
+    """What the scheduler needs from a model."""
+
+    name: str
+    spec: KVBlockSpec  # shape of one KV page, as stored in MemPool blocks
+    eos_token_ids: list[int]
+    context_length: int
+
+    def attach(self, pool: MemPool) -> None:
+        """Called once with the worker's MemPool (backends read and write its blocks)."""
+        self.pool = pool
+
+    @abstractmethod
+    async def step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
+        """Run one engine step; append one new token to each sequence's output_ids.
+
+        For a prefill, `seq.cached_tokens` tokens are already in `seq.prefix.addrs` blocks
+        (aggregated layout, one block per page): load them instead of recomputing.
+        """
+
+    @abstractmethod
+    def store_pages(self, seq: Sequence, first_page: int, addrs: list[int]) -> None:
+        """Write the KV of pages first_page.. of seq.all_ids into `addrs` (one block a page)."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forget per-sequence state (finished or aborted)."""
+        seq.backend_state = None
+
+    def info(self) -> dict[str, Any]:
+        """What /get_server_info reports about the backend (model, latency parameters)."""
+        return {"backend": self.name}

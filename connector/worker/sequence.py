@@ -1,0 +1,61 @@
+"""One request's state inside the worker, shared by the scheduler and the model backends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mempool import PrefixMatch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """SGLang's sampling parameters that this worker honours (names as SGLang spells them)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request from admission to finish.
+
+    Token positions: `prompt_ids` then `output_ids`. The first `cached_tokens` prompt tokens
+    were served from MemPool (`prefix` holds their locked blocks); `blocks` are the blocks
+    this request owns for the pages after them, grown as it decodes.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    prefix: PrefixMatch | None = None
+    blocks: list[int] = field(default_factory=list)
+    backend_state: Any = None  # owned by the backend (e.g. a transformers DynamicCache)
+    finish_reason: dict[str, Any] | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    prefilled: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV exists: the prompt and every output token but the last (unfed)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
