@@ -1,1 +1,1 @@
-"""An SGLang-compatible CPU worker whose KV cache lives in MemPool (`python -m connector.worker`)."""
+"""SGLang-compatible CPU worker whose KV cache lives in MemPool: `python -m connector.worker`."""

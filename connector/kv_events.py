@@ -1,0 +1,179 @@
+"""KV cache events in SGLang's wire format, so routers can learn an engine's exact cache.
+
+ZMQ PUB multipart frames (topic, 8-byte big-endian sequence number, msgpack payload); the
+payload is a KVEventBatch(ts, events) of array-like tagged structs BlockStored, BlockRemoved
+and AllBlocksCleared, as SGLang and vLLM publish them. An optional ROUTER socket replays
+buffered batches from a requested sequence number, ending with sequence -1.
+Block hashes chain SHA-256 over (parent hash, page tokens), folded to a signed int64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged union."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def page_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
+    """Chained hashes of every whole page of `tokens` (equal prefixes give equal hashes)."""
+    hashes: list[int] = []
+    parent = b""
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = tokens[start : start + page_size]
+        digest = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in page)).digest()
+        parent = digest
+        hashes.append(int.from_bytes(digest[:8], "big", signed=True))
+    return hashes
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """SGLang's --kv-events-config JSON: publisher, endpoint, replay_endpoint, topic, ..."""
+
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = set(cls.__dataclass_fields__) | {"max_queue_size"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {sorted(unknown)}")
+        raw.pop("max_queue_size", None)
+        config = cls(**raw)
+        if config.publisher not in {"null", "zmq"}:
+            raise ValueError(f"--kv-events-config: unknown publisher {config.publisher!r}")
+        return config
+
+
+class KVEventPublisher:
+    """Publishes one batch per engine step (nothing when the step changed no cache state)."""
+
+    def __init__(self, config: KVEventsConfig, page_size: int) -> None:
+        self.page_size = page_size
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._bind_or_connect(self._pub, config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(config.replay_endpoint)
+        self._pending: list[Any] = []
+
+    @staticmethod
+    def _bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
+        # As SGLang: a wildcard or local transport binds, a concrete address connects.
+        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+
+    def stored(self, tokens: Sequence[int], first_page: int, num_pages: int) -> None:
+        """Pages first_page.. of `tokens` entered the cache."""
+        if num_pages <= 0:
+            return
+        hashes = page_hashes(tokens[: (first_page + num_pages) * self.page_size], self.page_size)
+        ps = self.page_size
+        self._pending.append(
+            BlockStored(
+                block_hashes=hashes[first_page:],
+                parent_block_hash=hashes[first_page - 1] if first_page else None,
+                token_ids=list(tokens[first_page * ps : (first_page + num_pages) * ps]),
+                block_size=ps,
+                lora_id=None,
+            )
+        )
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
+        if hashes:
+            self._pending.append(BlockRemoved(block_hashes=hashes))
+
+    def cleared(self) -> None:
+        self._pending.append(AllBlocksCleared())
+
+    def flush(self) -> None:
+        """Send what this step produced as one batch; serve replay requests."""
+        if self._replay is not None:
+            self._serve_replay()
+        if not self._pending:
+            return
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=self._pending))
+        self._pending = []
+        seq = self._seq
+        self._seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        while self._replay is not None and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in self._buffer:
+                if seq >= first:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+    def close(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Parse one published payload (for subscribers: routers and tests)."""
+    return msgspec.msgpack.decode(payload, type=KVEventBatch)

@@ -1,0 +1,186 @@
+"""`python -m connector.worker`: start one SGLang-compatible worker on MemPool.
+
+Flags keep SGLang's names where the meaning is the same (--model-path, --host, --port,
+--page-size, --max-running-requests, --max-prefill-tokens, --max-total-tokens,
+--disable-radix-cache, --kv-events-config, --disaggregation-mode, --served-model-name,
+--context-length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from connector.kv_events import KVEventPublisher, KVEventsConfig
+from connector.tokenizer import ChatTokenizer
+from connector.worker.backend import Backend
+from connector.worker.scheduler import Scheduler, SchedulerConfig
+from connector.worker.server import WorkerInfo, WorkerServer
+from mempool import MemPool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m connector.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--backend",
+        choices=["sim", "hf"],
+        default="sim",
+        help="sim: latency model; hf: the real tiny model on CPU",
+    )
+    p.add_argument(
+        "--model-path",
+        type=Path,
+        default=None,
+        help="HF model directory (default: SmolLM2-135M-Instruct, converted once)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV cache capacity in tokens (default: sim, what the modelled GPU holds; hf, 16384)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no context caching: every prompt is computed in full",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='SGLang JSON, e.g. \'{"publisher":"zmq","endpoint":"tcp://*:5557"}\'',
+    )
+    p.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default="null",
+        help="null: a colocated instance (SGLang's default)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="sim: multiply simulated GPU time (0: no sleeping)",
+    )
+    p.add_argument("--instance-id", type=int, default=0, help="MemPool instance id (0..65535)")
+    p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="accepted for SGLang compatibility; cached_tokens is always reported",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatTokenizer) -> Backend:
+    if args.backend == "hf":
+        from connector.worker.backend_hf import HFBackend  # torch only when asked for
+
+        return HFBackend(model_dir, page_size=args.page_size)
+    from connector.worker.backend_sim import SimBackend
+
+    return SimBackend(
+        tokenizer,
+        page_size=args.page_size,
+        time_scale=args.time_scale,
+        **({"context_length": args.context_length} if args.context_length else {}),
+    )
+
+
+def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
+    """Everything a worker is, from its arguments; raises SystemExit with a message on misuse."""
+    if args.disaggregation_mode != "null":
+        raise SystemExit(
+            "--disaggregation-mode prefill|decode is not available yet "
+            "(it arrives with PD disaggregation); use null"
+        )
+    if args.page_size <= 0:
+        raise SystemExit("--page-size must be positive")
+    if args.model_path is None:
+        from connector.model_files import ensure_hf_model
+
+        model_dir = ensure_hf_model()
+    else:
+        model_dir = args.model_path
+    if not (model_dir / "tokenizer.json").exists():
+        raise SystemExit(f"--model-path {model_dir}: no tokenizer.json there")
+    tokenizer = ChatTokenizer(model_dir)
+    backend = make_backend(args, model_dir, tokenizer)
+    if args.context_length:
+        backend.context_length = args.context_length
+    if args.max_total_tokens is not None:
+        capacity = args.max_total_tokens
+    elif args.backend == "sim":
+        capacity = backend.latency.kv_capacity_tokens(args.page_size)  # type: ignore[attr-defined]
+    else:
+        capacity = 16384
+    blocks = max(capacity // args.page_size, 1)
+    simulated = args.backend == "sim"
+    pool = MemPool(
+        args.instance_id,
+        backend.spec,
+        host_blocks=blocks,
+        huge_pages="off" if simulated else "auto",
+        reserve=not simulated,
+    )
+    backend.attach(pool)
+    events = None
+    if args.kv_events_config:
+        try:
+            config = KVEventsConfig.parse(args.kv_events_config)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        if config.publisher == "zmq":
+            events = KVEventPublisher(config, args.page_size)
+    scheduler = Scheduler(
+        backend,
+        pool,
+        tokenizer,
+        SchedulerConfig(
+            max_running_requests=args.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            enable_cache=not args.disable_radix_cache,
+        ),
+        events,
+    )
+    server_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    server_args["model_path"] = str(model_dir)
+    name = args.served_model_name or str(model_dir)
+    server = WorkerServer(scheduler, tokenizer, WorkerInfo(str(model_dir), name, server_args))
+    return server.app(), server_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    app, _ = build(args)
+    print(f"worker ({args.backend}) serving on http://{args.host}:{args.port}", flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""`sim` backend: the scheduler's real paths with the model step replaced by a latency model.
+
+Output tokens are deterministic pseudo-text of the requested length: token i of an answer
+depends only on the prompt's last page and i, so reruns and multi-turn replays agree. KV
+blocks have the real size of the modelled model's pages; each stored page is stamped with
+its page hash (first 8 bytes) instead of being filled, so transfers move real volumes while
+many simulated instances share one small machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+from connector.kv_events import page_hashes
+from connector.tokenizer import ChatTokenizer
+from connector.worker.backend import Backend
+from connector.worker.latency_model import LatencyModel
+from connector.worker.sequence import Sequence
+
+
+def _word_tokens(tokenizer: ChatTokenizer, limit: int = 512) -> list[int]:
+    """Token ids that decode to a plain lower-case word with a leading space."""
+    words = []
+    for token_id in range(min(tokenizer.vocab_size, 20000)):
+        piece = tokenizer.id_to_token(token_id) or ""
+        if piece.startswith("Ġ") and piece[1:].isalpha() and piece[1:].islower() and len(piece) > 3:
+            words.append(token_id)
+            if len(words) == limit:
+                break
+    return words or list(range(1000, 1000 + limit))
+
+
+class SimBackend(Backend):
+    name = "sim"
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        page_size: int = 16,
+        time_scale: float = 1.0,
+        model: LatencyModel | None = None,
+        context_length: int = 131072,
+    ) -> None:
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.latency = model or LatencyModel()
+        self.spec = self.latency.kv_spec(page_size)
+        self.time_scale = time_scale
+        self.context_length = context_length
+        self.eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self._words = _word_tokens(tokenizer)
+        self.simulated_busy_s = 0.0
+
+    def _next_token(self, seq: Sequence) -> int:
+        tail = seq.prompt_ids[-self.spec.page_size :]
+        seed = hashlib.blake2b(repr((tail, len(seq.output_ids))).encode(), digest_size=8).digest()
+        return self._words[int.from_bytes(seed, "big") % len(self._words)]
+
+    async def step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
+        work = [(len(s.prompt_ids) - s.cached_tokens, s.cached_tokens) for s in prefills]
+        context = sum(s.num_computed for s in decodes)
+        seconds = self.latency.step_s(work, len(decodes), context)
+        self.simulated_busy_s += seconds
+        if seconds and self.time_scale:
+            await asyncio.sleep(seconds * self.time_scale)
+        for seq in (*prefills, *decodes):
+            seq.output_ids.append(self._next_token(seq))
+
+    def store_pages(self, seq: Sequence, first_page: int, addrs: list[int]) -> None:
+        ps = self.spec.page_size
+        last = first_page + len(addrs)
+        if last * ps > seq.num_computed:
+            raise ValueError(f"page {last - 1} has no KV yet ({seq.num_computed} tokens computed)")
+        hashes = page_hashes(seq.all_ids[: last * ps], ps)
+        for addr, page_hash in zip(addrs, hashes[first_page:], strict=True):
+            self.pool.view_block(addr)[:8] = page_hash.to_bytes(8, "big", signed=True)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "time_scale": self.time_scale,
+            "latency_model": self.latency.describe(),
+            "simulated_busy_s": round(self.simulated_busy_s, 6),
+        }

@@ -1,0 +1,66 @@
+"""The sim backend's latency model: one GPU and model, every parameter in one place.
+
+Modelled: Llama-3.1-8B-Instruct (32 layers, 8 KV heads x 128, bf16) on one H100 SXM 80 GB.
+The parameters are derived from the H100's published peak figures (989 TFLOPS dense bf16,
+3.35 TB/s HBM3) at the efficiencies serving engines measure on it, not fitted to one trace:
+- prefill is compute-bound: 2 FLOPs x 8.0 B parameters per token at ~40 % MFU gives about
+  40 us per token (25K tokens/s); attention adds 4 x layers x hidden = 0.52 MFLOP per (new
+  token, context token) pair at the same efficiency;
+- a decode step is memory-bound: reading 16 GB of weights at ~70 % of 3.35 TB/s is 6.8 ms,
+  plus each sequence's KV (128 KiB per token) read once per step;
+- a fixed per-step cost for scheduling and kernel launches.
+The model is a model: /get_server_info and every benchmark print these parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mempool import KVBlockSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    gpu: str = "H100-SXM-80GB"
+    model: str = "Llama-3.1-8B-Instruct"
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    weights_bytes: float = 16.06e9
+    hbm_bytes: float = 80e9
+    step_overhead_s: float = 0.0015
+    prefill_per_token_s: float = 4.0e-5
+    prefill_per_token_pair_s: float = 1.3e-12
+    decode_weights_s: float = 6.8e-3
+    decode_per_context_token_s: float = 5.6e-8
+
+    def kv_spec(self, page_size: int) -> KVBlockSpec:
+        return KVBlockSpec(self.layers, self.kv_heads, self.head_dim, self.dtype, page_size)
+
+    def kv_capacity_tokens(self, page_size: int, memory_fraction: float = 0.9) -> int:
+        """Tokens of KV an instance holds: HBM x fraction minus weights, as SGLang sizes it."""
+        free = self.hbm_bytes * memory_fraction - self.weights_bytes
+        return int(free // self.kv_spec(page_size).bytes_per_token)
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Computing `new_tokens` after `cached_tokens` of reused context."""
+        pairs = new_tokens * (cached_tokens + new_tokens / 2)
+        return new_tokens * self.prefill_per_token_s + pairs * self.prefill_per_token_pair_s
+
+    def decode_s(self, batch: int, context_tokens: int) -> float:
+        """One decode step for `batch` sequences holding `context_tokens` in all."""
+        if batch == 0:
+            return 0.0
+        return self.decode_weights_s + context_tokens * self.decode_per_context_token_s
+
+    def step_s(self, prefills: list[tuple[int, int]], decode_batch: int, decode_ctx: int) -> float:
+        """One engine step: the prefills (new, cached) and one decode token per running seq."""
+        work = sum(self.prefill_s(n, c) for n, c in prefills) + self.decode_s(
+            decode_batch, decode_ctx
+        )
+        return self.step_overhead_s + work if work else 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,485 @@
+"""The worker's HTTP surface, as an SGLang server serves it (native and OpenAI-compatible).
+
+Bad input gets HTTP 400 with a JSON body `{"object": "error", "message", "type", "code"}` and
+the worker keeps serving; a client that disconnects mid-stream has its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from connector.tokenizer import ChatTokenizer, IncrementalDecoder
+from connector.worker.protocol import (
+    BadRequest,
+    GenerateInput,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_sampling,
+)
+from connector.worker.scheduler import DONE, Scheduler
+from connector.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+@dataclass
+class WorkerInfo:
+    """What /get_model_info, /get_server_info and /v1/models report."""
+
+    model_path: str
+    served_model_name: str
+    server_args: dict[str, Any]
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def errors_as_json(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every refusal is JSON; nothing a client sends makes the worker answer 500 or crash."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(400, str(exc))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.status, exc.reason, type(exc).__name__)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("unexpected error on %s", request.path)
+        return error_response(500, f"internal error: {exc}", "InternalServerError")
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def trimmed_text(tokenizer: ChatTokenizer, seq: Sequence) -> str:
+    """The output text; a matched stop string and what follows it are cut, as SGLang does."""
+    text = tokenizer.decode(seq.output_ids)
+    reason = seq.finish_reason or {}
+    matched = reason.get("matched")
+    if reason.get("type") == "stop" and isinstance(matched, str) and matched in text:
+        text = text[: text.index(matched)]
+    return text
+
+
+class WorkerMetrics:
+    """Prometheus metrics under SGLang's names, read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.scheduler = scheduler
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            registry=self.registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        scheduler.on_first_token = self.ttft.labels(model_name).observe
+        scheduler.on_finish = self.e2e.labels(model_name).observe
+        self.registry.register(self)
+
+    def collect(self):  # prometheus_client custom collector protocol
+        s, stats = self.scheduler, self.scheduler.stats
+        labels = [self.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        tiers = s.pool.stats()["tiers"].values()
+        used = sum(t["used"] for t in tiers)
+        total = sum(t["blocks"] for t in tiers)
+        yield counter("sglang:num_requests", "Requests admitted", stats.requests)
+        yield counter("sglang:prompt_tokens", "Prompt tokens", stats.prompt_tokens)
+        yield counter("sglang:generation_tokens", "Generated tokens", stats.generation_tokens)
+        yield counter(
+            "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
+        )
+        yield counter("sglang:num_aborted_requests", "Aborted requests", stats.aborted)
+        yield counter("memserve:evicted_blocks", "KV blocks evicted", stats.evicted_blocks)
+        yield gauge("sglang:num_running_reqs", "Running requests", len(s.running))
+        yield gauge("sglang:num_queue_reqs", "Waiting requests", len(s.waiting))
+        yield gauge("sglang:token_usage", "Fraction of KV blocks in use", used / max(total, 1))
+        hit = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+        yield gauge("sglang:cache_hit_rate", "Cached / prompt tokens so far", hit)
+
+
+class WorkerServer:
+    """Routes of one worker; `app()` builds the aiohttp application."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: ChatTokenizer, info: WorkerInfo) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = WorkerMetrics(scheduler, info.served_model_name)
+
+    def app(self, max_body: int = 512 * 1024 * 1024) -> web.Application:
+        app = web.Application(middlewares=[errors_as_json], client_max_size=max_body)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_load", self.loads)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/metrics", self.metrics_text)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.scheduler.start()
+
+    async def _stop(self, app: web.Application) -> None:
+        await self.scheduler.stop()
+        if self.scheduler.events is not None:
+            self.scheduler.events.close()
+
+    # ----------------------------------------------------------------- generation
+
+    def _meta(self, seq: Sequence, finished: bool) -> dict[str, Any]:
+        return {
+            "id": seq.rid,
+            "finish_reason": seq.finish_reason if finished else None,
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": seq.cached_tokens,
+            "e2e_latency": time.perf_counter() - seq.arrival,
+        }
+
+    async def _run(self, gen: GenerateInput) -> Sequence:
+        """Submit and wait for the finish (non-streaming)."""
+        seq = self.scheduler.submit(gen)
+        try:
+            while await seq.events.get() != DONE:
+                pass
+        except asyncio.CancelledError:
+            self.scheduler.abort(seq)
+            raise
+        return seq
+
+    async def _stream(
+        self,
+        request: web.Request,
+        gen: GenerateInput,
+        chunk: Callable[[Sequence, str, bool], list[dict[str, Any]]],
+    ) -> web.StreamResponse:
+        """SSE: one event per step with the text delta, then the final chunk and [DONE]."""
+        seq = self.scheduler.submit(gen)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        decoder = IncrementalDecoder(self.tokenizer)
+        try:
+            await response.prepare(request)
+            finished = False
+            while not finished:
+                finished = await seq.events.get() == DONE
+                while not finished and not seq.events.empty():  # coalesce steps we fell behind
+                    finished = seq.events.get_nowait() == DONE
+                if finished:
+                    delta = decoder.finish(trimmed_text(self.tokenizer, seq))
+                else:
+                    delta = decoder.update(seq.output_ids)
+                for body in chunk(seq, delta, finished):
+                    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.scheduler.abort(seq)
+            raise
+        return response
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        gen = parse_generate(await read_json(request), self.tokenizer)
+        if gen.stream:
+
+            def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
+                text = (
+                    trimmed_text(self.tokenizer, seq)
+                    if finished
+                    else self.tokenizer.decode(seq.output_ids)
+                )
+                return [
+                    {
+                        "text": text,
+                        "output_ids": list(seq.output_ids),
+                        "meta_info": self._meta(seq, finished),
+                    }
+                ]
+
+            return await self._stream(request, gen, chunk)
+        seq = await self._run(gen)
+        return web.json_response(
+            {
+                "text": trimmed_text(self.tokenizer, seq),
+                "output_ids": seq.output_ids,
+                "meta_info": self._meta(seq, True),
+            }
+        )
+
+    @staticmethod
+    def _openai_finish(seq: Sequence) -> str | None:
+        reason = (seq.finish_reason or {}).get("type")
+        return {"stop": "stop", "length": "length"}.get(reason, reason)
+
+    def _usage(self, seq: Sequence) -> dict[str, Any]:
+        prompt, completion = len(seq.prompt_ids), len(seq.output_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+        }
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        gen, include_usage = parse_chat(await read_json(request), self.tokenizer)
+        cid, created, model = f"chatcmpl-{gen.rid}", int(time.time()), self.info.served_model_name
+        base = {"id": cid, "created": created, "model": model}
+        if gen.stream:
+            started = False
+
+            def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
+                nonlocal started
+                out = []
+                message: dict[str, Any] = {"content": delta}
+                if not started:
+                    message["role"] = "assistant"
+                    started = True
+                finish = self._openai_finish(seq) if finished else None
+                if delta or finish or "role" in message:
+                    out.append(
+                        {
+                            **base,
+                            "object": "chat.completion.chunk",
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": message,
+                                    "logprobs": None,
+                                    "finish_reason": finish,
+                                }
+                            ],
+                        }
+                    )
+                if finished and include_usage:
+                    out.append(
+                        {
+                            **base,
+                            "object": "chat.completion.chunk",
+                            "choices": [],
+                            "usage": self._usage(seq),
+                        }
+                    )
+                return out
+
+            return await self._stream(request, gen, chunk)
+        seq = await self._run(gen)
+        return web.json_response(
+            {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": trimmed_text(self.tokenizer, seq),
+                        },
+                        "logprobs": None,
+                        "finish_reason": self._openai_finish(seq),
+                    }
+                ],
+                "usage": self._usage(seq),
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        gen, include_usage = parse_completion(await read_json(request), self.tokenizer)
+        base = {
+            "id": f"cmpl-{gen.rid}",
+            "created": int(time.time()),
+            "model": self.info.served_model_name,
+        }
+        if gen.stream:
+
+            def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
+                finish = self._openai_finish(seq) if finished else None
+                out = [
+                    {
+                        **base,
+                        "object": "text_completion",
+                        "choices": [
+                            {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+                        ],
+                    }
+                ]
+                if finished and include_usage:
+                    out.append(
+                        {
+                            **base,
+                            "object": "text_completion",
+                            "choices": [],
+                            "usage": self._usage(seq),
+                        }
+                    )
+                return out
+
+            return await self._stream(request, gen, chunk)
+        seq = await self._run(gen)
+        return web.json_response(
+            {
+                **base,
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": trimmed_text(self.tokenizer, seq),
+                        "logprobs": None,
+                        "finish_reason": self._openai_finish(seq),
+                    }
+                ],
+                "usage": self._usage(seq),
+            }
+        )
+
+    # ----------------------------------------------------------------- management
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.info.served_model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "sglang",
+                        "root": self.info.model_path,
+                        "max_model_len": self.scheduler.backend.context_length,
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Generate one token end to end; 503 if the engine cannot within 20 s."""
+        token = self.tokenizer.eos_token_id or 0
+        gen = GenerateInput(
+            [token], parse_sampling({"max_new_tokens": 1}), False, f"health-{uuid.uuid4().hex}"
+        )
+        try:
+            await asyncio.wait_for(self._run(gen), timeout=20)
+        except TimeoutError:
+            return error_response(503, "health generation timed out", "ServiceUnavailable")
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": self.info.model_path,
+                "tokenizer_path": str(self.tokenizer.path),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        pool = self.scheduler.pool
+        return web.json_response(
+            {
+                **self.info.server_args,
+                "version": f"memserve-worker {VERSION}",
+                "context_length": self.scheduler.backend.context_length,
+                "page_size": pool.spec.page_size,
+                "max_total_num_tokens": sum(a.num_blocks for a in pool.allocators.values())
+                * pool.spec.page_size,
+                "backend": self.scheduler.backend.info(),
+                "mempool": pool.stats(),
+                "internal_states": [self.scheduler.load()],
+            }
+        )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.scheduler.flush_cache():
+            return web.Response(text="Cache flushed.\n")
+        return web.Response(
+            status=400, text="Cache not flushed: requests are running or waiting.\n"
+        )
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response([self.scheduler.load()])
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4"},
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string")
+        ids = self.tokenizer.encode(prompt)
+        return web.json_response({"tokens": ids, "count": len(ids)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            raise BadRequest("'tokens' must be a list of token ids")
+        return web.json_response({"text": self.tokenizer.decode(tokens)})
