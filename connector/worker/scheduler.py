@@ -174,6 +174,7 @@ class Scheduler:
                 self._finish(seq, cache=self.config.enable_cache)
             if self.events is not None:
                 self.events.flush()
+            await asyncio.sleep(0)  # let HTTP handlers run between steps, even when steps are free
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
