@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="sim: multiply simulated GPU time (0: no sleeping)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="hf: torch threads (default: this process's CPU share, at most 4)",
+    )
     p.add_argument("--instance-id", type=int, default=0, help="MemPool instance id (0..65535)")
     p.add_argument(
         "--enable-cache-report",
@@ -92,7 +98,7 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
     if args.backend == "hf":
         from connector.worker.backend_hf import HFBackend  # torch only when asked for
 
-        return HFBackend(model_dir, page_size=args.page_size)
+        return HFBackend(model_dir, page_size=args.page_size, threads=args.threads)
     from connector.worker.backend_sim import SimBackend
 
     return SimBackend(

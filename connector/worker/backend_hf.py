@@ -47,9 +47,11 @@ class HFBackend(Backend):
     """SmolLM2-135M-Instruct via transformers, float32 on CPU.
 
     The scheduler batches at step granularity; within a step the forward passes run one
-    sequence at a time (per-sequence DynamicCaches, no padding), which on CPU costs little
-    next to a padded batch. All torch work runs on one dedicated thread so the event loop
-    stays responsive; sequences are only mutated back on the event loop's thread.
+    sequence at a time (per-sequence DynamicCaches: no padding, no masks, simple). That is
+    correct but not free: a decode is memory-bound (each token reads all ~540 MB of weights),
+    so one batched forward would serve several sequences for little more than one costs.
+    All torch work runs on one dedicated thread so the event loop stays responsive; the
+    sequences themselves are only mutated back on the event loop's thread.
     """
 
     name = "hf"
@@ -86,9 +88,11 @@ class HFBackend(Backend):
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         # One thread: torch calls stay serialised, and the set_num_threads applies to it too.
         self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="hf-backend", initializer=torch.set_num_threads,
+            1,
+            thread_name_prefix="hf-backend",
+            initializer=torch.set_num_threads,
             initargs=(self.threads,),
-        )  # fmt: skip
+        )
 
     def attach(self, pool: MemPool) -> None:
         """Refuse a pool whose blocks do not have this model's page shape."""
