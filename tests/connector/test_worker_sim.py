@@ -292,3 +292,75 @@ def test_prompt_longer_than_context_is_refused_and_worker_keeps_serving(worker) 
 def test_unknown_route_is_a_json_404(worker) -> None:
     status, body = call(worker.url + "/nope")
     assert status == 404 and body["code"] == 404
+
+
+def test_disconnected_stream_is_aborted_and_its_memory_freed(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    import http.client
+    import time
+
+    args = [
+        "--backend",
+        "sim",
+        "--model-path",
+        str(model_dir),
+        "--time-scale",
+        "1",
+        "--max-total-tokens",
+        "65536",
+    ]
+    with running("connector.worker", args, tmp_path) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request(
+            "POST",
+            "/generate",
+            body=json.dumps(
+                {
+                    "input_ids": prompt_ids(9, 40),
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 5000},
+                }
+            ),
+        )
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")  # it is generating
+        conn.close()  # the client goes away
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            load = call(server.url + "/get_load")[1][0]
+            if load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+                break
+            time.sleep(0.1)
+        assert load["num_reqs"] == 0, load
+        metrics = call(server.url + "/metrics")[1]
+        assert "sglang:num_aborted_requests_total{model_name=" in metrics
+        aborted = [
+            ln for ln in metrics.splitlines() if ln.startswith("sglang:num_aborted_requests_total")
+        ]
+        assert float(aborted[0].split()[-1]) == 1.0
+        # Its pages went back to the cache (historical, evictable), none stay held.
+        mempool = call(server.url + "/get_server_info")[1]["mempool"]
+        assert mempool["protected_pages"] == 0
+
+
+def test_request_outgrowing_the_cache_is_aborted_cleanly(model_dir: Path, tmp_path: Path) -> None:
+    args = [
+        "--backend",
+        "sim",
+        "--model-path",
+        str(model_dir),
+        "--time-scale",
+        "0",
+        "--max-total-tokens",
+        "64",
+    ]
+    with running("connector.worker", args, tmp_path) as server:
+        body = generate(server, prompt_ids(5, 40), max_new=100)
+        reason = body["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "KV cache" in reason["message"]
+        assert body["meta_info"]["completion_tokens"] < 100
+        # The instance is intact: a request that fits still runs.
+        assert generate(server, prompt_ids(6, 20), max_new=4)["meta_info"]["completion_tokens"] == 4
+        tiers = call(server.url + "/get_server_info")[1]["mempool"]["tiers"]
+        assert tiers["host"]["used"] <= 4
