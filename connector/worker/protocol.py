@@ -201,25 +201,26 @@ def parse_generate(body: Any, tokenizer: ChatTokenizer) -> GenerateInput:
     )
 
 
-def _openai_sampling(body: dict[str, Any], max_key_names: tuple[str, ...]) -> SamplingParams:
-    raw: dict[str, Any] = {}
-    for key in max_key_names:
-        if body.get(key) is not None:
-            raw["max_new_tokens"] = body[key]
-            break
-    for key in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "n",
-        "seed",
-    ):
-        if body.get(key) is not None:
-            raw[key] = body[key]
-    return parse_sampling(raw)
+def _openai_input(
+    body: dict[str, Any], input_ids: list[int], max_keys: tuple[str, ...], default_max: int
+) -> tuple[GenerateInput, bool]:
+    """The part OpenAI chat and completions share: sampling, streaming, rid, extras."""
+    raw = {
+        k: body[k]
+        for k in _SAMPLING - {"max_new_tokens", "sampling_seed"}
+        if body.get(k) is not None
+    }
+    raw["max_new_tokens"] = next(
+        (body[k] for k in max_keys if body.get(k) is not None), default_max
+    )
+    sampling = parse_sampling(raw)
+    stream = _bool("stream", body.get("stream", False))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    extras = {k: body[k] for k in _PASSTHROUGH if k in body}
+    gen = GenerateInput(input_ids, sampling, stream, _rid(body.get("rid")), extras)
+    return gen, bool(options.get("include_usage", False))
 
 
 def _message_text(index: int, content: Any) -> str:
@@ -254,14 +255,7 @@ def parse_chat(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput, bool
         input_ids = tokenizer.encode_chat(clean, tools=body.get("tools"))
     except ChatTemplateError as exc:
         raise BadRequest(str(exc)) from None
-    stream = _bool("stream", body.get("stream", False))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _type_error("stream_options", "an object", options)
-    sampling = _openai_sampling(body, ("max_completion_tokens", "max_tokens"))
-    extras = {k: body[k] for k in _PASSTHROUGH if k in body}
-    gen = GenerateInput(input_ids, sampling, stream, _rid(body.get("rid")), extras)
-    return gen, bool(options.get("include_usage", False))
+    return _openai_input(body, input_ids, ("max_completion_tokens", "max_tokens"), 128)
 
 
 def parse_completion(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput, bool]:
@@ -280,13 +274,4 @@ def parse_completion(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput
         raise BadRequest("the prompt is empty")
     if body.get("echo") or body.get("logprobs") is not None:
         raise BadRequest("'echo' and 'logprobs' are not supported by this worker yet")
-    stream = _bool("stream", body.get("stream", False))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _type_error("stream_options", "an object", options)
-    sampling = _openai_sampling(body, ("max_tokens",))
-    if body.get("max_tokens") is None:
-        sampling.max_new_tokens = 16  # the OpenAI default for completions
-    extras = {k: body[k] for k in _PASSTHROUGH if k in body}
-    gen = GenerateInput(input_ids, sampling, stream, _rid(body.get("rid")), extras)
-    return gen, bool(options.get("include_usage", False))
+    return _openai_input(body, input_ids, ("max_tokens",), 16)  # OpenAI's default: 16

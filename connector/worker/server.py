@@ -279,115 +279,92 @@ class WorkerServer:
             "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
         }
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        gen, include_usage = parse_chat(await read_json(request), self.tokenizer)
-        cid, created, model = f"chatcmpl-{gen.rid}", int(time.time()), self.info.served_model_name
-        base = {"id": cid, "created": created, "model": model}
-        if gen.stream:
-            started = False
-
-            def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
-                nonlocal started
-                out = []
-                message: dict[str, Any] = {"content": delta}
-                if not started:
-                    message["role"] = "assistant"
-                    started = True
-                finish = self._openai_finish(seq) if finished else None
-                if delta or finish or "role" in message:
-                    out.append(
-                        {
-                            **base,
-                            "object": "chat.completion.chunk",
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": message,
-                                    "logprobs": None,
-                                    "finish_reason": finish,
-                                }
-                            ],
-                        }
-                    )
-                if finished and include_usage:
-                    out.append(
-                        {
-                            **base,
-                            "object": "chat.completion.chunk",
-                            "choices": [],
-                            "usage": self._usage(seq),
-                        }
-                    )
-                return out
-
-            return await self._stream(request, gen, chunk)
-        seq = await self._run(gen)
-        return web.json_response(
-            {
-                **base,
-                "object": "chat.completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": trimmed_text(self.tokenizer, seq),
-                        },
-                        "logprobs": None,
-                        "finish_reason": self._openai_finish(seq),
-                    }
-                ],
-                "usage": self._usage(seq),
-            }
-        )
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        gen, include_usage = parse_completion(await read_json(request), self.tokenizer)
+    async def _openai(
+        self,
+        request: web.Request,
+        gen: GenerateInput,
+        include_usage: bool,
+        kind: str,
+        stream_choice: Callable[[Sequence, str, str | None], dict[str, Any] | None],
+        final_choice: Callable[[Sequence, str], dict[str, Any]],
+    ) -> web.StreamResponse:
+        """An OpenAI-shaped answer: one object, or chunks plus an optional usage chunk."""
+        prefix, chunk_kind = {
+            "chat": ("chatcmpl", "chat.completion.chunk"),
+            "text": ("cmpl", "text_completion"),
+        }[kind]
         base = {
-            "id": f"cmpl-{gen.rid}",
+            "id": f"{prefix}-{gen.rid}",
             "created": int(time.time()),
             "model": self.info.served_model_name,
         }
         if gen.stream:
 
             def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
-                finish = self._openai_finish(seq) if finished else None
-                out = [
-                    {
-                        **base,
-                        "object": "text_completion",
-                        "choices": [
-                            {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-                        ],
-                    }
-                ]
+                choice = stream_choice(seq, delta, self._openai_finish(seq) if finished else None)
+                out = (
+                    [] if choice is None else [{**base, "object": chunk_kind, "choices": [choice]}]
+                )
                 if finished and include_usage:
                     out.append(
-                        {
-                            **base,
-                            "object": "text_completion",
-                            "choices": [],
-                            "usage": self._usage(seq),
-                        }
+                        {**base, "object": chunk_kind, "choices": [], "usage": self._usage(seq)}
                     )
                 return out
 
             return await self._stream(request, gen, chunk)
         seq = await self._run(gen)
+        choice = {
+            "index": 0,
+            **final_choice(seq, trimmed_text(self.tokenizer, seq)),
+            "logprobs": None,
+            "finish_reason": self._openai_finish(seq),
+        }
         return web.json_response(
             {
                 **base,
-                "object": "text_completion",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": trimmed_text(self.tokenizer, seq),
-                        "logprobs": None,
-                        "finish_reason": self._openai_finish(seq),
-                    }
-                ],
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "choices": [choice],
                 "usage": self._usage(seq),
             }
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        gen, include_usage = parse_chat(await read_json(request), self.tokenizer)
+        started = False
+
+        def stream_choice(seq: Sequence, delta: str, finish: str | None) -> dict[str, Any] | None:
+            nonlocal started
+            message: dict[str, Any] = {"content": delta}
+            if not started:
+                message["role"] = "assistant"
+                started = True
+            if not (delta or finish or "role" in message):
+                return None
+            return {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
+
+        return await self._openai(
+            request,
+            gen,
+            include_usage,
+            "chat",
+            stream_choice,
+            lambda seq, text: {"message": {"role": "assistant", "content": text}},
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        gen, include_usage = parse_completion(await read_json(request), self.tokenizer)
+        return await self._openai(
+            request,
+            gen,
+            include_usage,
+            "text",
+            lambda seq, delta, finish: {
+                "index": 0,
+                "text": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            },
+            lambda seq, text: {"text": text},
         )
 
     # ----------------------------------------------------------------- management

@@ -17,20 +17,15 @@ from tests.procs import free_port, running
 PAGE = 16
 
 
+def sim_args(model_dir: Path, *extra: str, time_scale: str = "0") -> list[str]:
+    return ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", time_scale, *extra]
+
+
 @pytest.fixture(scope="module")
 def worker(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    args = [
-        "--backend",
-        "sim",
-        "--model-path",
-        str(model_dir),
-        "--time-scale",
-        "0",
-        "--max-total-tokens",
-        "65536",
-        "--context-length",
-        "4096",
-    ]
+    args = sim_args(
+        model_dir, "--max-total-tokens", "65536", "--context-length", "4096", time_scale="0"
+    )
     with running("connector.worker", args, tmp_path_factory.mktemp("logs")) as server:
         yield server
 
@@ -161,16 +156,7 @@ def test_info_endpoints(worker, model_dir: Path) -> None:
 
 
 def test_concurrent_requests_are_batched(model_dir: Path, tmp_path: Path) -> None:
-    args = [
-        "--backend",
-        "sim",
-        "--model-path",
-        str(model_dir),
-        "--time-scale",
-        "1",
-        "--max-total-tokens",
-        "65536",
-    ]
+    args = sim_args(model_dir, "--max-total-tokens", "65536", time_scale="1")
     with running("connector.worker", args, tmp_path) as server:
         n, max_new = 8, 32
         with ThreadPoolExecutor(n) as pool:
@@ -202,18 +188,9 @@ def test_kv_events_reach_a_zmq_subscriber(model_dir: Path, tmp_path: Path) -> No
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")  # the worker connects to a concrete address
     config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
-    args = [
-        "--backend",
-        "sim",
-        "--model-path",
-        str(model_dir),
-        "--time-scale",
-        "0",
-        "--max-total-tokens",
-        "128",
-        "--kv-events-config",
-        config,
-    ]
+    args = sim_args(
+        model_dir, "--max-total-tokens", "128", "--kv-events-config", config, time_scale="0"
+    )
     try:
         with running("connector.worker", args, tmp_path) as server:
             events = []
@@ -300,16 +277,7 @@ def test_disconnected_stream_is_aborted_and_its_memory_freed(
     import http.client
     import time
 
-    args = [
-        "--backend",
-        "sim",
-        "--model-path",
-        str(model_dir),
-        "--time-scale",
-        "1",
-        "--max-total-tokens",
-        "65536",
-    ]
+    args = sim_args(model_dir, "--max-total-tokens", "65536", time_scale="1")
     with running("connector.worker", args, tmp_path) as server:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
         conn.request(
@@ -345,16 +313,7 @@ def test_disconnected_stream_is_aborted_and_its_memory_freed(
 
 
 def test_request_outgrowing_the_cache_is_aborted_cleanly(model_dir: Path, tmp_path: Path) -> None:
-    args = [
-        "--backend",
-        "sim",
-        "--model-path",
-        str(model_dir),
-        "--time-scale",
-        "0",
-        "--max-total-tokens",
-        "64",
-    ]
+    args = sim_args(model_dir, "--max-total-tokens", "64", time_scale="0")
     with running("connector.worker", args, tmp_path) as server:
         body = generate(server, prompt_ids(5, 40), max_new=100)
         reason = body["meta_info"]["finish_reason"]
