@@ -1,0 +1,211 @@
+"""`python -m router --policy prompt-tree`: the locality-aware global router.
+
+Flags keep sglang-router's names where the meaning is the same. With no --worker-urls it
+starts a small local cluster of CPU workers (the real tiny model when torch is installed)
+and serves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import urllib.request
+from pathlib import Path
+
+from aiohttp import web
+
+from router.local_cluster import LocalCluster
+from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
+from router.proxy import RetryConfig
+from router.server import Router, RouterConfig
+from router.trees import PromptTrees
+from router.workers import BreakerConfig, WorkerRegistry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    a = p.add_argument
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--worker-urls", nargs="*", default=[], help="workers to route to (none: start local ones)")
+    a("--policy", default="prompt_tree", help=f"one of {', '.join(sorted(POLICIES))}")
+    a("--cache-threshold", type=float, default=0.3)
+    a("--balance-abs-threshold", type=int, default=64)
+    a("--balance-rel-threshold", type=float, default=1.5)
+    a("--api-key", default=None)
+    a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
+    a("--request-timeout-secs", type=float, default=1800)
+    a("--max-concurrent-requests", type=int, default=0, help="0: unlimited")
+    a("--queue-size", type=int, default=100)
+    a("--queue-timeout-secs", type=float, default=60)
+    a("--retry-max-retries", type=int, default=5)
+    a("--retry-initial-backoff-ms", type=float, default=50)
+    a("--retry-max-backoff-ms", type=float, default=30000)
+    a("--retry-backoff-multiplier", type=float, default=1.5)
+    a("--retry-jitter-factor", type=float, default=0.2)
+    a("--disable-retries", action="store_true")
+    a("--cb-failure-threshold", type=int, default=10)
+    a("--cb-success-threshold", type=int, default=3)
+    a("--cb-timeout-duration-secs", type=float, default=60)
+    a("--disable-circuit-breaker", action="store_true")
+    a("--health-check-interval-secs", type=float, default=60)
+    a("--health-failure-threshold", type=int, default=3)
+    a("--health-success-threshold", type=int, default=2)
+    a("--health-check-timeout-secs", type=float, default=5)
+    a("--prometheus-port", type=int, default=None, help="also serve /metrics on this port")
+    a("--prometheus-host", default="127.0.0.1")
+    a(
+        "--tokenizer-path",
+        type=Path,
+        default=None,
+        help="model directory with tokenizer.json (default: ask the workers' /get_model_info)",
+    )
+    a("--tree-ttl-secs", type=float, default=300)
+    a("--max-tree-size", type=int, default=1 << 20, help="pages per prompt tree")
+    a("--page-size", type=int, default=16, help="must equal the workers' page size")
+    a("--local-workers", type=int, default=2, help="workers to start when none are named")
+    a("--local-backend", choices=["auto", "hf", "sim"], default="auto")
+    a("--log-level", default="warning")
+    return p
+
+
+def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
+    """--tokenizer-path, else the first worker's tokenizer_path if it is on this machine."""
+    if args.tokenizer_path is not None:
+        return args.tokenizer_path
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url + "/get_model_info", timeout=10) as resp:
+                path = Path(json.load(resp).get("tokenizer_path") or "")
+        except (OSError, ValueError):
+            continue
+        if (path / "tokenizer.json").exists():
+            return path
+    return None
+
+
+def load_encoder(path: Path | None):
+    if path is None:
+        return None
+    from connector.tokenizer import ChatTokenizer
+    from router.chat_tokens import CachedEncoder
+
+    return CachedEncoder(ChatTokenizer(path))
+
+
+def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
+    try:
+        name = policy_name(args.policy)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    registry = WorkerRegistry(
+        BreakerConfig(
+            args.cb_failure_threshold,
+            args.cb_success_threshold,
+            args.cb_timeout_duration_secs,
+            not args.disable_circuit_breaker,
+        ),
+        args.health_check_interval_secs,
+        args.health_failure_threshold,
+        args.health_success_threshold,
+        args.health_check_timeout_secs,
+    )
+    for url in urls:
+        try:
+            registry.add(url)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    trees = PromptTrees(args.page_size, args.tree_ttl_secs, args.max_tree_size)
+    policy = make_policy(
+        name,
+        trees,
+        Thresholds(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold),
+        CostModel(),
+    )
+    encoder = load_encoder(tokenizer_dir(args, urls))
+    if encoder is None and policy.uses_tokens:
+        raise SystemExit(
+            f"--policy {name} routes on tokens: give --tokenizer-path (a model "
+            "directory with tokenizer.json) or workers whose /get_model_info "
+            "names a local tokenizer_path"
+        )
+    config = RouterConfig(
+        api_key=args.api_key,
+        max_payload_bytes=args.max_payload_size,
+        request_timeout_s=args.request_timeout_secs,
+        max_concurrent_requests=args.max_concurrent_requests,
+        queue_size=args.queue_size,
+        queue_timeout_s=args.queue_timeout_secs,
+        retry=RetryConfig(
+            args.retry_max_retries,
+            args.retry_initial_backoff_ms / 1000,
+            args.retry_max_backoff_ms / 1000,
+            args.retry_backoff_multiplier,
+            args.retry_jitter_factor,
+            not args.disable_retries,
+        ),
+    )
+    return Router(config, registry, trees, policy, encoder)
+
+
+async def serve(router: Router, args: argparse.Namespace) -> None:
+    runner = web.AppRunner(router.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    if args.prometheus_port:
+        metrics = web.Application()
+        metrics.router.add_get("/metrics", router.metrics_text)
+        metrics_runner = web.AppRunner(metrics, access_log=None)
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, args.prometheus_host, args.prometheus_port).start()
+    workers = ", ".join(router.registry.workers)
+    print(
+        f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}", flush=True
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: local workers are stopped too
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cluster = None
+    urls = list(args.worker_urls)
+    if not urls:
+        cluster = LocalCluster(
+            args.local_workers, args.local_backend, ["--page-size", str(args.page_size)]
+        )
+        urls = cluster.start()
+    try:
+        router = build_router(args, urls)
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        asyncio.run(serve(router, args))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

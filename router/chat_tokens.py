@@ -1,0 +1,314 @@
+"""Router-side tokenization equal to the engine's, without re-tokenizing chat history.
+
+The engine tokenizes a chat request as `ChatTokenizer.encode_chat(messages)`: render the chat
+template, then encode the text with add_special_tokens=False. Multi-turn traffic resends the
+whole history every turn, so the router would pay for an ~8K-token encode per request.
+
+Why piece-wise encoding is exact: HF `tokenizers` first extracts every added token (special or
+not) from the input (`AddedVocabulary::extract_and_normalize`: a leftmost-longest match of the
+added tokens with normalized=False on the raw text, then of those with normalized=True on each
+remaining piece after the normalizer ran). Each added token becomes its own id, and every
+remaining piece is normalized, pre-tokenized and run through the model on its own: nothing
+crosses a piece boundary. So encode(text) is the concatenation of encode(piece) over the pieces
+between added tokens, and the added tokens' ids in between. Chat templates put special tokens
+around every message, so a message's piece renders the same on every turn and its ids can be
+cached: turn N renders the template (cheap), splits it with one precompiled regex (longest
+alternative first, the same leftmost-longest match) and encodes only the pieces not cached.
+
+What would break it, and makes `CachedEncoder` fall back to full encodes (correct, slower;
+`stats()["mode"]` says why): added tokens with lstrip/rstrip (they swallow whitespace next to
+them) or single_word, normalized added tokens under a normalizer, truncation or padding set on
+the tokenizer, `encode_special_tokens`, BPE dropout, a tokenizer with no added tokens, and
+anything that makes a piece depend on its position in the text (Metaspace
+prepend_scheme="first"), which a self-test on probe texts catches at construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from connector.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+_PROBES = (
+    "",
+    " ",
+    "Hello world",
+    "  leading and trailing  ",
+    "a\n\n b\t\tc \n",
+    "caf\u00e9 \u4e2d\u6587 \U0001f642 \U0001f468\u200d\U0001f469\u200d\U0001f467",
+)
+
+
+def _token_ids_array(ids: Sequence[int]) -> array:
+    return array("I", ids)
+
+
+class CachedEncoder:
+    """`ChatTokenizer` encodes with a piece cache: the same ids, history encoded once.
+
+    Pieces are the text between added tokens; the cache is LRU and bounded by the total
+    number of cached token ids (stored as uint32, 4 bytes each). Not thread-safe (one
+    asyncio loop). `verify_every=N` also runs a full encode on every Nth call and, on a
+    mismatch, logs it, counts it and returns the full encode.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        max_cached_tokens: int = 4_000_000,
+        verify_every: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._tok = tokenizer._tok  # the very tokenizers.Tokenizer the engine encodes with
+        self.max_cached_tokens = max_cached_tokens
+        self.verify_every = verify_every
+        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._cached_tokens = 0
+        self._calls = self._hits = self._misses = self._evictions = 0
+        self._encoded_tokens = self._verified = self._mismatches = 0
+        # Ids the post-processor puts around a text when add_special_tokens=True.
+        self._prefix: array | None = None
+        self._suffix: array | None = None
+        self._pattern: re.Pattern[str] | None = None
+        self._npattern: re.Pattern[str] | None = None
+        self._added_ids: dict[str, int] = {}
+        self.mode = "piecewise"
+        reason = self._setup()
+        if reason is None:
+            reason = self._self_test()
+        if reason is not None:
+            self.mode = f"full encode: {reason}"
+            self._pattern = None
+            log.warning(
+                "CachedEncoder for %s falls back to full encodes: %s", tokenizer.path, reason
+            )
+        self._setup_special_tokens()
+
+    # -- public API -----------------------------------------------------------------------
+
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Equal to `ChatTokenizer.encode_chat(messages, tools=..., add_generation_prompt=...)`."""
+        return self.encode_chat_array(messages, tools, add_generation_prompt).tolist()
+
+    def encode_chat_array(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> array:
+        """`encode_chat` as an array('I') of uint32 ids (what radix keys are made of)."""
+        text = self.tokenizer.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        return self._encode(text, add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
+        return self._encode(text, add_special_tokens).tolist()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: piece hits (served from cache) and misses (pieces encoded), cache size."""
+        return {
+            "mode": self.mode,
+            "calls": self._calls,
+            "hits": self._hits,
+            "misses": self._misses,
+            "encoded_tokens": self._encoded_tokens,
+            "cached_pieces": len(self._cache),
+            "cached_tokens": self._cached_tokens,
+            "max_cached_tokens": self.max_cached_tokens,
+            "evictions": self._evictions,
+            "verified": self._verified,
+            "mismatches": self._mismatches,
+        }
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._cached_tokens = 0
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def _encode(self, text: str, add_special_tokens: bool) -> array:
+        self._calls += 1
+        if self._pattern is None or (add_special_tokens and self._prefix is None):
+            return _token_ids_array(self._full(text, add_special_tokens))
+        ids = self._encode_pieces(text)
+        if add_special_tokens and (self._prefix or self._suffix):
+            ids = self._prefix + ids + self._suffix
+        if self.verify_every > 0 and self._calls % self.verify_every == 0:
+            self._verified += 1
+            full = self._full(text, add_special_tokens)
+            if ids.tolist() != full:
+                self._mismatches += 1
+                log.error(
+                    "CachedEncoder mismatch #%d on a %d-char text: %d ids cached, %d full",
+                    self._mismatches,
+                    len(text),
+                    len(ids),
+                    len(full),
+                )
+                return _token_ids_array(full)
+        return ids
+
+    def _full(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _split(self, text: str) -> list[str | int]:
+        """Non-empty pieces (str) and added-token ids (int), in text order."""
+        parts: list[str | int] = []
+        ids = self._added_ids
+        npattern = self._npattern
+        for i, s in enumerate(self._pattern.split(text)):  # type: ignore[union-attr]
+            if i & 1:
+                parts.append(ids[s])
+            elif s:
+                if npattern is None:
+                    parts.append(s)
+                else:  # stage 2: normalized added tokens, inside the remaining pieces
+                    for j, t in enumerate(npattern.split(s)):
+                        if j & 1:
+                            parts.append(ids[t])
+                        elif t:
+                            parts.append(t)
+        return parts
+
+    def _encode_pieces(self, text: str) -> array:
+        parts = self._split(text)
+        cache = self._cache
+        missing = list(dict.fromkeys(p for p in parts if p.__class__ is str and p not in cache))
+        fresh: dict[str, array] = {}
+        if missing:
+            fresh = dict(zip(missing, self._encode_many(missing), strict=True))
+            self._misses += len(missing)
+        out = array("I")
+        hits = 0
+        for p in parts:
+            if p.__class__ is int:
+                out.append(p)  # type: ignore[arg-type]
+                continue
+            ids = fresh.get(p)  # type: ignore[arg-type]
+            if ids is None:
+                ids = cache[p]  # type: ignore[index]
+                cache.move_to_end(p)  # type: ignore[arg-type]
+                hits += 1
+            out.extend(ids)
+        self._hits += hits
+        for piece, ids in fresh.items():
+            self._store(piece, ids)
+        return out
+
+    def _encode_many(self, pieces: list[str]) -> list[array]:
+        if len(pieces) == 1:
+            encodings = [self._tok.encode(pieces[0], add_special_tokens=False)]
+        else:  # one call, encoded in parallel by the Rust side; no offsets needed
+            batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+            encodings = batch(pieces, add_special_tokens=False)
+        out = [_token_ids_array(e.ids) for e in encodings]
+        self._encoded_tokens += sum(len(a) for a in out)
+        return out
+
+    def _store(self, piece: str, ids: array) -> None:
+        if len(ids) > self.max_cached_tokens or piece in self._cache:
+            return
+        self._cache[piece] = ids
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self.max_cached_tokens:
+            _, old = self._cache.popitem(last=False)
+            self._cached_tokens -= len(old)
+            self._evictions += 1
+
+    def _piecewise_uncached(self, text: str) -> list[int]:
+        out: list[int] = []
+        for p in self._split(text):
+            if isinstance(p, int):
+                out.append(p)
+            else:
+                out.extend(self._tok.encode(p, add_special_tokens=False).ids)
+        return out
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _setup(self) -> str | None:
+        """Build the split patterns; the reason piece-wise encoding is unsafe, if any."""
+        tok = self._tok
+        if tok.truncation is not None or tok.padding is not None:
+            return "truncation or padding is set on the tokenizer"
+        if getattr(tok, "encode_special_tokens", False):
+            return "encode_special_tokens is on (special tokens are not split out)"
+        config = json.loads(tok.to_str())
+        model = config.get("model") or {}
+        if model.get("dropout"):
+            return "BPE dropout makes encodes nondeterministic"
+        if '"prepend_scheme": "first"' in json.dumps(config.get("pre_tokenizer")):
+            return 'Metaspace prepend_scheme="first" depends on the position in the text'
+        added = tok.get_added_tokens_decoder()
+        if not added:
+            return "the tokenizer has no added tokens to split at"
+        raw: list[str] = []
+        normalized: list[str] = []
+        for token_id, token in added.items():
+            if not token.content:
+                continue
+            if token.lstrip or token.rstrip or token.single_word:
+                return (
+                    f"added token {token.content!r} has lstrip={token.lstrip} "
+                    f"rstrip={token.rstrip} single_word={token.single_word}"
+                )
+            (normalized if token.normalized else raw).append(token.content)
+            self._added_ids[token.content] = token_id
+        if normalized and tok.normalizer is not None:
+            return "normalized added tokens are matched on normalizer output"
+        if not raw and not normalized:
+            return "the tokenizer has no added tokens to split at"
+        self._pattern = _alternation(raw)
+        self._npattern = _alternation(normalized) if normalized else None
+        return None
+
+    def _self_test(self) -> str | None:
+        """Piece-wise equals full on probe texts around every added token, or why not."""
+        probes = list(_PROBES)
+        for content in self._added_ids:
+            probes.append(f"x{content}y {content} \n{content}\n\n{content}{content}  z  ")
+        probes.append(" ".join(probes))
+        for text in probes:
+            if self._piecewise_uncached(text) != self._full(text, False):
+                return f"self-test failed on {text[:60]!r}"
+        return None
+
+    def _setup_special_tokens(self) -> None:
+        """The post-processor's ids (add_special_tokens=True) as a fixed prefix and suffix."""
+        tok = self._tok
+        n = tok.num_special_tokens_to_add(False)
+        probes = ["Hello world", *_PROBES]
+        plain = tok.encode(probes[0], add_special_tokens=False).ids
+        full = tok.encode(probes[0], add_special_tokens=True).ids
+        for k in range(n + 1):
+            if len(full) == len(plain) + n and full[k : k + len(plain)] == plain:
+                prefix, suffix = full[:k], full[k + len(plain) :]
+                if all(
+                    tok.encode(p, add_special_tokens=True).ids
+                    == prefix + tok.encode(p, add_special_tokens=False).ids + suffix
+                    for p in probes
+                ):
+                    self._prefix, self._suffix = array("I", prefix), array("I", suffix)
+                    return
+        log.warning("CachedEncoder: post-processor is not a fixed prefix/suffix; full encodes")
+
+
+def _alternation(contents: list[str]) -> re.Pattern[str]:
+    """One capturing alternation, longest first: Python's leftmost-first = leftmost-longest."""
+    ordered = sorted(set(contents), key=lambda c: (-len(c), c))
+    return re.compile("(" + "|".join(re.escape(c) for c in ordered) + ")")

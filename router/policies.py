@@ -1,0 +1,238 @@
+"""Routing policies, named as sglang-router names them (hyphenated spellings accepted too).
+
+`prompt_tree` is MemServe's: the instance holding the longest cached token prefix, unless it
+is overloaded relative to the others, in which case the request goes where its expected
+time to first token is lowest. `cost` always decides by expected TTFT (Mooncake's
+conductor): queued prefill work plus the uncached part, or a pull of a longer prefix from
+the instance that holds it. Both name the holders of longer prefixes, so a MemPool-backed
+worker can pull them. `cache_aware` is sglang-router's rule on a character tree, kept for
+comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from mempool.radix import RadixTree
+from router.trees import PrefixView, PromptTrees
+from router.workers import Worker, WorkerType
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a policy may look at."""
+
+    tokens: list[int] | None
+    text: str
+    session: str | None
+    type: WorkerType = WorkerType.COLOCATED
+
+
+@dataclass(slots=True)
+class Decision:
+    worker: Worker
+    predicted_cached: int = 0  # tokens the trees believe the worker will reuse
+    holders: list[tuple[str, int]] = field(default_factory=list)  # longer prefixes elsewhere
+    reason: str = "policy"
+
+
+@dataclass(slots=True)
+class Thresholds:
+    """sglang-router's --cache-threshold, --balance-abs-threshold, --balance-rel-threshold."""
+
+    cache: float = 0.3
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+
+    def imbalanced(self, high: int, low: int) -> bool:
+        return high - low > self.balance_abs and high > low * self.balance_rel
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures."""
+
+    prefill_s_per_token: float = 4.0e-5
+    transfer_s_per_token: float = 5.2e-6  # 128 KiB per token over a 25 GB/s link
+
+    def ttft(self, worker: Worker, tokens: int, cached: int, best: int) -> tuple[float, bool]:
+        """(expected seconds, whether pulling the longer prefix `best` is the better plan)."""
+        queue = worker.queued_tokens * self.prefill_s_per_token
+        own = queue + (tokens - cached) * self.prefill_s_per_token
+        if best <= cached:
+            return own, False
+        pull = queue + (best - cached) * self.transfer_s_per_token
+        pull += (tokens - best) * self.prefill_s_per_token
+        return (pull, True) if pull < own else (own, False)
+
+
+def least_loaded(workers: list[Worker]) -> Worker:
+    low = min(w.load for w in workers)
+    return random.choice([w for w in workers if w.load == low])
+
+
+class Policy(ABC):
+    name: str
+    uses_tokens = False
+
+    @abstractmethod
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        """Pick one of `workers` (never empty)."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        worker = workers[self._next % len(workers)]
+        self._next += 1
+        return Decision(worker)
+
+
+class Random(Policy):
+    name = "random"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        return Decision(random.choice(workers))
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        return Decision(least_loaded(workers))
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        pair = random.sample(workers, min(2, len(workers)))
+        return Decision(min(pair, key=lambda w: w.load))
+
+
+class Session(Policy):
+    """Sticky by session key (rendezvous hashing, stable as workers come and go)."""
+
+    name = "session"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        if request.session is None:
+            return Decision(least_loaded(workers), reason="no_session")
+
+        def score(w: Worker) -> bytes:
+            return hashlib.blake2b(f"{request.session}|{w.url}".encode(), digest_size=8).digest()
+
+        return Decision(max(workers, key=score), reason="session")
+
+
+class CacheAware(Policy):
+    """sglang-router's cache_aware: a character radix tree, tenants are workers."""
+
+    name = "cache_aware"
+
+    def __init__(self, thresholds: Thresholds, max_chars: int = 1 << 24) -> None:
+        self.thresholds = thresholds
+        self.max_chars = max_chars
+        self.tree = RadixTree(page_size=1, slots_per_page=0)
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        chars = [ord(c) for c in request.text] or [0]
+        loads = [w.load for w in workers]
+        if self.thresholds.imbalanced(max(loads), min(loads)):
+            choice, reason = least_loaded(workers), "balance"
+        else:
+            held = self.tree.match(chars).holder_tokens
+            urls = {w.url: w for w in workers}
+            best = max((u for u in held if u in urls), key=held.__getitem__, default=None)
+            if best is not None and held[best] / len(chars) > self.thresholds.cache:
+                choice, reason = urls[best], "cache_hit"
+            else:
+                choice, reason = least_loaded(workers), "cache_miss"
+        self.tree.insert(chars, holder=choice.url)
+        if self.tree.num_pages > self.max_chars:
+            self.tree.evict(self.tree.num_pages - self.max_chars * 9 // 10)
+        return Decision(choice, reason=reason)
+
+
+class PromptTree(Policy):
+    """MemServe: longest cached token prefix, guarded against overload."""
+
+    name = "prompt_tree"
+    uses_tokens = True
+
+    def __init__(self, trees: PromptTrees, thresholds: Thresholds, cost: CostModel) -> None:
+        self.trees = trees
+        self.thresholds = thresholds
+        self.cost = cost
+
+    def _predicted(self, held: int, n: int) -> int:
+        # The engine always computes the last prompt token; it reuses whole pages only.
+        page = self.trees.page_size
+        return min(held, n - 1) // page * page
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        tokens = request.tokens or []
+        view = self.trees.match(request.type, tokens)
+        held = {w.url: view.held.get(w.url, 0) for w in workers}
+        longest = max(held.values())
+        best = max(workers, key=lambda w: (held[w.url], -w.load))
+        low = min(w.load for w in workers)
+        if longest == 0:
+            choice, reason = least_loaded(workers), "cache_miss"
+        elif self.thresholds.imbalanced(best.load, low):
+            choice, reason = cheapest(self.cost, workers, len(tokens), held), "overload"
+        else:
+            choice, reason = best, "cache_hit"
+        return self._decide(choice, reason, tokens, view)
+
+    def _decide(self, choice: Worker, reason: str, tokens: list[int], view: PrefixView) -> Decision:
+        mine = view.held.get(choice.url, 0)
+        holders = sorted(((u, n) for u, n in view.held.items() if n > mine), key=lambda x: -x[1])
+        return Decision(choice, self._predicted(mine, len(tokens)), holders, reason)
+
+
+class Cost(PromptTree):
+    """Mooncake-style: the lowest expected TTFT, counting a pull of a longer prefix."""
+
+    name = "cost"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        tokens = request.tokens or []
+        view = self.trees.match(request.type, tokens)
+        held = {w.url: view.held.get(w.url, 0) for w in workers}
+        return self._decide(cheapest(self.cost, workers, len(tokens), held), "cost", tokens, view)
+
+
+def cheapest(cost: CostModel, workers: list[Worker], n: int, held: dict[str, int]) -> Worker:
+    best = max(held.values(), default=0)
+    return min(workers, key=lambda w: (cost.ttft(w, n, held[w.url], best)[0], w.load))
+
+
+POLICIES = {
+    p.name: p
+    for p in (RoundRobin, Random, LeastLoad, PowerOfTwo, Session, CacheAware, PromptTree, Cost)
+}
+
+
+def policy_name(name: str) -> str:
+    """`prompt-tree` and `prompt_tree` are the same policy; ValueError for unknown names."""
+    canonical = name.strip().lower().replace("-", "_")
+    if canonical not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+    return canonical
+
+
+def make_policy(name: str, trees: PromptTrees, thresholds: Thresholds, cost: CostModel) -> Policy:
+    kind = POLICIES[policy_name(name)]
+    if kind is CacheAware:
+        return CacheAware(thresholds)
+    if issubclass(kind, PromptTree):
+        return kind(trees, thresholds, cost)
+    return kind()

@@ -1,0 +1,199 @@
+"""Forwarding one request to a worker: retries before the first byte, streams passed through.
+
+The worker's bytes reach the client unchanged (SSE included, each chunk forwarded as it
+arrives); alongside, the stream is parsed for what the trees need (cached_tokens, the
+generated tokens or text). A worker that fails before answering is retried elsewhere with
+backoff; one that dies mid-stream ends the client's stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+HOP_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "content-encoding",
+    "keep-alive",
+    "date",
+    "server",
+}
+
+
+@dataclass(slots=True)
+class RetryConfig:
+    """sglang-router's defaults: 5 retries, 50 ms x1.5 up to 30 s, 20 % jitter."""
+
+    max_retries: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 30.0
+    multiplier: float = 1.5
+    jitter: float = 0.2
+    enabled: bool = True
+
+    def backoff(self, attempt: int) -> float:
+        base = min(self.initial_backoff_s * self.multiplier**attempt, self.max_backoff_s)
+        return base * (1 + random.uniform(-self.jitter, self.jitter))
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What came back, for the trees and the metrics."""
+
+    status: int = 0
+    cached_tokens: int | None = None
+    output_ids: list[int] | None = None
+    output_text: str = ""
+    first_byte: bool = False
+    error: str | None = None
+    streamed: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class WorkerUnavailable(Exception):
+    """Connecting to the worker failed or it answered with a retryable status."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def read_result(body: Any, outcome: Outcome) -> None:
+    """cached_tokens and the output from a finished (or last streamed) JSON body."""
+    if not isinstance(body, dict):
+        return
+    usage = body.get("usage") or {}
+    meta = body.get("meta_info") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens", meta.get("cached_tokens"))
+    if isinstance(cached, int):
+        outcome.cached_tokens = cached
+    if isinstance(body.get("output_ids"), list):
+        outcome.output_ids = body["output_ids"]
+    if isinstance(body.get("text"), str):
+        outcome.output_text = body["text"]
+    for choice in body.get("choices") or []:
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message") or {}
+        if isinstance(message.get("content"), str):
+            outcome.output_text = message["content"]
+        elif isinstance(choice.get("text"), str) and not outcome.streamed:
+            outcome.output_text = choice["text"]
+
+
+class SSEWatcher:
+    """Parses a passing SSE byte stream without altering it."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self._buffer = b""
+        self.done = False  # saw `data: [DONE]`: the worker finished the stream
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+        while b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line == b"data: [DONE]":
+                    self.done = True
+                elif line.startswith(b"data: "):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        self._apply(json.loads(line[6:]))
+
+    def _apply(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            return
+        out = self.outcome
+        if isinstance(body.get("text"), str) and "meta_info" in body:  # /generate: cumulative
+            read_result(body, out)
+            return
+        for choice in body.get("choices") or []:
+            if isinstance(choice, dict):
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") if isinstance(delta, dict) else None
+                piece = piece if isinstance(piece, str) else choice.get("text")
+                if isinstance(piece, str):
+                    out.output_text += piece
+        if body.get("usage"):
+            read_result({"usage": body["usage"]}, out)
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    url: str,
+    payload: bytes,
+    timeout_s: float,
+    outcome: Outcome,
+    on_first_byte,
+) -> web.StreamResponse:
+    """POST `payload` to `url` and relay the answer to the client of `request`.
+
+    Raises WorkerUnavailable before anything reached the client (the caller may retry);
+    afterwards, failures end the client's stream with an error event instead.
+    """
+    headers = {"Content-Type": "application/json"}
+    try:
+        resp = await session.post(
+            url, data=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        )
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise WorkerUnavailable(f"cannot reach worker {url}: {exc}") from None
+    try:
+        outcome.status = resp.status
+        if resp.status in RETRY_STATUSES:
+            text = await resp.text()
+            raise WorkerUnavailable(
+                f"worker {url} answered {resp.status}: {text[:200]}", resp.status
+            )
+        kind = resp.headers.get("Content-Type", "application/json")
+        if not kind.startswith("text/event-stream"):
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
+            on_first_byte()
+            if resp.status == 200:
+                with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                    read_result(json.loads(body), outcome)
+            return web.Response(
+                status=resp.status,
+                body=body,
+                headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS},
+            )
+        outcome.streamed = True
+        client = web.StreamResponse(
+            status=resp.status,
+            headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS},
+        )
+        await client.prepare(request)
+        watcher = SSEWatcher(outcome)
+        try:
+            async for chunk in resp.content.iter_any():
+                if not outcome.first_byte:
+                    outcome.first_byte = True
+                    on_first_byte()
+                await client.write(chunk)
+                watcher.feed(chunk)
+        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            outcome.error = f"worker {url} failed mid-stream: {exc}"
+        if outcome.error is None and not watcher.done:
+            outcome.error = f"worker {url} closed the stream before it finished"
+        if outcome.error is not None:
+            error = {"error": {"message": outcome.error, "type": "WorkerError", "code": 502}}
+            await client.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+        await client.write_eof()
+        return client
+    finally:
+        resp.release()

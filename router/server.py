@@ -1,0 +1,623 @@
+"""The router's HTTP surface: SGLang's and OpenAI's inference routes, management, metrics.
+
+Every refusal is a 4xx JSON body decided before any worker is touched (malformed JSON,
+wrong types, empty messages, unknown model, oversized body, missing API key, full queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.policies import Decision, Policy, RouteRequest
+from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
+from router.trees import PromptTrees
+from router.workers import Worker, WorkerRegistry, WorkerType
+
+log = logging.getLogger(__name__)
+INFERENCE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics"}
+
+
+class RequestError(Exception):
+    """A request the router refuses; becomes a JSON error with this status."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLarge",
+        429: "RateLimitError",
+        503: "ServiceUnavailable",
+    }
+    body = {
+        "object": "error",
+        "message": message,
+        "type": kind.get(status, "Error"),
+        "param": None,
+        "code": status,
+    }
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    api_key: str | None = None
+    max_payload_bytes: int = 512 * 1024 * 1024
+    request_timeout_s: float = 1800.0
+    max_concurrent_requests: int = 0  # 0: unlimited
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+
+class RouterMetrics:
+    """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("sgl_router_requests", "Requests", ["route"], registry=r)
+        self.duration = Histogram(
+            "sgl_router_request_duration_seconds", "Request duration", ["route"], registry=r
+        )
+        self.retries = Counter("sgl_router_retries", "Retries", registry=r)
+        self.errors = Counter(
+            "sgl_router_request_errors", "Failed requests", ["route", "reason"], registry=r
+        )
+        self.events = Counter(
+            "sgl_router_load_balancing_events",
+            "Routing decisions by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "sgl_router_cache_hits", "Routed to a predicted holder", registry=r
+        )
+        self.cache_misses = Counter(
+            "sgl_router_cache_misses", "Routed without a predicted hit", registry=r
+        )
+        self.processed = Counter(
+            "sgl_router_processed_requests", "Requests per worker", ["worker"], registry=r
+        )
+        r.register(self)
+
+    def collect(self):
+        router = self.router
+        health = GaugeMetricFamily("sgl_router_worker_health", "1 healthy", labels=["worker"])
+        load = GaugeMetricFamily("sgl_router_worker_load", "Requests in flight", labels=["worker"])
+        breaker = GaugeMetricFamily(
+            "sgl_router_cb_state", "0 closed, 1 open, 2 half-open", labels=["worker"]
+        )
+        for w in router.registry.workers.values():
+            health.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            load.add_metric([w.url], w.load)
+            breaker.add_metric([w.url], w.breaker.value)
+        yield from (health, load, breaker)
+        size = GaugeMetricFamily(
+            "sgl_router_tree_size", "Pages in the prompt tree", labels=["type"]
+        )
+        for t in WorkerType:
+            size.add_metric([t.value], router.trees.size(t))
+        yield size
+        stats = router.trees.stats
+        for name, doc, value in (
+            (
+                "memserve_router_predicted_cached_tokens",
+                "Cached tokens the trees predicted",
+                stats.predicted_tokens,
+            ),
+            (
+                "memserve_router_reported_cached_tokens",
+                "Cached tokens workers reported",
+                stats.reported_tokens,
+            ),
+            (
+                "memserve_router_tree_corrections",
+                "Paths dropped on worker feedback",
+                stats.corrections,
+            ),
+            ("memserve_router_tree_expired_pages", "Pages expired by TTL", stats.expired_pages),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
+class Router:
+    """Routes requests to workers with a policy and keeps the prompt trees current."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        trees: PromptTrees,
+        policy: Policy,
+        encoder: Any | None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.trees = trees
+        self.policy = policy
+        self.encoder = encoder  # router.chat_tokens.CachedEncoder, or None (no token policies)
+        self.model_ids: set[str] = set()
+        self.metrics = RouterMetrics(self)
+        self._slots = (
+            asyncio.Semaphore(config.max_concurrent_requests)
+            if config.max_concurrent_requests > 0
+            else None
+        )
+        self._queued = 0
+        registry.on_unhealthy.append(lambda w: trees.forget(w.url))
+        self.session: aiohttp.ClientSession | None = None
+
+    # ----------------------------------------------------------------- app
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._guard], client_max_size=self.config.max_payload_bytes
+        )
+        r = app.router
+        for route in INFERENCE_ROUTES:
+            r.add_post(route, self.inference)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/liveness", self.health)
+        r.add_get("/readiness", self.readiness)
+        r.add_get("/get_model_info", self.first_worker_get)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_loads", self.loads)
+        r.add_post("/workers", self.add_worker)
+        r.add_get("/workers", self.list_workers)
+        r.add_get("/workers/{url:.+}", self.get_worker)
+        r.add_delete("/workers/{url:.+}", self.delete_worker)
+        r.add_get("/metrics", self.metrics_text)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.registry.start(self.session)
+        await self.registry.check_all()
+        await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+
+    async def _stop(self, app: web.Application) -> None:
+        self._expiry.cancel()
+        await self.registry.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.trees.ttl_s / 4, 0.05))
+            self.trees.expire()
+
+    async def _learn_model(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(
+                worker.url + "/v1/models",  # type: ignore[union-attr]
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                body = await resp.json(content_type=None)
+            worker.model_id = body["data"][0]["id"]
+            self.model_ids.add(worker.model_id)
+        except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError):
+            log.warning("could not learn the model of %s", worker.url)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """API key on protected routes; every error as JSON."""
+        if self.config.api_key and request.path not in OPEN_ROUTES:
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {self.config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return json_error(401, "missing or wrong API key (Authorization: Bearer ...)")
+        try:
+            return await handler(request)
+        except RequestError as exc:
+            return json_error(exc.status, str(exc), exc.headers)
+        except web.HTTPRequestEntityTooLarge:
+            return json_error(
+                413,
+                f"request body larger than --max-payload-size "
+                f"({self.config.max_payload_bytes} bytes)",
+            )
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return json_error(exc.status, exc.reason)
+            raise
+
+    # ----------------------------------------------------------------- inference
+
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        route = request.path
+        self.metrics.requests.labels(route).inc()
+        started = time.perf_counter()
+        async with self._admission():
+            raw = await request.read()
+            body = self._parse(raw)
+            self._check_model(body)
+            tokens, text = self._tokenize(route, body)
+            session = request.headers.get("X-Session-Id") or (
+                body.get("user") if isinstance(body.get("user"), str) else None
+            )
+            route_request = RouteRequest(tokens, text, session)
+            try:
+                return await self._dispatch(request, route, body, raw, route_request)
+            finally:
+                self.metrics.duration.labels(route).observe(time.perf_counter() - started)
+
+    @contextlib.asynccontextmanager
+    async def _admission(self) -> AsyncIterator[None]:
+        """A slot among --max-concurrent-requests, waiting in a bounded queue, else 429."""
+        slots = self._slots
+        if slots is None:
+            yield
+            return
+        if slots.locked():
+            if self._queued >= self.config.queue_size:
+                raise RequestError(
+                    429, "the router's queue is full; retry later", {"Retry-After": "1"}
+                )
+            self._queued += 1
+            try:
+                await asyncio.wait_for(slots.acquire(), self.config.queue_timeout_s)
+            except TimeoutError:
+                raise RequestError(
+                    429, "timed out waiting in the router's queue", {"Retry-After": "1"}
+                ) from None
+            finally:
+                self._queued -= 1
+        else:
+            await slots.acquire()
+        try:
+            yield
+        finally:
+            slots.release()
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is None or not self.model_ids or model in self.model_ids or model == "default":
+            return
+        if not isinstance(model, str):
+            raise RequestError(400, "'model' must be a string")
+        raise RequestError(404, f"model {model!r} not found; served: {sorted(self.model_ids)}")
+
+    def _tokenize(self, route: str, body: dict[str, Any]) -> tuple[list[int] | None, str]:
+        """Token ids (as the engine will see them) and raw text; 400 on malformed prompts."""
+        enc = self.encoder
+        if route == "/v1/chat/completions":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError(400, "'messages' must be a non-empty list")
+            parts = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise RequestError(400, f"messages[{i}] must be an object with a 'role'")
+                content = m.get("content")
+                if isinstance(content, list):
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if content is not None and not isinstance(content, str):
+                    raise RequestError(400, f"messages[{i}].content must be a string or parts")
+                parts.append({**m, "content": content or ""})
+            text = "".join(p["content"] for p in parts)
+            if enc is None:
+                return None, text
+            try:
+                return enc.encode_chat(parts, tools=body.get("tools")), text
+            except ValueError as exc:
+                raise RequestError(400, f"cannot apply the chat template: {exc}") from None
+        if route == "/v1/completions":
+            prompt = body.get("prompt")
+            if (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
+                return prompt, " ".join(map(str, prompt))
+            if not isinstance(prompt, str):
+                raise RequestError(400, "'prompt' must be a string or a list of token ids")
+            return (enc.encode(prompt) if enc else None), prompt
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
+        if ids is not None:
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise RequestError(400, "'input_ids' must be a list of token ids")
+            return ids, " ".join(map(str, ids))
+        if not isinstance(text, str):
+            raise RequestError(400, "'text' must be a string")
+        return (enc.encode(text) if enc else None), text
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        route: str,
+        body: dict[str, Any],
+        raw: bytes,
+        route_request: RouteRequest,
+    ) -> web.StreamResponse:
+        tried: set[str] = set()
+        retry = self.config.retry
+        attempts = 1 + (retry.max_retries if retry.enabled else 0)
+        last_error = "no healthy worker"
+        for attempt in range(attempts):
+            workers = [
+                w for w in self.registry.available(route_request.type) if w.url not in tried
+            ] or [w for w in self.registry.available(route_request.type)]
+            if not workers:
+                break
+            decision = self.policy.select(route_request, workers)
+            worker = decision.worker
+            tried.add(worker.url)
+            payload = self._payload(body, raw, decision)
+            outcome = Outcome()
+            try:
+                response = await self._send(
+                    request, route, payload, decision, outcome, route_request.tokens or []
+                )
+            except WorkerUnavailable as exc:
+                last_error = str(exc)
+                self.registry.record_failure(worker)
+                if exc.status == 502:
+                    self.registry.mark_dead(worker)
+                self.metrics.errors.labels(route, "worker").inc()
+                if attempt + 1 < attempts:
+                    self.metrics.retries.inc()
+                    await asyncio.sleep(retry.backoff(attempt))
+                continue
+            self._learn(route, route_request, decision, outcome)
+            return response
+        raise RequestError(
+            503, f"no worker could serve the request: {last_error}", {"Retry-After": "1"}
+        )
+
+    def _payload(self, body: dict[str, Any], raw: bytes, decision: Decision) -> bytes:
+        """The client's body unchanged, unless longer prefixes elsewhere are worth naming."""
+        if not decision.holders:
+            return raw
+        hint = {"prefix_holders": [{"url": u, "cached_tokens": n} for u, n in decision.holders]}
+        return json.dumps({**body, "memserve": hint}).encode()
+
+    async def _send(
+        self,
+        request: web.Request,
+        route: str,
+        payload: bytes,
+        decision: Decision,
+        outcome: Outcome,
+        tokens: list[int],
+    ) -> web.StreamResponse:
+        worker = decision.worker
+        pending = max(len(tokens) - decision.predicted_cached, 0)
+        worker.in_flight += 1
+        worker.in_flight_tokens += pending
+        released = False
+
+        def prefill_done() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                worker.in_flight_tokens -= pending
+
+        self.metrics.events.labels(decision.reason).inc()
+        (self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses).inc()
+        if tokens and self.policy.uses_tokens:
+            self.trees.record(WorkerType.COLOCATED, worker.url, tokens)  # optimistic
+        try:
+            return await forward(
+                self.session,
+                request,
+                worker.url + route,
+                payload,  # type: ignore[arg-type]
+                self.config.request_timeout_s,
+                outcome,
+                prefill_done,
+            )
+        finally:
+            prefill_done()
+            worker.in_flight -= 1
+            worker.processed += 1
+            self.metrics.processed.labels(worker.url).inc()
+
+    def _learn(
+        self, route: str, route_request: RouteRequest, decision: Decision, outcome: Outcome
+    ) -> None:
+        """After the answer: breaker, feedback on cached_tokens, the next turn's prefix."""
+        worker = decision.worker
+        if outcome.error is not None:
+            self.registry.record_failure(worker)
+            self.metrics.errors.labels(route, "mid_stream").inc()
+            return
+        self.registry.record_success(worker)
+        tokens = route_request.tokens
+        if not tokens or not self.policy.uses_tokens or outcome.status != 200:
+            return
+        if outcome.cached_tokens is not None:
+            self.trees.feedback(
+                WorkerType.COLOCATED,
+                worker.url,
+                tokens,
+                decision.predicted_cached,
+                outcome.cached_tokens,
+            )
+        if outcome.output_ids is not None:
+            generated = outcome.output_ids
+        elif outcome.output_text and self.encoder is not None:
+            generated = self.encoder.encode(outcome.output_text, add_special_tokens=False)
+        else:
+            generated = []
+        self.trees.record(WorkerType.COLOCATED, worker.url, tokens + generated)
+
+    # ----------------------------------------------------------------- management
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        if self.registry.available():
+            return web.json_response({"status": "ready"})
+        return json_error(503, "no healthy worker")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return await self.first_worker_get(request)
+
+    async def first_worker_get(self, request: web.Request) -> web.Response:
+        for worker in self.registry.available():
+            try:
+                async with self.session.get(
+                    worker.url + request.path,  # type: ignore[union-attr]
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as resp:
+                    return web.Response(
+                        status=resp.status, body=await resp.read(), content_type="application/json"
+                    )
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return json_error(503, "no healthy worker")
+
+    def _worker_json(self, w: Worker) -> dict[str, Any]:
+        return {
+            "url": w.url,
+            "type": w.type.value,
+            "healthy": w.healthy,
+            "load": w.load,
+            "in_flight": w.in_flight,
+            "circuit_breaker": w.breaker.name.lower(),
+            "model_id": w.model_id,
+            "bootstrap_port": w.bootstrap_port,
+            "processed": w.processed,
+        }
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "router": "memserve-router",
+                "policy": self.policy.name,
+                "page_size": self.trees.page_size,
+                "tree_ttl_secs": self.trees.ttl_s,
+                "tree_pages": {t.value: self.trees.size(t) for t in WorkerType},
+                "tree_stats": {
+                    "predicted_cached_tokens": self.trees.stats.predicted_tokens,
+                    "reported_cached_tokens": self.trees.stats.reported_tokens,
+                    "corrections": self.trees.stats.corrections,
+                },
+                "tokenizer": None if self.encoder is None else self.encoder.stats(),
+                "workers": [self._worker_json(w) for w in self.registry.workers.values()],
+            }
+        )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """Fan out to every worker; the trees forget everything."""
+
+        async def one(w: Worker) -> tuple[str, int]:
+            try:
+                async with self.session.post(
+                    w.url + "/flush_cache",  # type: ignore[union-attr]
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as resp:
+                    return w.url, resp.status
+            except (aiohttp.ClientError, TimeoutError):
+                return w.url, 502
+
+        results = dict(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
+        self.trees.clear()
+        ok = all(status == 200 for status in results.values())
+        return web.json_response({"flushed": ok, "workers": results}, status=200 if ok else 400)
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "workers": [
+                    {
+                        "worker": w.url,
+                        "load": w.load,
+                        "in_flight": w.in_flight,
+                        "queued_tokens": w.queued_tokens,
+                    }
+                    for w in self.registry.workers.values()
+                ]
+            }
+        )
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        body = self._parse(await request.read())
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise RequestError(400, "'url' must be a string like http://host:port")
+        kind = body.get("worker_type", "colocated")
+        try:
+            worker_type = WorkerType("colocated" if kind == "regular" else kind)
+            worker = self.registry.add(url, worker_type, body.get("bootstrap_port"))
+        except ValueError as exc:
+            status = 409 if "already" in str(exc) else 400
+            raise RequestError(status, str(exc)) from None
+        await self.registry.check(worker)
+        await self._learn_model(worker)
+        return web.json_response(self._worker_json(worker))
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"workers": [self._worker_json(w) for w in self.registry.workers.values()]}
+        )
+
+    def _find(self, request: web.Request) -> str:
+        return unquote(request.match_info["url"])
+
+    async def get_worker(self, request: web.Request) -> web.Response:
+        from router.workers import normalize_url
+
+        try:
+            worker = self.registry.workers[normalize_url(self._find(request))]
+        except (KeyError, ValueError):
+            raise RequestError(404, f"no worker {self._find(request)}") from None
+        return web.json_response(self._worker_json(worker))
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        try:
+            worker = self.registry.remove(self._find(request))
+        except (KeyError, ValueError) as exc:
+            raise RequestError(404, str(exc).strip("'\"")) from None
+        return web.json_response({"removed": worker.url})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4"},
+        )

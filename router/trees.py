@@ -1,0 +1,108 @@
+"""Global prompt trees (MemServe section 6): which instance holds which token prefix.
+
+One RadixTree per instance type (prefill, decode, colocated), the same tree type as
+MemPool's index, with each node's `holders` mapping a worker URL to when its holding was
+last confirmed. Updated optimistically on dispatch, again when the response passes back
+(prompt plus generated tokens: the next turn's prefix), exactly from KV events where
+workers publish them, and corrected by feedback: a worker reporting fewer cached tokens
+than predicted loses the rest of that path at once. Entries expire after a TTL; a size
+bound evicts least-recently-used leaves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mempool.radix import RadixTree
+from router.workers import WorkerType
+
+
+@dataclass(slots=True)
+class PrefixView:
+    """What the trees know about one prompt: tokens each worker is believed to hold."""
+
+    held: dict[str, int]  # worker URL -> cached prefix tokens (page-aligned)
+
+    def best(self) -> tuple[str | None, int]:
+        if not self.held:
+            return None, 0
+        url = max(self.held, key=self.held.__getitem__)
+        return url, self.held[url]
+
+
+@dataclass(slots=True)
+class TreeStats:
+    """Prediction quality: what the trees predicted versus what workers reported."""
+
+    predicted_tokens: int = 0
+    reported_tokens: int = 0
+    corrections: int = 0
+    expired_pages: int = 0
+
+
+class PromptTrees:
+    """A tree per instance type; every call names the type it is about."""
+
+    def __init__(
+        self,
+        page_size: int = 16,
+        ttl_s: float = 300.0,
+        max_pages: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.page_size = page_size
+        self.ttl_s = ttl_s
+        self.max_pages = max_pages
+        self.clock = clock
+        self.trees = {t: RadixTree(page_size, slots_per_page=0, clock=clock) for t in WorkerType}
+        self.stats = TreeStats()
+
+    def match(self, type: WorkerType, tokens: Sequence[int]) -> PrefixView:
+        """Per worker, the page-aligned prefix of `tokens` it is believed to hold now."""
+        if len(tokens) < self.page_size:
+            return PrefixView({})
+        found = self.trees[type].match(tokens, ttl=self.ttl_s)
+        return PrefixView(found.holder_tokens)
+
+    def record(self, type: WorkerType, url: str, tokens: Sequence[int]) -> None:
+        """`url` holds (or is about to hold) the whole pages of `tokens`."""
+        if len(tokens) < self.page_size:
+            return
+        tree = self.trees[type]
+        tree.insert(tokens, holder=url)
+        if tree.num_pages > self.max_pages:
+            tree.evict(tree.num_pages - self.max_pages * 9 // 10)
+
+    def feedback(
+        self, type: WorkerType, url: str, tokens: Sequence[int], predicted: int, reported: int
+    ) -> None:
+        """The worker reported `reported` cached tokens where `predicted` were expected.
+
+        Holding less means it evicted: drop the rest of that path for it at once.
+        """
+        self.stats.predicted_tokens += predicted
+        self.stats.reported_tokens += reported
+        if reported < predicted and len(tokens) >= self.page_size:
+            self.stats.corrections += 1
+            self.trees[type].remove_holder(url, tokens, keep_tokens=reported)
+
+    def forget(self, url: str) -> None:
+        """A removed or dead worker holds nothing any more."""
+        for tree in self.trees.values():
+            tree.remove_holder(url)
+
+    def expire(self) -> int:
+        """Drop entries not confirmed within the TTL; returns the pages pruned."""
+        cutoff = self.clock() - self.ttl_s
+        pruned = sum(tree.expire(cutoff) for tree in self.trees.values())
+        self.stats.expired_pages += pruned
+        return pruned
+
+    def clear(self) -> None:
+        for tree in self.trees.values():
+            tree.reset()
+
+    def size(self, type: WorkerType) -> int:
+        return self.trees[type].num_pages

@@ -1,0 +1,239 @@
+"""The router's view of its workers: health, circuit breakers and load.
+
+Load is what the router itself has in flight to each worker (requests and prompt tokens),
+refreshed with what the worker reports on /get_load, so a router that just started, or
+one of several replicas, still sees work it did not send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class WorkerType(Enum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class BreakerState(Enum):
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+@dataclass(slots=True)
+class BreakerConfig:
+    """sglang-router's defaults: 10 failures open it for 60 s; 3 successes close it."""
+
+    failure_threshold: int = 10
+    success_threshold: int = 3
+    timeout_s: float = 60.0
+    enabled: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    """One engine instance behind the router."""
+
+    url: str
+    type: WorkerType = WorkerType.COLOCATED
+    bootstrap_port: int | None = None
+    healthy: bool = True
+    model_id: str | None = None
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    reported_reqs: int = 0
+    reported_waiting: int = 0
+    reported_pending_tokens: int = 0
+    health_failures: int = 0
+    health_successes: int = 0
+    breaker: BreakerState = BreakerState.CLOSED
+    breaker_failures: int = 0
+    breaker_successes: int = 0
+    breaker_opened_at: float = 0.0
+    processed: int = 0
+    added_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def load(self) -> int:
+        """Requests in flight: the router's own count or the worker's, whichever is larger."""
+        return max(self.in_flight, self.reported_reqs + self.reported_waiting)
+
+    @property
+    def queued_tokens(self) -> int:
+        return max(self.in_flight_tokens, self.reported_pending_tokens)
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if not a URL."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"} or not parts.hostname or parts.port is None:
+        raise ValueError(f"worker URL {url!r} must look like http://host:port")
+    return url
+
+
+class WorkerRegistry:
+    """Workers by URL, their breakers, and the health-check loop."""
+
+    def __init__(
+        self,
+        breaker: BreakerConfig,
+        health_interval_s: float = 60.0,
+        health_failure_threshold: int = 3,
+        health_success_threshold: int = 2,
+        health_timeout_s: float = 5.0,
+    ) -> None:
+        self.breaker = breaker
+        self.health_interval_s = health_interval_s
+        self.failure_threshold = health_failure_threshold
+        self.success_threshold = health_success_threshold
+        self.health_timeout_s = health_timeout_s
+        self.workers: dict[str, Worker] = {}
+        self.on_unhealthy: list = []  # callbacks(worker): trees forget a dead worker
+        self._task: asyncio.Task | None = None
+
+    def add(
+        self, url: str, type: WorkerType = WorkerType.COLOCATED, bootstrap_port: int | None = None
+    ) -> Worker:
+        url = normalize_url(url)
+        if url in self.workers:
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(url, type, bootstrap_port)
+        self.workers[url] = worker
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        url = normalize_url(url)
+        try:
+            worker = self.workers.pop(url)
+        except KeyError:
+            raise KeyError(f"no worker {url}") from None
+        for callback in self.on_unhealthy:
+            callback(worker)
+        return worker
+
+    def available(self, type: WorkerType | None = None) -> list[Worker]:
+        """Workers a request may go to: healthy, breaker not open, of the wanted type."""
+        now = time.monotonic()
+        out = []
+        for w in self.workers.values():
+            if type is not None and w.type is not type:
+                continue
+            if not w.healthy:
+                continue
+            if w.breaker is BreakerState.OPEN:
+                if now - w.breaker_opened_at < self.breaker.timeout_s:
+                    continue
+                w.breaker = BreakerState.HALF_OPEN
+                w.breaker_successes = 0
+            out.append(w)
+        return out
+
+    # ----------------------------------------------------------------- breaker
+
+    def record_success(self, worker: Worker) -> None:
+        worker.breaker_failures = 0
+        if worker.breaker is BreakerState.HALF_OPEN:
+            worker.breaker_successes += 1
+            if worker.breaker_successes >= self.breaker.success_threshold:
+                worker.breaker = BreakerState.CLOSED
+
+    def record_failure(self, worker: Worker) -> None:
+        if not self.breaker.enabled:
+            return
+        worker.breaker_failures += 1
+        if worker.breaker is BreakerState.HALF_OPEN or (
+            worker.breaker_failures >= self.breaker.failure_threshold
+        ):
+            worker.breaker = BreakerState.OPEN
+            worker.breaker_opened_at = time.monotonic()
+            log.warning("circuit breaker opened for %s", worker.url)
+
+    # ----------------------------------------------------------------- health
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        self._task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def check(self, worker: Worker) -> None:
+        """One probe: /health, then /get_load for the worker's own view of its queue."""
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        try:
+            async with self._session.get(worker.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:  # the load report is best effort: a healthy worker without it stays healthy
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with self._session.get(worker.url + "/get_load", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        self._apply_load(worker, await resp.json(content_type=None))
+        self._apply_health(worker, ok)
+
+    @staticmethod
+    def _apply_load(worker: Worker, loads: object) -> None:
+        if isinstance(loads, dict):
+            loads = loads.get("loads", [loads])
+        if not isinstance(loads, list):
+            return
+        entries = [x for x in loads if isinstance(x, dict)]
+        worker.reported_reqs = sum(int(x.get("num_reqs", 0) or 0) for x in entries)
+        worker.reported_waiting = sum(int(x.get("num_waiting_reqs", 0) or 0) for x in entries)
+        worker.reported_pending_tokens = sum(
+            int(x.get("num_pending_tokens", 0) or 0) for x in entries
+        )
+
+    def _apply_health(self, worker: Worker, ok: bool) -> None:
+        if ok:
+            worker.health_failures = 0
+            worker.health_successes += 1
+            if not worker.healthy and worker.health_successes >= self.success_threshold:
+                worker.healthy = True
+                log.warning("worker %s is healthy again", worker.url)
+            return
+        worker.health_successes = 0
+        worker.health_failures += 1
+        if worker.healthy and worker.health_failures >= self.failure_threshold:
+            worker.healthy = False
+            log.warning("worker %s marked unhealthy", worker.url)
+            for callback in self.on_unhealthy:
+                callback(worker)
+
+    def mark_dead(self, worker: Worker) -> None:
+        """A connection to it failed outright: count it as a failed health probe now."""
+        worker.health_failures = max(worker.health_failures, self.failure_threshold - 1)
+        self._apply_health(worker, False)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # never let the loop die
+                log.exception("health check round failed")
