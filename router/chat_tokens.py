@@ -79,7 +79,7 @@ class CachedEncoder:
         self._suffix: array | None = None
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
-        self._added_ids: dict[str, int] = {}
+        self._added_arrays: dict[str, array] = {}
         self.mode = "piecewise"
         reason = self._setup()
         if reason is None:
@@ -123,6 +123,7 @@ class CachedEncoder:
         """Counters: piece hits (served from cache) and misses (pieces encoded), cache size."""
         return {
             "mode": self.mode,
+            "text_prompts": "full encode" if self._prefix is None else self.mode,
             "calls": self._calls,
             "hits": self._hits,
             "misses": self._misses,
@@ -166,48 +167,47 @@ class CachedEncoder:
     def _full(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def _split(self, text: str) -> list[str | int]:
-        """Non-empty pieces (str) and added-token ids (int), in text order."""
-        parts: list[str | int] = []
-        ids = self._added_ids
+    def _split(self, text: str) -> list[str]:
+        """Alternating [piece, added token, piece, ..., piece]; pieces may be empty."""
+        parts = self._pattern.split(text)  # type: ignore[union-attr]
         npattern = self._npattern
-        for i, s in enumerate(self._pattern.split(text)):  # type: ignore[union-attr]
+        if npattern is None:
+            return parts
+        out: list[str] = []  # stage 2: normalized added tokens, inside the pieces
+        for i, s in enumerate(parts):
             if i & 1:
-                parts.append(ids[s])
-            elif s:
-                if npattern is None:
-                    parts.append(s)
-                else:  # stage 2: normalized added tokens, inside the remaining pieces
-                    for j, t in enumerate(npattern.split(s)):
-                        if j & 1:
-                            parts.append(ids[t])
-                        elif t:
-                            parts.append(t)
-        return parts
+                out.append(s)
+            else:
+                out.extend(npattern.split(s))  # itself alternating, odd length
+        return out
 
     def _encode_pieces(self, text: str) -> array:
         parts = self._split(text)
+        pieces = parts[0::2]
         cache = self._cache
-        missing = list(dict.fromkeys(p for p in parts if p.__class__ is str and p not in cache))
-        fresh: dict[str, array] = {}
+        missing = [p for p in dict.fromkeys(pieces) if p and p not in cache]
+        fresh: dict[str, array] = {"": array("I")}
         if missing:
-            fresh = dict(zip(missing, self._encode_many(missing), strict=True))
+            fresh.update(zip(missing, self._encode_many(missing), strict=True))
             self._misses += len(missing)
+        added = self._added_arrays
         out = array("I")
+        extend = out.extend
+        touch = cache.move_to_end
         hits = 0
-        for p in parts:
-            if p.__class__ is int:
-                out.append(p)  # type: ignore[arg-type]
-                continue
-            ids = fresh.get(p)  # type: ignore[arg-type]
-            if ids is None:
-                ids = cache[p]  # type: ignore[index]
-                cache.move_to_end(p)  # type: ignore[arg-type]
-                hits += 1
-            out.extend(ids)
+        for i, s in enumerate(parts):
+            if i & 1:
+                extend(added[s])
+            else:
+                ids = fresh.get(s)
+                if ids is None:
+                    ids = cache[s]
+                    touch(s)
+                    hits += 1
+                extend(ids)
         self._hits += hits
-        for piece, ids in fresh.items():
-            self._store(piece, ids)
+        for piece in missing:
+            self._store(piece, fresh[piece])
         return out
 
     def _encode_many(self, pieces: list[str]) -> list[array]:
@@ -232,11 +232,11 @@ class CachedEncoder:
 
     def _piecewise_uncached(self, text: str) -> list[int]:
         out: list[int] = []
-        for p in self._split(text):
-            if isinstance(p, int):
-                out.append(p)
-            else:
-                out.extend(self._tok.encode(p, add_special_tokens=False).ids)
+        for i, s in enumerate(self._split(text)):
+            if i & 1:
+                out.extend(self._added_arrays[s])
+            elif s:
+                out.extend(self._tok.encode(s, add_special_tokens=False).ids)
         return out
 
     # -- setup ----------------------------------------------------------------------------
@@ -268,7 +268,7 @@ class CachedEncoder:
                     f"rstrip={token.rstrip} single_word={token.single_word}"
                 )
             (normalized if token.normalized else raw).append(token.content)
-            self._added_ids[token.content] = token_id
+            self._added_arrays[token.content] = array("I", [token_id])
         if normalized and tok.normalizer is not None:
             return "normalized added tokens are matched on normalizer output"
         if not raw and not normalized:
@@ -280,7 +280,7 @@ class CachedEncoder:
     def _self_test(self) -> str | None:
         """Piece-wise equals full on probe texts around every added token, or why not."""
         probes = list(_PROBES)
-        for content in self._added_ids:
+        for content in self._added_arrays:
             probes.append(f"x{content}y {content} \n{content}\n\n{content}{content}  z  ")
         probes.append(" ".join(probes))
         for text in probes:
@@ -305,7 +305,10 @@ class CachedEncoder:
                 ):
                     self._prefix, self._suffix = array("I", prefix), array("I", suffix)
                     return
-        log.warning("CachedEncoder: post-processor is not a fixed prefix/suffix; full encodes")
+        log.warning(
+            "CachedEncoder: the post-processor is no fixed prefix/suffix: text prompts "
+            "with add_special_tokens=True get full encodes"
+        )
 
 
 def _alternation(contents: list[str]) -> re.Pattern[str]:

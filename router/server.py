@@ -480,7 +480,7 @@ class Router:
         if outcome.output_ids is not None:
             generated = outcome.output_ids
         elif outcome.output_text and self.encoder is not None:
-            generated = self.encoder.encode(outcome.output_text, add_special_tokens=False)
+            generated = self.encoder.tokenizer.encode(outcome.output_text, add_special_tokens=False)
         else:
             generated = []
         self.trees.record(WorkerType.COLOCATED, worker.url, tokens + generated)

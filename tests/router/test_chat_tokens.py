@@ -1,0 +1,165 @@
+"""CachedEncoder gives exactly the engine's token ids (real SmolLM2 tokenizer), caching history."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connector.tokenizer import ChatTokenizer
+from router.chat_tokens import CachedEncoder
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
+FRAGMENTS = [
+    " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", "\r\n", "\u00a0", "\u3000",
+    *SPECIALS,
+    "<|im_start", "im_end|>", "<|", "|>", "<", ">", "<|im_start|>user\n", "<|im_end|>\n",
+    "\U0001f642", "\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u00e9", "e\u0301", "\u4e2d\u6587",
+    "Hello", "world", "don't", "123456", "...", "def f(x):\n    return x",
+]  # fmt: skip
+
+fragment = st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=12))
+content = st.lists(fragment, max_size=12).map("".join)
+role = st.sampled_from(["system", "user", "assistant"])
+message = st.fixed_dictionaries({"role": role, "content": content})
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def chat(model_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def shared(chat: ChatTokenizer) -> CachedEncoder:
+    """One encoder across examples, so pieces cached by earlier examples get reused."""
+    return CachedEncoder(chat)
+
+
+def long_conversation(chat: ChatTokenizer, tokens: int) -> list[dict[str, str]]:
+    source = (Path(__file__).parents[2] / "README.md").read_text()
+    messages = [{"role": "system", "content": "You are a careful assistant."}]
+    i = 0
+    while len(chat.encode_chat(messages)) < tokens:
+        start = (i * 997) % (len(source) - 1600)
+        role_ = "user" if len(messages) % 2 else "assistant"
+        messages.append({"role": role_, "content": f"{i}: " + source[start : start + 1500]})
+        i += 1
+    if messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": "Go on."})
+    return messages
+
+
+def test_premise_holds_for_smollm2(shared: CachedEncoder) -> None:
+    stats = shared.stats()
+    assert stats["mode"] == "piecewise", stats["mode"]
+    # SmolLM2's post-processor adds nothing: add_special_tokens=True changes no ids.
+    assert len(shared._prefix) == len(shared._suffix) == 0  # type: ignore[arg-type]
+
+
+@SETTINGS
+@given(messages=st.lists(message, min_size=1, max_size=6), gen=st.booleans())
+def test_encode_chat_equals_engine(
+    chat: ChatTokenizer, shared: CachedEncoder, messages: list[dict[str, str]], gen: bool
+) -> None:
+    expected = chat.encode_chat(messages, add_generation_prompt=gen)
+    assert shared.encode_chat(messages, add_generation_prompt=gen) == expected
+    assert shared.encode_chat(messages, add_generation_prompt=gen) == expected  # all cached
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    first=st.lists(message, min_size=1, max_size=3),
+    turns=st.lists(st.tuples(content, content), min_size=1, max_size=6),
+    budget=st.sampled_from([50, 4_000_000]),
+)
+def test_multi_turn_equals_engine_on_every_turn(
+    chat: ChatTokenizer,
+    first: list[dict[str, str]],
+    turns: list[tuple[str, str]],
+    budget: int,
+) -> None:
+    encoder = CachedEncoder(chat, max_cached_tokens=budget)  # 50: eviction on every turn
+    messages = list(first)
+    for reply, question in turns:
+        assert encoder.encode_chat(messages) == chat.encode_chat(messages)
+        assert encoder.stats()["cached_tokens"] <= budget
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": question},
+        ]
+    assert encoder.encode_chat(messages) == chat.encode_chat(messages)
+
+
+@SETTINGS
+@given(text=content, special=st.booleans())
+def test_text_prompt_encode_equals_engine(
+    chat: ChatTokenizer, shared: CachedEncoder, text: str, special: bool
+) -> None:
+    assert shared.encode(text, add_special_tokens=special) == chat.encode(text, special)
+    assert shared.encode(text) == chat.encode(text)
+
+
+def test_turn_two_of_8k_conversation_encodes_only_new_messages(chat: ChatTokenizer) -> None:
+    encoder = CachedEncoder(chat, verify_every=1)
+    messages = long_conversation(chat, 8000)
+    ids = encoder.encode_chat(messages)
+    assert ids == chat.encode_chat(messages) and len(ids) >= 8000
+    first = encoder.stats()
+    assert first["encoded_tokens"] >= 7900  # turn 1 encodes nearly everything
+    for turn in range(3):
+        messages += [
+            {"role": "assistant", "content": f"Answer {turn}: the history stays as it was."},
+            {"role": "user", "content": f"Question {turn}: and <|im_start|> typed in text?  "},
+        ]
+        before = encoder.stats()
+        assert encoder.encode_chat(messages) == chat.encode_chat(messages)
+        after = encoder.stats()
+        # Pieces encoded: the new assistant and user messages (the user's typed special
+        # token splits it in two), nothing of the ~8K-token history.
+        assert after["misses"] - before["misses"] <= 3
+        assert after["encoded_tokens"] - before["encoded_tokens"] < 60
+    assert encoder.stats()["verified"] == 4 and encoder.stats()["mismatches"] == 0
+
+
+def test_verify_every_catches_a_wrong_cache_entry(chat: ChatTokenizer) -> None:
+    encoder = CachedEncoder(chat, verify_every=2)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = chat.encode_chat(messages)
+    assert encoder.encode_chat(messages) == expected
+    piece = "user\nWhat is the capital of France?"
+    encoder._cache[piece][0] += 1  # corrupt the cache
+    assert encoder.encode_chat(messages) == expected  # 2nd call verified: full encode wins
+    assert encoder.stats()["mismatches"] == 1
+    assert encoder.encode_chat(messages) != expected  # 3rd call not verified
+
+
+@pytest.mark.parametrize("flag", [{"lstrip": True}, {"rstrip": True}, {"single_word": True}, None])
+def test_unsafe_tokenizers_fall_back_to_full_encodes(
+    model_dir: Path, tmp_path: Path, flag: dict[str, bool] | None
+) -> None:
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((model_dir / "tokenizer.json").read_text())
+    if flag is None:
+        config["added_tokens"] = []  # no added tokens: nothing to split at
+    else:
+        config["added_tokens"][2].update(flag)  # <|im_end|>
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    chat = ChatTokenizer(tmp_path)
+    encoder = CachedEncoder(chat)
+    assert encoder.stats()["mode"].startswith("full encode:")
+    messages = [
+        {"role": "user", "content": "  spaces  <|im_end|>  around "},
+        {"role": "assistant", "content": "x<|im_end|>y"},
+    ]
+    for _ in range(2):
+        assert encoder.encode_chat(messages) == chat.encode_chat(messages)
+        assert encoder.encode("a <|im_end|> b") == chat.encode("a <|im_end|> b")
+    assert encoder.stats()["cached_pieces"] == 0
