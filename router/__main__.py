@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model directory with tokenizer.json (default: ask the workers' /get_model_info)",
     )
+    a(
+        "--kv-events-bind",
+        default=None,
+        help="bind a ZMQ SUB socket here (e.g. tcp://127.0.0.1:5557) for workers' KV events; "
+        "each worker publishes to it with its own URL as the topic",
+    )
     a("--tree-ttl-secs", type=float, default=300)
     a("--max-tree-size", type=int, default=1 << 20, help="pages per prompt tree")
     a("--page-size", type=int, default=16, help="must equal the workers' page size")
@@ -152,7 +158,9 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             not args.disable_retries,
         ),
     )
-    return Router(config, registry, trees, policy, encoder)
+    router = Router(config, registry, trees, policy, encoder)
+    router.kv_events_endpoint = args.kv_events_bind
+    return router
 
 
 async def serve(router: Router, args: argparse.Namespace) -> None:

@@ -57,10 +57,14 @@ class CostModel:
 
     prefill_s_per_token: float = 4.0e-5
     transfer_s_per_token: float = 5.2e-6  # 128 KiB per token over a 25 GB/s link
+    # Requests already running share every engine step with a new prefill: a decode step
+    # (6.8 ms) shared by a typical batch puts roughly this much in front of it per request.
+    busy_s_per_request: float = 2.0e-3
 
     def ttft(self, worker: Worker, tokens: int, cached: int, best: int) -> tuple[float, bool]:
         """(expected seconds, whether pulling the longer prefix `best` is the better plan)."""
         queue = worker.queued_tokens * self.prefill_s_per_token
+        queue += worker.load * self.busy_s_per_request
         own = queue + (tokens - cached) * self.prefill_s_per_token
         if best <= cached:
             return own, False

@@ -171,6 +171,8 @@ class Router:
         self._queued = 0
         registry.on_unhealthy.append(lambda w: trees.forget(w.url))
         self.session: aiohttp.ClientSession | None = None
+        self.kv_events_endpoint: str | None = None  # bind a SUB socket here for KV events
+        self.kv_listener = None
 
     # ----------------------------------------------------------------- app
 
@@ -204,9 +206,16 @@ class Router:
         await self.registry.check_all()
         await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        if self.kv_events_endpoint:
+            from router.kv_listener import KVEventListener
+
+            self.kv_listener = KVEventListener(self.kv_events_endpoint, self.trees, self.registry)
+            self.kv_listener.start()
 
     async def _stop(self, app: web.Application) -> None:
         self._expiry.cancel()
+        if self.kv_listener is not None:
+            await self.kv_listener.stop()
         await self.registry.stop()
         if self.session is not None:
             await self.session.close()
@@ -539,6 +548,13 @@ class Router:
                     "corrections": self.trees.stats.corrections,
                 },
                 "tokenizer": None if self.encoder is None else self.encoder.stats(),
+                "kv_events": None
+                if self.kv_listener is None
+                else {
+                    "endpoint": self.kv_events_endpoint,
+                    "batches": self.kv_listener.batches,
+                    "unknown_topics": self.kv_listener.unknown_topics,
+                },
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
             }
         )

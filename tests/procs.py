@@ -63,9 +63,11 @@ def stop(server: Server) -> None:
 
 
 @contextlib.contextmanager
-def running(module: str, args: list[str], log_dir: Path, timeout: float = 120) -> Iterator[Server]:
+def running(
+    module: str, args: list[str], log_dir: Path, timeout: float = 120, port: int | None = None
+) -> Iterator[Server]:
     """`python -m module --port P args...`, healthy before the block runs, stopped after."""
-    port = free_port()
+    port = port or free_port()
     log = log_dir / f"{module.replace('.', '_')}-{port}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(

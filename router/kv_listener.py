@@ -1,0 +1,119 @@
+"""Exact tree updates from engines' KV events (SGLang's ZMQ format).
+
+The router binds one SUB socket; each worker publishes to it with its own URL as the topic
+(SGLang's kv-events-config: {"publisher": "zmq", "endpoint": "tcp://ROUTER:PORT",
+"topic": "http://WORKER:PORT"}). BlockStored names pages by chained hashes plus their
+tokens, so the listener keeps, per worker, each page's parent and tokens to rebuild the full
+prefix a hash stands for; BlockRemoved drops that prefix's tail for the worker;
+AllBlocksCleared forgets the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from connector.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from router.trees import PromptTrees
+from router.workers import WorkerRegistry, WorkerType, normalize_url
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pages:
+    """One worker's pages by hash: (parent hash, the page's tokens)."""
+
+    parent: dict[int, int | None] = field(default_factory=dict)
+    tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def prefix(self, block_hash: int) -> list[int] | None:
+        """All tokens from the root to the end of this page; None if a link is unknown."""
+        chain: list[tuple[int, ...]] = []
+        current: int | None = block_hash
+        while current is not None:
+            if current not in self.tokens:
+                return None
+            chain.append(self.tokens[current])
+            current = self.parent[current]
+        return [t for page in reversed(chain) for t in page]
+
+
+class KVEventListener:
+    """Feeds the prompt trees from workers' KV events."""
+
+    def __init__(self, endpoint: str, trees: PromptTrees, registry: WorkerRegistry) -> None:
+        self.endpoint = endpoint
+        self.trees = trees
+        self.registry = registry
+        self.pages: dict[str, _Pages] = {}
+        self.batches = 0
+        self.unknown_topics = 0
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(endpoint)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close(linger=0)
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            try:
+                self.apply(frames[0].decode(), self._decoder.decode(frames[2]))
+            except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+                log.warning("undecodable KV event batch from %r", frames[0][:80])
+
+    def apply(self, topic: str, batch: KVEventBatch) -> None:
+        """Apply one batch published by the worker named by `topic`."""
+        try:
+            url = normalize_url(topic)
+        except ValueError:
+            url = topic
+        worker = self.registry.workers.get(url)
+        if worker is None:
+            self.unknown_topics += 1
+            return
+        self.batches += 1
+        pages = self.pages.setdefault(url, _Pages())
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(url, worker.type, pages, event)
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    tokens = pages.prefix(block_hash)
+                    if tokens is not None:
+                        keep = len(tokens) - len(pages.tokens[block_hash])
+                        self.trees.trees[worker.type].remove_holder(url, tokens, keep_tokens=keep)
+                    pages.tokens.pop(block_hash, None)
+                    pages.parent.pop(block_hash, None)
+            elif isinstance(event, AllBlocksCleared):
+                self.pages[url] = _Pages()
+                self.trees.forget(url)
+
+    def _stored(self, url: str, type: WorkerType, pages: _Pages, event: BlockStored) -> None:
+        size = event.block_size
+        parent = event.parent_block_hash
+        for i, block_hash in enumerate(event.block_hashes):
+            pages.parent[block_hash] = parent
+            pages.tokens[block_hash] = tuple(event.token_ids[i * size : (i + 1) * size])
+            parent = block_hash
+        tokens = pages.prefix(parent) if parent is not None else None
+        if tokens:
+            self.trees.record(type, url, tokens)

@@ -1,0 +1,174 @@
+"""Prompt trees and policies in-process: the rules, without HTTP."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.policies import (
+    CacheAware,
+    Cost,
+    CostModel,
+    PromptTree,
+    RouteRequest,
+    Session,
+    Thresholds,
+    make_policy,
+    policy_name,
+)
+from router.trees import PromptTrees
+from router.workers import (
+    BreakerConfig,
+    BreakerState,
+    Worker,
+    WorkerRegistry,
+    WorkerType,
+    normalize_url,
+)
+
+C = WorkerType.COLOCATED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def workers(n: int) -> list[Worker]:
+    return [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(n)]
+
+
+def test_trees_match_per_worker_and_expire() -> None:
+    clock = Clock()
+    trees = PromptTrees(page_size=4, ttl_s=10, clock=clock)
+    trees.record(C, "a", list(range(12)))
+    clock.now += 8
+    trees.record(C, "b", list(range(8)))
+    assert trees.match(C, list(range(20))).held == {"a": 12, "b": 8}
+    clock.now += 5  # "a" is 13 s old: past the TTL, "b" is 5 s old
+    assert trees.match(C, list(range(20))).held == {"b": 8}
+    assert trees.expire() == 1  # a's third page was a's alone
+    assert trees.match(C, list(range(20))).held == {"b": 8}
+
+
+def test_trees_forget_a_dead_worker_and_correct_on_feedback() -> None:
+    trees = PromptTrees(page_size=4)
+    trees.record(C, "a", list(range(16)))
+    trees.record(C, "b", list(range(16)))
+    trees.feedback(C, "a", list(range(16)), predicted=12, reported=4)
+    assert trees.match(C, list(range(16))).held == {"a": 4, "b": 16}
+    assert trees.stats.corrections == 1
+    trees.forget("b")
+    assert trees.match(C, list(range(16))).held == {"a": 4}
+
+
+def test_trees_size_bound_evicts_lru() -> None:
+    trees = PromptTrees(page_size=1, max_pages=10)
+    for start in range(0, 100, 5):
+        trees.record(C, "a", list(range(start, start + 5)))
+    assert trees.size(C) <= 10
+    assert trees.match(C, [95, 96]).held == {"a": 2}  # the newest survives
+
+
+def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
+    trees = PromptTrees(page_size=4)
+    ws = workers(3)
+    tokens = list(range(40))
+    trees.record(C, ws[1].url, tokens[:32])
+    trees.record(C, ws[2].url, tokens[:16])
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    d = policy.select(RouteRequest(tokens, "", None), ws)
+    assert d.worker is ws[1] and d.predicted_cached == 32 and d.holders == []
+    assert d.reason == "cache_hit"
+    ws[1].in_flight = 200  # far beyond the others: the guard moves the request
+    d = policy.select(RouteRequest(tokens, "", None), ws)
+    assert d.worker is not ws[1] and d.reason == "overload"
+    assert d.holders[0] == (ws[1].url, 32)  # the longer prefix's holder, for a MemPool pull
+
+
+def test_prompt_tree_without_any_hit_goes_to_the_least_loaded() -> None:
+    trees = PromptTrees(page_size=4)
+    ws = workers(3)
+    ws[0].in_flight, ws[1].in_flight = 3, 1
+    ws[2].in_flight = 2
+    d = PromptTree(trees, Thresholds(), CostModel()).select(RouteRequest([1] * 40, "", None), ws)
+    assert d.worker is ws[1] and d.reason == "cache_miss"
+
+
+def test_predicted_cached_leaves_one_token_to_compute() -> None:
+    trees = PromptTrees(page_size=4)
+    ws = workers(1)
+    trees.record(C, ws[0].url, list(range(16)))
+    d = PromptTree(trees, Thresholds(), CostModel()).select(
+        RouteRequest(list(range(16)), "", None), ws
+    )
+    assert d.predicted_cached == 12  # the engine recomputes the last prompt token
+
+
+def test_cost_weighs_queue_against_reuse() -> None:
+    trees = PromptTrees(page_size=4)
+    ws = workers(2)
+    tokens = list(range(1000))
+    trees.record(C, ws[0].url, tokens[:800])
+    cost = Cost(trees, Thresholds(), CostModel())
+    assert cost.select(RouteRequest(tokens, "", None), ws).worker is ws[0]
+    ws[0].in_flight_tokens = 100_000  # a long prefill queue outweighs 800 cached tokens
+    d = cost.select(RouteRequest(tokens, "", None), ws)
+    assert d.worker is ws[1] and d.holders == [(ws[0].url, 800)]
+
+
+def test_cache_aware_follows_sglang_rules() -> None:
+    ws = workers(2)
+    policy = CacheAware(Thresholds(cache=0.5, balance_abs=4, balance_rel=1.5))
+    first = policy.select(RouteRequest(None, "hello world, a long shared text", None), ws)
+    again = policy.select(RouteRequest(None, "hello world, a long shared text!", None), ws)
+    assert again.worker is first.worker and again.reason == "cache_hit"
+    first.worker.in_flight = 10  # imbalance: the least-loaded wins regardless of cache
+    d = policy.select(RouteRequest(None, "hello world, a long shared text?", None), ws)
+    assert d.worker is not first.worker and d.reason == "balance"
+
+
+def test_session_is_sticky_and_stable_when_others_leave() -> None:
+    ws = workers(4)
+    policy = Session()
+    home = policy.select(RouteRequest(None, "", "user-7"), ws).worker
+    assert all(policy.select(RouteRequest(None, "", "user-7"), ws).worker is home for _ in range(5))
+    others = [w for w in ws if w is not home][:2]
+    assert policy.select(RouteRequest(None, "", "user-7"), [home, *others]).worker is home
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [("prompt-tree", "prompt_tree"), ("Least-Load", "least_load"), ("cost", "cost")],
+)
+def test_policy_names(given: str, canonical: str) -> None:
+    assert policy_name(given) == canonical
+    assert make_policy(given, PromptTrees(), Thresholds(), CostModel()).name == canonical
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fastest'; choose one of"):
+        policy_name("fastest")
+
+
+def test_breaker_opens_half_opens_and_closes() -> None:
+    registry = WorkerRegistry(
+        BreakerConfig(failure_threshold=2, success_threshold=2, timeout_s=0.0)
+    )
+    w = registry.add("127.0.0.1:9001")
+    registry.record_failure(w)
+    assert w.breaker is BreakerState.CLOSED
+    registry.record_failure(w)
+    assert w.breaker is BreakerState.OPEN
+    assert registry.available() == [w] and w.breaker is BreakerState.HALF_OPEN  # timeout 0
+    registry.record_success(w)
+    registry.record_success(w)
+    assert w.breaker is BreakerState.CLOSED
+
+
+@pytest.mark.parametrize("bad", ["", "ftp://x:1", "http://nohost", "localhost"])
+def test_bad_worker_urls(bad: str) -> None:
+    with pytest.raises(ValueError, match="http://host:port"):
+        normalize_url(bad)
