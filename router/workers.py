@@ -191,9 +191,11 @@ class WorkerRegistry:
             ok = False
         if ok:  # the load report is best effort: a healthy worker without it stays healthy
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                async with self._session.get(worker.url + "/get_load", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        self._apply_load(worker, await resp.json(content_type=None))
+                for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
+                    async with self._session.get(worker.url + path, timeout=timeout) as resp:
+                        if resp.status == 200:
+                            self._apply_load(worker, await resp.json(content_type=None))
+                            break
         self._apply_health(worker, ok)
 
     @staticmethod
