@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mempool.radix import RadixTree
@@ -25,7 +26,7 @@ from router.workers import Worker, WorkerType
 class RouteRequest:
     """What a policy may look at."""
 
-    tokens: list[int] | None
+    tokens: Sequence[int] | None  # uint32 array from the router
     text: str
     session: str | None
     type: WorkerType = WorkerType.COLOCATED
@@ -196,7 +197,9 @@ class PromptTree(Policy):
             choice, reason = best, "cache_hit"
         return self._decide(choice, reason, tokens, view)
 
-    def _decide(self, choice: Worker, reason: str, tokens: list[int], view: PrefixView) -> Decision:
+    def _decide(
+        self, choice: Worker, reason: str, tokens: Sequence[int], view: PrefixView
+    ) -> Decision:
         mine = view.held.get(choice.url, 0)
         holders = sorted(((u, n) for u, n in view.held.items() if n > mine), key=lambda x: -x[1])
         return Decision(choice, self._predicted(mine, len(tokens)), holders, reason)

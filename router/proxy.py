@@ -95,8 +95,9 @@ def read_result(body: Any, outcome: Outcome) -> None:
 class SSEWatcher:
     """Parses a passing SSE byte stream without altering it."""
 
-    def __init__(self, outcome: Outcome) -> None:
+    def __init__(self, outcome: Outcome, inspect: bool = True) -> None:
         self.outcome = outcome
+        self.inspect = inspect  # parse events for the trees, or only watch for [DONE]
         self._buffer = b""
         self.done = False  # saw `data: [DONE]`: the worker finished the stream
 
@@ -107,7 +108,7 @@ class SSEWatcher:
             for line in event.split(b"\n"):
                 if line == b"data: [DONE]":
                     self.done = True
-                elif line.startswith(b"data: "):
+                elif self.inspect and line.startswith(b"data: "):
                     with contextlib.suppress(json.JSONDecodeError):
                         self._apply(json.loads(line[6:]))
 
@@ -137,6 +138,7 @@ async def forward(
     timeout_s: float,
     outcome: Outcome,
     on_first_byte,
+    inspect: bool = True,
 ) -> web.StreamResponse:
     """POST `payload` to `url` and relay the answer to the client of `request`.
 
@@ -164,7 +166,7 @@ async def forward(
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
             on_first_byte()
-            if resp.status == 200:
+            if resp.status == 200 and inspect:
                 with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
                     read_result(json.loads(body), outcome)
             return web.Response(
@@ -178,7 +180,7 @@ async def forward(
             headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS},
         )
         await client.prepare(request)
-        watcher = SSEWatcher(outcome)
+        watcher = SSEWatcher(outcome, inspect)
         try:
             async for chunk in resp.content.iter_any():
                 if not outcome.first_byte:

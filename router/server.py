@@ -12,12 +12,14 @@ import hmac
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,6 +30,7 @@ from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
 log = logging.getLogger(__name__)
+_json_decode = msgspec.json.Decoder().decode
 INFERENCE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics"}
 
@@ -102,6 +105,27 @@ class RouterMetrics:
             "sgl_router_processed_requests", "Requests per worker", ["worker"], registry=r
         )
         r.register(self)
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def _child(self, kind: str, label: str, make) -> Any:
+        """Labelled children, looked up once: .labels() costs microseconds per call."""
+        key = (kind, label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = make(label)
+        return child
+
+    def for_route(self, route: str) -> tuple[Any, Any]:
+        return (
+            self._child("requests", route, self.requests.labels),
+            self._child("duration", route, self.duration.labels),
+        )
+
+    def event(self, reason: str) -> Any:
+        return self._child("event", reason, self.events.labels)
+
+    def for_worker(self, url: str) -> Any:
+        return self._child("processed", url, self.processed.labels)
 
     def collect(self):
         router = self.router
@@ -264,13 +288,16 @@ class Router:
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         route = request.path
-        self.metrics.requests.labels(route).inc()
+        requests, duration = self.metrics.for_route(route)
+        requests.inc()
         started = time.perf_counter()
         async with self._admission():
             raw = await request.read()
             body = self._parse(raw)
             self._check_model(body)
-            tokens, text = self._tokenize(route, body)
+            tokens, text = self._tokenize(route, body, self.policy.uses_tokens)
+            if not text and tokens is not None and self.policy.name == "cache_aware":
+                text = " ".join(map(str, tokens))  # sglang-router's tree sees the raw ids
             session = request.headers.get("X-Session-Id") or (
                 body.get("user") if isinstance(body.get("user"), str) else None
             )
@@ -278,7 +305,7 @@ class Router:
             try:
                 return await self._dispatch(request, route, body, raw, route_request)
             finally:
-                self.metrics.duration.labels(route).observe(time.perf_counter() - started)
+                duration.observe(time.perf_counter() - started)
 
     @contextlib.asynccontextmanager
     async def _admission(self) -> AsyncIterator[None]:
@@ -311,8 +338,8 @@ class Router:
     @staticmethod
     def _parse(raw: bytes) -> dict[str, Any]:
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = _json_decode(raw)
+        except msgspec.DecodeError as exc:
             raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
@@ -326,9 +353,15 @@ class Router:
             raise RequestError(400, "'model' must be a string")
         raise RequestError(404, f"model {model!r} not found; served: {sorted(self.model_ids)}")
 
-    def _tokenize(self, route: str, body: dict[str, Any]) -> tuple[list[int] | None, str]:
-        """Token ids (as the engine will see them) and raw text; 400 on malformed prompts."""
-        enc = self.encoder
+    def _tokenize(
+        self, route: str, body: dict[str, Any], want_tokens: bool
+    ) -> tuple[array | None, str]:
+        """Token ids as the engine will see them (uint32, only if wanted) and the raw text.
+
+        Malformed prompts are 400 whatever the policy; tokenizing costs milliseconds on long
+        prompts, so only token-routing policies pay for it.
+        """
+        enc = self.encoder if want_tokens else None
         if route == "/v1/chat/completions":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -347,7 +380,7 @@ class Router:
             if enc is None:
                 return None, text
             try:
-                return enc.encode_chat(parts, tools=body.get("tools")), text
+                return enc.encode_chat_array(parts, tools=body.get("tools")), text
             except ValueError as exc:
                 raise RequestError(400, f"cannot apply the chat template: {exc}") from None
         if route == "/v1/completions":
@@ -365,14 +398,20 @@ class Router:
         if (text is None) == (ids is None):
             raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
         if ids is not None:
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise RequestError(400, "'input_ids' must be a list of token ids")
-            return ids, " ".join(map(str, ids))
+            return self._ids("input_ids", ids), ""
         if not isinstance(text, str):
             raise RequestError(400, "'text' must be a string")
-        return (enc.encode(text) if enc else None), text
+        return (array("I", enc.encode(text)) if enc else None), text
+
+    @staticmethod
+    def _ids(name: str, ids: Any) -> array:
+        """Client-given token ids as uint32; 400 unless a list of non-negative ints."""
+        if not isinstance(ids, list) or any(isinstance(t, bool) for t in ids):
+            raise RequestError(400, f"'{name}' must be a list of token ids")
+        try:
+            return array("I", ids)
+        except (TypeError, OverflowError):
+            raise RequestError(400, f"'{name}' must be a list of token ids") from None
 
     async def _dispatch(
         self,
@@ -411,7 +450,10 @@ class Router:
                     self.metrics.retries.inc()
                     await asyncio.sleep(retry.backoff(attempt))
                 continue
-            self._learn(route, route_request, decision, outcome)
+            # Learning is for the next request: off this one's critical path.
+            asyncio.get_running_loop().call_soon(
+                self._learn, route, route_request, decision, outcome
+            )
             return response
         raise RequestError(
             503, f"no worker could serve the request: {last_error}", {"Retry-After": "1"}
@@ -445,7 +487,7 @@ class Router:
                 released = True
                 worker.in_flight_tokens -= pending
 
-        self.metrics.events.labels(decision.reason).inc()
+        self.metrics.event(decision.reason).inc()
         (self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses).inc()
         if tokens and self.policy.uses_tokens:
             self.trees.record(WorkerType.COLOCATED, worker.url, tokens)  # optimistic
@@ -463,7 +505,7 @@ class Router:
             prefill_done()
             worker.in_flight -= 1
             worker.processed += 1
-            self.metrics.processed.labels(worker.url).inc()
+            self.metrics.for_worker(worker.url).inc()
 
     def _learn(
         self, route: str, route_request: RouteRequest, decision: Decision, outcome: Outcome
@@ -486,13 +528,14 @@ class Router:
                 decision.predicted_cached,
                 outcome.cached_tokens,
             )
+        prefix = array("I", tokens)
         if outcome.output_ids is not None:
-            generated = outcome.output_ids
+            prefix.extend(outcome.output_ids)
         elif outcome.output_text and self.encoder is not None:
-            generated = self.encoder.tokenizer.encode(outcome.output_text, add_special_tokens=False)
-        else:
-            generated = []
-        self.trees.record(WorkerType.COLOCATED, worker.url, tokens + generated)
+            prefix.extend(
+                self.encoder.tokenizer.encode(outcome.output_text, add_special_tokens=False)
+            )
+        self.trees.record(WorkerType.COLOCATED, worker.url, prefix)
 
     # ----------------------------------------------------------------- management
 
