@@ -500,6 +500,7 @@ class Router:
                 self.config.request_timeout_s,
                 outcome,
                 prefill_done,
+                inspect=self.policy.uses_tokens,  # only token policies learn from answers
             )
         finally:
             prefill_done()
