@@ -31,18 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
 import mempool
-from benchmarks.report import write_results
+from benchmarks.report import percentile, progress_bar, step, write_results
 from mempool import KVBlockSpec, Layout, MemPool, aggregate, disaggregate, transfer_segments
 
 NAME = "mempool_micro"
@@ -149,8 +141,7 @@ def median_us(samples_ns: Sequence[float]) -> float:
 
 
 def percentile_us(samples_ns: Sequence[float], q: float) -> float:
-    ordered = sorted(samples_ns)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] / 1e3
+    return percentile(samples_ns, q) / 1e3
 
 
 def calibration_us(reps: int = 300) -> float:
@@ -602,23 +593,6 @@ def plot(path: Path, alloc_curve: Sequence[AllocPoint], index_curve: Sequence[In
 # --------------------------------------------------------------------------- driver
 
 
-def progress_bar() -> Progress:
-    """Progress on stderr; no refresh thread, so nothing competes with the timed loops."""
-    return Progress(
-        TextColumn("[bold]{task.description:<34}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        auto_refresh=False,
-    )
-
-
-def step(progress: Progress, task: TaskID) -> None:
-    progress.advance(task)
-    progress.refresh()
-
-
 def bench_alloc(settings: Settings, progress: Progress) -> tuple[dict[str, Any], list[AllocPoint]]:
     task = progress.add_task("alloc/free (8..1024 blocks)", total=len(ALLOC_SWEEP) + 1)
     pool = MemPool(0, BENCH_SPEC, host_blocks=POOL_BLOCKS)
@@ -702,7 +676,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     settings = QUICK if quick else FULL
     started = time.perf_counter()
     calibration = [calibration_us()]
-    with progress_bar() as progress:
+    with progress_bar(34) as progress:
         alloc_figures, alloc_curve = bench_alloc(settings, progress)
         calibration.append(calibration_us())
         index_figures, index_curve = bench_index(settings, progress)

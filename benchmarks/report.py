@@ -17,6 +17,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -116,3 +126,28 @@ def write_results(
     md_path = out_dir / f"{name}.md"
     md_path.write_text("\n".join(parts))
     return json_path, md_path
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..1); NaN for no samples."""
+    if not samples:
+        return math.nan
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def progress_bar(width: int = 38) -> Progress:
+    """Progress on stderr; no refresh thread, so nothing competes with the timed loops."""
+    return Progress(
+        TextColumn(f"[bold]{{task.description:<{width}}}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        auto_refresh=False,
+    )
+
+
+def step(progress: Progress, task: TaskID) -> None:
+    progress.advance(task)
+    progress.refresh()

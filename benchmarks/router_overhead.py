@@ -53,17 +53,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
-from benchmarks.report import markdown_table, write_results
+from benchmarks.report import markdown_table, percentile, progress_bar, step, write_results
 
 NAME = "router_overhead"
 SEED = 20240623
@@ -162,14 +154,6 @@ FULL = Settings(
 
 
 # --------------------------------------------------------------------------- statistics
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..1); NaN for no samples."""
-    if not samples:
-        return math.nan
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def p50_p99(samples: Sequence[float], scale: float = 1.0) -> dict[str, float]:
@@ -1018,23 +1002,6 @@ def plot(path: Path, fig: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def progress_bar() -> Progress:
-    """Progress on stderr; no refresh thread, so nothing competes with the timed loops."""
-    return Progress(
-        TextColumn("[bold]{task.description:<38}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        auto_refresh=False,
-    )
-
-
-def step(progress: Progress, task: TaskID) -> None:
-    progress.advance(task)
-    progress.refresh()
 
 
 def run_async(coro: Any) -> Any:
