@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from connector.http_errors import json_error
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
 from router.trees import PromptTrees
@@ -42,25 +43,6 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
-
-
-def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        413: "RequestTooLarge",
-        429: "RateLimitError",
-        503: "ServiceUnavailable",
-    }
-    body = {
-        "object": "error",
-        "message": message,
-        "type": kind.get(status, "Error"),
-        "param": None,
-        "code": status,
-    }
-    return web.json_response(body, status=status, headers=headers)
 
 
 @dataclass(slots=True)
@@ -272,7 +254,7 @@ class Router:
         try:
             return await handler(request)
         except RequestError as exc:
-            return json_error(exc.status, str(exc), exc.headers)
+            return json_error(exc.status, str(exc), headers=exc.headers)
         except web.HTTPRequestEntityTooLarge:
             return json_error(
                 413,

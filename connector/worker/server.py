@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from connector.http_errors import json_error
 from connector.tokenizer import ChatTokenizer, IncrementalDecoder
 from connector.worker.protocol import (
     BadRequest,
@@ -44,11 +45,6 @@ class WorkerInfo:
     server_args: dict[str, Any]
 
 
-def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status)
-
-
 @web.middleware
 async def errors_as_json(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -57,16 +53,16 @@ async def errors_as_json(
     try:
         return await handler(request)
     except BadRequest as exc:
-        return error_response(400, str(exc))
+        return json_error(400, str(exc))
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return error_response(exc.status, exc.reason, type(exc).__name__)
+            return json_error(exc.status, exc.reason, type(exc).__name__)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:
         log.exception("unexpected error on %s", request.path)
-        return error_response(500, f"internal error: {exc}", "InternalServerError")
+        return json_error(500, f"internal error: {exc}", "InternalServerError")
 
 
 async def read_json(request: web.Request) -> Any:
@@ -398,7 +394,7 @@ class WorkerServer:
         try:
             await asyncio.wait_for(self._run(gen), timeout=20)
         except TimeoutError:
-            return error_response(503, "health generation timed out", "ServiceUnavailable")
+            return json_error(503, "health generation timed out", "ServiceUnavailable")
         return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:

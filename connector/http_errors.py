@@ -1,0 +1,30 @@
+"""One JSON error body for the worker and the router (SGLang's OpenAI-style error shape)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+_KINDS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLarge",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "WorkerError",
+    503: "ServiceUnavailable",
+}
+
+
+def json_error(
+    status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    """`{"object": "error", "message", "type", "param": null, "code"}` with this status."""
+    body = {
+        "object": "error",
+        "message": message,
+        "type": kind or _KINDS.get(status, "Error"),
+        "param": None,
+        "code": status,
+    }
+    return web.json_response(body, status=status, headers=headers)
