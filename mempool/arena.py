@@ -91,11 +91,6 @@ class HostArena:
         start = block * self.block_size
         return self._view[start : start + self.block_size]
 
-    def span(self, block: int, count: int) -> memoryview:
-        """Zero-copy view of `count` adjacent blocks."""
-        start = block * self.block_size
-        return self._view[start : start + count * self.block_size]
-
     def read(self, block: int) -> bytes:
         return bytes(self.view(block))
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,7 +57,6 @@ class Outcome:
     first_byte: bool = False
     error: str | None = None
     streamed: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 class WorkerUnavailable(Exception):

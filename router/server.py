@@ -28,7 +28,7 @@ from connector.http_errors import json_error
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
 from router.trees import PromptTrees
-from router.workers import Worker, WorkerRegistry, WorkerType
+from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
 
 log = logging.getLogger(__name__)
 _json_decode = msgspec.json.Decoder().decode
@@ -408,9 +408,8 @@ class Router:
         attempts = 1 + (retry.max_retries if retry.enabled else 0)
         last_error = "no healthy worker"
         for attempt in range(attempts):
-            workers = [
-                w for w in self.registry.available(route_request.type) if w.url not in tried
-            ] or [w for w in self.registry.available(route_request.type)]
+            available = self.registry.available(route_request.type)
+            workers = [w for w in available if w.url not in tried] or available
             if not workers:
                 break
             decision = self.policy.select(route_request, workers)
@@ -643,8 +642,6 @@ class Router:
         return unquote(request.match_info["url"])
 
     async def get_worker(self, request: web.Request) -> web.Response:
-        from router.workers import normalize_url
-
         try:
             worker = self.registry.workers[normalize_url(self._find(request))]
         except (KeyError, ValueError):

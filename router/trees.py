@@ -25,12 +25,6 @@ class PrefixView:
 
     held: dict[str, int]  # worker URL -> cached prefix tokens (page-aligned)
 
-    def best(self) -> tuple[str | None, int]:
-        if not self.held:
-            return None, 0
-        url = max(self.held, key=self.held.__getitem__)
-        return url, self.held[url]
-
 
 @dataclass(slots=True)
 class TreeStats:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
 
@@ -63,11 +63,6 @@ class Worker:
     breaker_successes: int = 0
     breaker_opened_at: float = 0.0
     processed: int = 0
-    added_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
 
     @property
     def load(self) -> int:

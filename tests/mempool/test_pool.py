@@ -342,3 +342,13 @@ def test_unreserved_arena_stays_virtual_until_written() -> None:
     rss_kib = int(next(x for x in status if x.startswith("VmRSS")).split()[1])
     assert rss_kib < 4 * 1024 * 1024  # far below the 8 GiB mapped
     pool.close()
+
+
+def test_insert_with_lock_keeps_a_running_request_s_pages(pool: MemPool) -> None:
+    """Chunked prefill: the request caches what it has so far and keeps it pinned."""
+    chunk = list(range(8))
+    result = pool.insert(chunk, pool.alloc_blocks(2), InsertFlags.LOCK)
+    assert pool.evict(10) == [] and pool.index.protected_pages == 2
+    pool.release(result)
+    assert len(pool.evict(10)) == 2
+    assert free_counts(pool)["host"] == 32
