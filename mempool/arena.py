@@ -86,6 +86,10 @@ class HostArena:
         """Virtual address of the region, for a transport's one-time memory registration."""
         return ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
+    def region(self) -> memoryview:
+        """Zero-copy view of the whole arena (what a transport registers and copies into)."""
+        return self._view
+
     def view(self, block: int) -> memoryview:
         """Zero-copy view of one block."""
         start = block * self.block_size

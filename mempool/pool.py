@@ -130,6 +130,22 @@ class MemPool:
             raise InvalidRequest(f"block {addr:#x} lives in GPU memory; use read_block")
         return arena.view(block)  # type: ignore[union-attr]
 
+    def region(self, mem_type: MemType | str) -> memoryview:
+        """Zero-copy view of a whole host (or emulated device) tier, for transports."""
+        arena = self.arenas[self._allocator(mem_type).mem_type]
+        if not hasattr(arena, "region"):
+            raise InvalidRequest(f"the {arena.mem_type.name.lower()} tier lives in GPU memory")
+        return arena.region()  # type: ignore[union-attr]
+
+    def region_base(self, mem_type: MemType | str) -> int:
+        """Virtual address of a tier's first byte (for RDMA / Mooncake registration)."""
+        return self.arenas[self._allocator(mem_type).mem_type].base_address
+
+    def offset_of(self, addr: int) -> tuple[MemType, int]:
+        """(tier, byte offset in its arena) of an allocated block: what a Segment names."""
+        arena, block = self._locate(addr)
+        return arena.mem_type, block * self.block_size
+
     # ----------------------------------------------------------------- index API
 
     def insert(

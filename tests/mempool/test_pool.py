@@ -352,3 +352,17 @@ def test_insert_with_lock_keeps_a_running_request_s_pages(pool: MemPool) -> None
     pool.release(result)
     assert len(pool.evict(10)) == 2
     assert free_counts(pool)["host"] == 32
+
+
+def test_region_and_offset_name_the_same_bytes(pool: MemPool) -> None:
+    addrs = pool.alloc_blocks(3, MemType.DEVICE)
+    data = fill(pool, addrs)
+    region = pool.region(MemType.DEVICE)
+    for addr, payload in zip(addrs, data, strict=True):
+        mem_type, offset = pool.offset_of(addr)
+        assert mem_type == MemType.DEVICE
+        assert bytes(region[offset : offset + pool.block_size]) == payload
+    assert pool.region_base(MemType.HOST) != pool.region_base(MemType.DEVICE)
+    pool.free_mem(addrs)
+    with pytest.raises(InvalidAddress, match="not an allocated block"):
+        pool.offset_of(addrs[0])

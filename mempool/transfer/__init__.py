@@ -1,0 +1,1 @@
+"""MemPool's distributed side: moving KV blocks between instances (MemServe 4.3, 4.4)."""
