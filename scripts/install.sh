@@ -4,6 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-model}"
 pip=(python3 -m pip install --quiet --disable-pip-version-check)
+# Debian packages: redis-server (membership, shared router state; tests start their own),
+# rdma-core's pyverbs (the RDMA transport; no device here, its logic is tested on a double)
+# and the libraries Mooncake's transfer engine links against.
+debs=(redis-server python3-pyverbs libibverbs1 libnuma1 libcurl4)
+missing=()
+for d in "${debs[@]}"; do dpkg -s "$d" >/dev/null 2>&1 || missing+=("$d"); done
+if ((${#missing[@]})); then
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 # torch first, pinned: the CPU build on local disk (an unpinned torch pulls a CUDA build).
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[${extras}]"
