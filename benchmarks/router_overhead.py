@@ -587,7 +587,7 @@ def tokenizer_costs(
     tokenizer: Any, conversations: list[Conversation], progress: Progress
 ) -> dict[str, Any]:
     """Full encode of an 8K chat, and our CachedEncoder cold (a new chat) and warm (turn 2)."""
-    from router.chat_tokens import CachedEncoder
+    from connector.token_cache import CachedEncoder
 
     task = progress.add_task("tokenizer: 8K chats", total=len(conversations) - 1)
     encoder = CachedEncoder(tokenizer)
@@ -625,7 +625,7 @@ def decision_time(
     tokenizer: Any, settings: Settings, progress: Progress
 ) -> tuple[dict[str, Any], list[Conversation]]:
     """PromptTree.select for an 8K-token request over trees holding many 8K chats."""
-    from router.chat_tokens import CachedEncoder
+    from connector.token_cache import CachedEncoder
     from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
     from router.trees import PromptTrees
     from router.workers import Worker, WorkerType
@@ -1029,7 +1029,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
             port = free_port()
             args = [sys.executable, "-m", "connector.worker", "--backend", "sim"]
             args += ["--time-scale", "0", "--model-path", str(model_dir), "--host", "127.0.0.1"]
-            args += ["--port", str(port), "--instance-id", str(i + 1)]
+            args += ["--port", str(port), "--instance-id", str(i + 1), "--tokenizer-cache"]
             workers.append(Proc(f"worker {i + 1}", args, port, log_dir / f"worker-{i + 1}.log"))
         systems = make_systems(workers, log_dir, peer_ok, peer_why)
         try:
@@ -1105,7 +1105,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         "config": {
             "settings": asdict(settings),
             "workers": 2,
-            "worker_args": "--backend sim --time-scale 0",
+            "worker_args": "--backend sim --time-scale 0 --tokenizer-cache",
             "model_dir": str(model_dir),
         },
     }

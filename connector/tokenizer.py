@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -32,6 +32,14 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+class PromptEncoder(Protocol):
+    """What turns a request's prompt into ids: `ChatTokenizer`, or its exact cache."""
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 class ChatTokenizer:

@@ -100,8 +100,8 @@ def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
 def load_encoder(path: Path | None):
     if path is None:
         return None
+    from connector.token_cache import CachedEncoder
     from connector.tokenizer import ChatTokenizer
-    from router.chat_tokens import CachedEncoder
 
     return CachedEncoder(ChatTokenizer(path))
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
+_decode_json = msgspec.json.Decoder().decode  # several times faster than json.loads
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 HOP_HEADERS = {
     "content-length",
@@ -108,8 +110,8 @@ class SSEWatcher:
                 if line == b"data: [DONE]":
                     self.done = True
                 elif self.inspect and line.startswith(b"data: "):
-                    with contextlib.suppress(json.JSONDecodeError):
-                        self._apply(json.loads(line[6:]))
+                    with contextlib.suppress(msgspec.DecodeError):
+                        self._apply(_decode_json(line[6:]))
 
     def _apply(self, body: Any) -> None:
         if not isinstance(body, dict):
@@ -166,8 +168,8 @@ async def forward(
                 raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
             on_first_byte()
             if resp.status == 200 and inspect:
-                with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
-                    read_result(json.loads(body), outcome)
+                with contextlib.suppress(msgspec.DecodeError):
+                    read_result(_decode_json(body), outcome)
             return web.Response(
                 status=resp.status,
                 body=body,

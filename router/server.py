@@ -166,7 +166,7 @@ class Router:
         self.registry = registry
         self.trees = trees
         self.policy = policy
-        self.encoder = encoder  # router.chat_tokens.CachedEncoder, or None (no token policies)
+        self.encoder = encoder  # connector.token_cache.CachedEncoder, or None (no token policies)
         self.model_ids: set[str] = set()
         self.metrics = RouterMetrics(self)
         self._slots = (
@@ -470,8 +470,10 @@ class Router:
 
         self.metrics.event(decision.reason).inc()
         (self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses).inc()
-        if tokens and self.policy.uses_tokens:
-            self.trees.record(WorkerType.COLOCATED, worker.url, tokens)  # optimistic
+        if tokens and self.policy.uses_tokens:  # optimistic; right after the request is sent
+            asyncio.get_running_loop().call_soon(
+                self.trees.record, WorkerType.COLOCATED, worker.url, tokens
+            )
         try:
             return await forward(
                 self.session,

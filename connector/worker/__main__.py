@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for SGLang compatibility; cached_tokens is always reported",
     )
+    p.add_argument(
+        "--tokenizer-cache",
+        action="store_true",
+        help="encode chat history with the router's exact per-piece token cache "
+        "(connector/token_cache.py) instead of a full encode per request; off by default, "
+        "as in SGLang",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -168,7 +175,13 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     server_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     server_args["model_path"] = str(model_dir)
     name = args.served_model_name or str(model_dir)
-    server = WorkerServer(scheduler, tokenizer, WorkerInfo(str(model_dir), name, server_args))
+    encoder = None
+    if args.tokenizer_cache:
+        from connector.token_cache import CachedEncoder
+
+        encoder = CachedEncoder(tokenizer)
+    info = WorkerInfo(str(model_dir), name, server_args)
+    server = WorkerServer(scheduler, tokenizer, info, encoder)
     return server.app(), server_args
 
 

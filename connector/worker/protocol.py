@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.tokenizer import ChatTemplateError, ChatTokenizer
+from connector.tokenizer import ChatTemplateError, PromptEncoder
 from connector.worker.sequence import SamplingParams
 
 # SGLang sampling parameters this worker accepts but does not apply (kept for compatibility).
@@ -172,7 +172,7 @@ def _body(body: Any) -> dict[str, Any]:
     return body
 
 
-def parse_generate(body: Any, tokenizer: ChatTokenizer) -> GenerateInput:
+def parse_generate(body: Any, tokenizer: PromptEncoder) -> GenerateInput:
     """SGLang `/generate`: one prompt as `text` or `input_ids`."""
     body = _body(body)
     text, ids = body.get("text"), body.get("input_ids")
@@ -240,7 +240,7 @@ def _message_text(index: int, content: Any) -> str:
     raise _type_error(f"messages[{index}].content", "a string or a list of parts", content)
 
 
-def parse_chat(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput, bool]:
+def parse_chat(body: Any, tokenizer: PromptEncoder) -> tuple[GenerateInput, bool]:
     """OpenAI `/v1/chat/completions`; returns the input and whether to report usage in streams."""
     body = _body(body)
     messages = body.get("messages")
@@ -258,7 +258,7 @@ def parse_chat(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput, bool
     return _openai_input(body, input_ids, ("max_completion_tokens", "max_tokens"), 128)
 
 
-def parse_completion(body: Any, tokenizer: ChatTokenizer) -> tuple[GenerateInput, bool]:
+def parse_completion(body: Any, tokenizer: PromptEncoder) -> tuple[GenerateInput, bool]:
     """OpenAI `/v1/completions` with one prompt (text or token ids)."""
     body = _body(body)
     prompt = body.get("prompt")

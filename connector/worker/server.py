@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from connector.http_errors import json_error
-from connector.tokenizer import ChatTokenizer, IncrementalDecoder
+from connector.tokenizer import ChatTokenizer, IncrementalDecoder, PromptEncoder
 from connector.worker.protocol import (
     BadRequest,
     GenerateInput,
@@ -143,9 +143,16 @@ class WorkerMetrics:
 class WorkerServer:
     """Routes of one worker; `app()` builds the aiohttp application."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: ChatTokenizer, info: WorkerInfo) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: ChatTokenizer,
+        info: WorkerInfo,
+        encoder: PromptEncoder | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.encoder = encoder or tokenizer  # prompts -> ids (the exact cache, if enabled)
         self.info = info
         self.metrics = WorkerMetrics(scheduler, info.served_model_name)
 
@@ -234,7 +241,7 @@ class WorkerServer:
         return response
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        gen = parse_generate(await read_json(request), self.tokenizer)
+        gen = parse_generate(await read_json(request), self.encoder)
         if gen.stream:
 
             def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
@@ -325,7 +332,7 @@ class WorkerServer:
         )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        gen, include_usage = parse_chat(await read_json(request), self.tokenizer)
+        gen, include_usage = parse_chat(await read_json(request), self.encoder)
         started = False
 
         def stream_choice(seq: Sequence, delta: str, finish: str | None) -> dict[str, Any] | None:
@@ -348,7 +355,7 @@ class WorkerServer:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        gen, include_usage = parse_completion(await read_json(request), self.tokenizer)
+        gen, include_usage = parse_completion(await read_json(request), self.encoder)
         return await self._openai(
             request,
             gen,

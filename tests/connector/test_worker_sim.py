@@ -323,3 +323,25 @@ def test_request_outgrowing_the_cache_is_aborted_cleanly(model_dir: Path, tmp_pa
         assert generate(server, prompt_ids(6, 20), max_new=4)["meta_info"]["completion_tokens"] == 4
         tiers = call(server.url + "/get_server_info")[1]["mempool"]["tiers"]
         assert tiers["host"]["used"] <= 4
+
+
+def test_tokenizer_cache_gives_the_engine_tokens_turn_after_turn(
+    worker, model_dir: Path, tmp_path: Path
+) -> None:
+    history = [{"role": "system", "content": "Answer briefly. " * 30}]
+    args = sim_args(model_dir, "--tokenizer-cache")
+    with running("connector.worker", args, tmp_path) as cached:
+        for turn in range(3):
+            history.append({"role": "user", "content": f"Question {turn}: why is the sky blue?"})
+            usage = {}
+            for server in (worker, cached):
+                status, body = call(
+                    server.url + "/v1/chat/completions",
+                    {"messages": history, "max_tokens": 4, "temperature": 0},
+                )
+                assert status == 200, body
+                usage[server.url] = body["usage"]["prompt_tokens"]
+            assert usage[worker.url] == usage[cached.url]
+            history.append({"role": "assistant", "content": f"Because of scattering, {turn}."})
+        status, body = call(cached.url + "/v1/chat/completions", {"messages": []})
+        assert status == 400 and "messages" in body["message"]

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from connector.token_cache import CachedEncoder
 from connector.tokenizer import ChatTokenizer
-from router.chat_tokens import CachedEncoder
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
 FRAGMENTS = [
