@@ -15,6 +15,17 @@ if ((${#missing[@]})); then
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# Debian's pyverbs is built for CPython 3.11 but lives in /usr/lib/python3/dist-packages, which
+# our interpreter does not search. Put only that package on its path: a .pth naming a directory
+# that holds one symlink, so nothing else from Debian's dist-packages shadows our packages.
+pyverbs_src=/usr/lib/python3/dist-packages/pyverbs
+if [ -d "$pyverbs_src" ]; then
+    site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    mkdir -p "$site/debian-pyverbs"
+    ln -sfn "$pyverbs_src" "$site/debian-pyverbs/pyverbs"
+    echo "$site/debian-pyverbs" >"$site/debian-pyverbs.pth"
+    python3 -c 'import pyverbs.device' || echo "warning: pyverbs does not import here" >&2
+fi
 # torch first, pinned: the CPU build on local disk (an unpinned torch pulls a CUDA build).
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[${extras}]"
