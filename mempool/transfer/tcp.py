@@ -377,7 +377,9 @@ class TcpTransport(DataTransport):
                     self.instance_id,
                 )
         except (AuthenticationFailed, OSError, TimeoutError, ConnectionError) as exc:
-            log.warning("tcp: data connection refused: %s", exc or type(exc).__name__)
+            log.warning(
+                "tcp: data connection refused during authentication: %s", exc or type(exc).__name__
+            )
             sockio.close(sock)
             return
         self._served[sock] = peer
