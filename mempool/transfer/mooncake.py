@@ -51,12 +51,16 @@ class MooncakeConfig:
     protocol: str = "tcp"
     device: str = ""
     merge: bool = True  # join segments contiguous on both sides into one batch entry
+    # Entries per engine call. Mooncake 0.3.13's TCP transport fails (-1, nothing logged) a
+    # batch of more than about 2,048 entries to one peer: its per-peer queues hold 1,024
+    # transfers plus 1,024 waiting admission. Larger requests go as several batches.
+    max_batch: int = 1024
     timeout: float = 120.0  # our guard; Mooncake's own is 30 s plus 1 s per GiB
 
 
 def load_engine() -> type:
     """Mooncake's TransferEngine class, with its logging cut to errors."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the library loads
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -152,11 +156,18 @@ class MooncakeTransport(DataTransport):
         )
         self.calls += len(lengths)
         verb = "write to" if push else "read from"
+        step = max(1, self.config.max_batch)
+
+        def run() -> int:  # one thread hop for the whole request, batch after batch
+            for i in range(0, len(lengths), step):
+                j = i + step
+                rc = call(target, local_addrs[i:j], remote_addrs[i:j], lengths[i:j])
+                if rc != 0:
+                    return rc
+            return 0
+
         try:
-            rc = await asyncio.wait_for(
-                asyncio.to_thread(call, target, local_addrs, remote_addrs, lengths),
-                self.config.timeout,
-            )
+            rc = await asyncio.wait_for(asyncio.to_thread(run), self.config.timeout)
         except TimeoutError as exc:
             raise TransferFailed(
                 f"mooncake: {verb} instance {peer.instance_id} ({target}) timed out after "

@@ -70,8 +70,8 @@ def isolated() -> Iterator[Callable[..., Any]]:
 
 
 class _Pair:
-    def __init__(self, layout: Layout, merge: bool = True) -> None:
-        self.pools = [MemPool(i, SPEC, host_blocks=256, layout=layout) for i in (1, 2)]
+    def __init__(self, layout: Layout, merge: bool = True, blocks: int = 256) -> None:
+        self.pools = [MemPool(i, SPEC, host_blocks=blocks, layout=layout) for i in (1, 2)]
         cfg = MooncakeConfig(merge=merge)
         self.transports = [MooncakeTransport(p, cfg) for p in self.pools]
         self.infos = []
@@ -157,6 +157,19 @@ def _merged_calls() -> dict[str, int]:
     return out
 
 
+def _big_batch() -> dict[str, Any]:
+    """More entries than Mooncake's TCP transport takes in one batch (about 2,048)."""
+    p = _Pair(Layout.DISCRETE, merge=False, blocks=5000)
+    a, b = p.pools
+    try:
+        src, dst = a.alloc_blocks(5000), b.alloc_blocks(5000)
+        sent = _fill(a, src, seed=5)
+        asyncio.run(p.transports[0].write(p.infos[1], _segments(a, src, b, dst)))
+        return {"sent": sent, "landed": _digest(b, dst), "calls": p.transports[0].calls}
+    finally:
+        p.close()
+
+
 def _errors() -> dict[str, str]:
     p = _Pair(Layout.AGGREGATED)
     a, b = p.pools
@@ -214,6 +227,11 @@ def test_write_and_read_move_bytes_intact(isolated: Callable[..., Any]) -> None:
 def test_contiguous_blocks_merge_into_fewer_entries(isolated: Callable[..., Any]) -> None:
     calls = isolated(_merged_calls)
     assert calls == {"True": 1, "False": 4 * 2 * SPEC.layers}
+
+
+def test_requests_larger_than_one_engine_batch(isolated: Callable[..., Any]) -> None:
+    r = isolated(_big_batch)
+    assert r["landed"] == r["sent"] and r["calls"] == 5000
 
 
 def test_failures_raise_transfer_failed_naming_the_peer(isolated: Callable[..., Any]) -> None:

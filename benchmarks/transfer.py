@@ -1,0 +1,632 @@
+"""Transfer benchmark: one request's KV cache moved between two MemPools on loopback.
+
+Run: ``python -m benchmarks.transfer --out DIR [--quick]``. Writes DIR/transfer.json,
+DIR/transfer.md and DIR/transfer.png.
+
+One request is 2,048 tokens of KV (page size 16, fp16) in the shapes of SmolLM2-135M (30
+layers, 3 KV heads, 64 dims: 47 MB) and Llama-2-13B (40 layers, 40 KV heads, 128 dims:
+1.68 GB). The sending pool lives in this process, the receiving pool in a child process (two
+engine instances, two cores). Each repetition moves the request once per case, in turn:
+
+- a raw socket copy of the same bytes: one `sendall` over one loopback TCP connection into a
+  `recv_into` loop, then a one-byte acknowledgement (the ceiling for a socket data plane);
+- our TcpTransport: discrete layout (2*L blocks per page, one network call each, no merge),
+  aggregated layout (one block per page), merged (discrete blocks joined by merge_segments
+  after sorting: contiguous blocks become one call), and an aggregated read (pull);
+- Mooncake's transfer engine over TCP, the same cases.
+
+Before each timed transfer the destination is zeroed; after it, its CRC-32 must equal the
+source's, so every figure is a verified transfer. Medians and spread over the repetitions;
+targets (aggregated TCP >= 70 % of the raw copy and >= Mooncake's aggregated figure; the
+discrete-to-aggregated call ratio exactly 2*L) are reported, never asserted.
+
+Mooncake's engine listens on every interface, so when it is installed this process first
+moves into a private network namespace whose only interface is loopback (the child follows);
+every case then runs there, under the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import math
+import multiprocessing
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import markdown_table, percentile, progress_bar, step, write_results
+from mempool import KVBlockSpec, Layout, MemPool, MemType
+from mempool.transfer.base import DataTransport, PeerInfo, Segment
+from mempool.transfer.rdma import coalesce
+
+NAME = "transfer"
+TOKENS = 2048
+PAGE = 16
+HOST = int(MemType.HOST)
+SEED = 20240627
+MODELS: dict[str, KVBlockSpec] = {
+    "SmolLM2-135M": KVBlockSpec(
+        layers=30, kv_heads=3, head_dim=64, dtype="float16", page_size=PAGE
+    ),
+    "Llama-2-13B": KVBlockSpec(
+        layers=40, kv_heads=40, head_dim=128, dtype="float16", page_size=PAGE
+    ),
+}
+TARGET_RAW_FRACTION = 0.70
+TCP_STREAMS = 4
+_ACK = b"\x01"
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Repetitions, and the tokens per model (quick mode shrinks the 1.68 GB request)."""
+
+    quick: bool
+    reps: int
+    tokens: dict[str, int]
+
+
+QUICK = Settings(True, 3, {"SmolLM2-135M": TOKENS, "Llama-2-13B": 256})
+FULL = Settings(False, 7, {"SmolLM2-135M": TOKENS, "Llama-2-13B": TOKENS})
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of moving the request."""
+
+    key: str
+    system: str  # "raw", "tcp" or "mooncake"
+    layout: Layout
+    merge: bool = False
+    op: str = "write"
+
+    @property
+    def label(self) -> str:
+        if self.system == "raw":
+            return "raw socket copy"
+        shape = "merged" if self.merge else self.layout.value
+        pull = " read" if self.op == "read" else ""
+        return f"{self.system} {shape}{pull}"
+
+
+CASES: tuple[Case, ...] = (
+    Case("raw_socket", "raw", Layout.AGGREGATED),
+    *(
+        c
+        for system in ("tcp", "mooncake")
+        for c in (
+            Case(f"{system}_discrete", system, Layout.DISCRETE),
+            Case(f"{system}_aggregated", system, Layout.AGGREGATED),
+            Case(f"{system}_merged", system, Layout.DISCRETE, merge=True),
+            Case(f"{system}_aggregated_read", system, Layout.AGGREGATED, op="read"),
+        )
+    ),
+)
+
+
+def make_pool(instance: int, spec: KVBlockSpec, layout: Layout, tokens: int) -> MemPool:
+    """A pool holding exactly one request: its arena is the request's bytes."""
+    blocks = tokens // spec.page_size * spec.blocks_per_page(layout)
+    return MemPool(instance, spec, host_blocks=blocks, layout=layout)
+
+
+def request_segments(pool: MemPool) -> list[Segment]:
+    """Every block of the (full) pool to the same offset on the peer, in allocation order.
+
+    Both pools allocate all their blocks in the same order, so block i lands at offset i and
+    the destination arena must end up equal to the source arena byte for byte.
+    """
+    addrs = pool.alloc_blocks(pool.allocators[MemType.HOST].num_blocks)
+    out = []
+    for addr in addrs:
+        _, offset = pool.offset_of(addr)
+        out.append(Segment(HOST, offset, HOST, offset, pool.block_size))
+    return out
+
+
+def fill_random(view: memoryview, seed: int) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    chunk = 64 << 20
+    for start in range(0, len(view), chunk):
+        n = min(chunk, len(view) - start)
+        view[start : start + n] = rng.bytes(n)
+
+
+def zero(view: memoryview) -> None:
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
+
+
+def crc(view: memoryview) -> int:
+    return zlib.crc32(view)
+
+
+def mooncake_status() -> tuple[bool, str | None]:
+    """Whether Mooncake can run here, isolated; enters the private namespace when it can."""
+    from mempool.transfer.mooncake import MooncakeUnavailable, enter_private_network, load_engine
+
+    try:
+        load_engine()
+    except MooncakeUnavailable as exc:
+        return False, str(exc)
+
+    try:
+        enter_private_network()
+    except OSError as exc:
+        return False, f"Mooncake listens on every interface and {exc}: not run"
+    return True, None
+
+
+# --------------------------------------------------------------------------- receiver
+
+
+class Receiver:
+    """The child process: the receiving pools, their transports, and a raw socket sink."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.pools: dict[Layout, MemPool] = {}
+        self.transports: list[DataTransport] = []
+        self.raw_listener: socket.socket | None = None
+        self.raw_target: memoryview | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, self.conn.recv)
+            try:
+                result = await getattr(self, f"cmd_{cmd}")(*args)
+            except Exception as exc:  # reported to the parent, which stops the run
+                self.conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                continue
+            self.conn.send(("ok", result))
+            if cmd == "exit":
+                return
+
+    async def cmd_setup(self, spec: KVBlockSpec, tokens: int, mooncake: bool) -> dict[str, Any]:
+        from mempool.transfer.tcp import TcpTransport
+
+        await self.cmd_teardown()
+        out: dict[str, Any] = {}
+        for instance, layout in ((2, Layout.DISCRETE), (3, Layout.AGGREGATED)):
+            pool = make_pool(instance, spec, layout, tokens)
+            request_segments(pool)  # allocate everything, as the sender does
+            self.pools[layout] = pool
+            endpoints: dict[str, Any] = {}
+            tcp = TcpTransport(pool, "127.0.0.1", 0, streams=TCP_STREAMS)
+            endpoints["tcp"] = await tcp.start()
+            self.transports.append(tcp)
+            if mooncake:
+                from mempool.transfer.mooncake import MooncakeTransport
+
+                mc = MooncakeTransport(pool)
+                endpoints["mooncake"] = await mc.start()
+                self.transports.append(mc)
+            out[layout.value] = {"instance": instance, "endpoints": endpoints}
+        self.raw_target = self.pools[Layout.AGGREGATED].region(MemType.HOST)
+        self.raw_listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._raw_sink, args=(self.raw_listener,), daemon=True).start()
+        out["raw_port"] = self.raw_listener.getsockname()[1]
+        return out
+
+    def _raw_sink(self, listener: socket.socket) -> None:
+        """Receive length-prefixed copies straight into the aggregated arena; ack each."""
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                header = sock.recv(_LEN.size, socket.MSG_WAITALL)
+                if len(header) < _LEN.size:
+                    return
+                (length,) = _LEN.unpack(header)
+                assert self.raw_target is not None
+                view = self.raw_target[:length]
+                got = 0
+                while got < length:  # MSG_WAITALL: the kernel fills it in as few calls as it can
+                    n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                    if not n:
+                        return
+                    got += n
+                sock.sendall(_ACK)
+
+    async def cmd_zero(self, layout: str) -> None:
+        zero(self.pools[Layout(layout)].region(MemType.HOST))
+
+    async def cmd_crc(self, layout: str) -> int:
+        view = self.pools[Layout(layout)].region(MemType.HOST)
+        return await asyncio.get_running_loop().run_in_executor(None, crc, view)
+
+    async def cmd_teardown(self) -> None:
+        for t in self.transports:
+            await t.close()
+        self.transports.clear()
+        if self.raw_listener is not None:
+            self.raw_listener.close()
+            self.raw_listener = None
+        self.raw_target = None
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    async def cmd_exit(self) -> None:
+        await self.cmd_teardown()
+
+
+def receiver_main(conn: Connection) -> None:
+    asyncio.run(Receiver(conn).run())
+
+
+class Remote:
+    """The parent's handle on the receiver process."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=receiver_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        status, result = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"receiver: {result}")
+        return result
+
+    def close(self) -> None:
+        try:
+            self.call("exit")
+        finally:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# --------------------------------------------------------------------------- sender
+
+
+@dataclass
+class Sample:
+    seconds: float
+    calls: int
+    verified: bool
+
+
+class Sender:
+    """This process's pools and transports for one model, and how each case is run."""
+
+    def __init__(self, spec: KVBlockSpec, tokens: int, remote: Remote, mooncake: bool) -> None:
+        from mempool.transfer.tcp import TcpTransport
+
+        self.spec = spec
+        self.remote = remote
+        self.mooncake = mooncake
+        self.pools: dict[Layout, MemPool] = {}
+        self.segments: dict[Layout, list[Segment]] = {}
+        self.src_crc: dict[Layout, int] = {}
+        self.transports: dict[tuple[str, Layout], DataTransport] = {}
+        self.peers: dict[tuple[str, Layout], PeerInfo] = {}
+        info = remote.call("setup", spec, tokens, mooncake)
+        for i, layout in enumerate((Layout.DISCRETE, Layout.AGGREGATED)):
+            pool = make_pool(10 + i, spec, layout, tokens)
+            self.pools[layout] = pool
+            self.segments[layout] = request_segments(pool)
+            region = pool.region(MemType.HOST)
+            fill_random(region, SEED + i)
+            self.src_crc[layout] = crc(region)
+            peer = info[layout.value]
+            systems: list[tuple[str, Any]] = [
+                ("tcp", lambda p: TcpTransport(p, "127.0.0.1", 0, streams=TCP_STREAMS))
+            ]
+            if mooncake:
+                from mempool.transfer.mooncake import MooncakeConfig, MooncakeTransport
+
+                # The benchmark decides what is merged, as it does for TCP.
+                systems.append(
+                    ("mooncake", lambda p: MooncakeTransport(p, MooncakeConfig(merge=False)))
+                )
+            for system, factory in systems:
+                self.transports[(system, layout)] = factory(pool)
+                self.peers[(system, layout)] = PeerInfo(
+                    peer["instance"], "127.0.0.1", 0, (), peer["endpoints"]
+                )
+        self.raw = socket.create_connection(("127.0.0.1", info["raw_port"]))
+        self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def start(self) -> None:
+        for (system, layout), transport in self.transports.items():
+            await transport.start()
+            warm = self.segments[layout][:1]  # connect and touch the path once, untimed
+            await transport.write(self.peers[(system, layout)], warm)
+
+    def raw_copy(self) -> float:
+        view = self.pools[Layout.AGGREGATED].region(MemType.HOST)
+        t0 = time.perf_counter()
+        self.raw.sendall(_LEN.pack(len(view)))
+        self.raw.sendall(view)
+        if self.raw.recv(1) != _ACK:
+            raise RuntimeError("raw copy: no acknowledgement")
+        return time.perf_counter() - t0
+
+    async def run(self, case: Case) -> Sample:
+        layout = case.layout
+        if case.system == "raw":
+            self.remote.call("zero", layout.value)
+            seconds = self.raw_copy()
+            return Sample(seconds, 1, self.remote.call("crc", layout.value) == self.src_crc[layout])
+        transport = self.transports[(case.system, layout)]
+        peer = self.peers[(case.system, layout)]
+        segs = coalesce(self.segments[layout]) if case.merge else self.segments[layout]
+        before = transport.calls
+        if case.op == "write":
+            self.remote.call("zero", layout.value)
+            t0 = time.perf_counter()
+            await transport.write(peer, segs)
+            seconds = time.perf_counter() - t0
+            ok = self.remote.call("crc", layout.value) == self.src_crc[layout]
+        else:  # pull the peer's copy (written by the case before) over our own, zeroed
+            region = self.pools[layout].region(MemType.HOST)
+            zero(region)
+            t0 = time.perf_counter()
+            await transport.read(peer, segs)
+            seconds = time.perf_counter() - t0
+            ok = crc(region) == self.src_crc[layout]
+        return Sample(seconds, transport.calls - before, ok)
+
+    async def close(self) -> None:
+        self.raw.close()
+        for transport in self.transports.values():
+            await transport.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.remote.call("teardown")
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summarize(samples: list[Sample], nbytes: int) -> dict[str, Any]:
+    rates = [nbytes / s.seconds / 1e9 for s in samples]
+    calls = {s.calls for s in samples}
+    return {
+        "gbps_median": statistics.median(rates),
+        "gbps_min": min(rates),
+        "gbps_max": max(rates),
+        "gbps_p25": percentile(rates, 0.25),
+        "gbps_p75": percentile(rates, 0.75),
+        "gbps": rates,
+        "seconds_median": statistics.median(s.seconds for s in samples),
+        "calls": calls.pop() if len(calls) == 1 else sorted(calls),
+        "verified": all(s.verified for s in samples),
+        "reps": len(samples),
+    }
+
+
+def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
+    cases = model["cases"]
+
+    def gbps(key: str) -> float:
+        return cases[key]["gbps_median"] if key in cases else math.nan
+
+    out: dict[str, Any] = {
+        "tcp_aggregated_over_raw": gbps("tcp_aggregated") / gbps("raw_socket"),
+        "tcp_aggregated_over_mooncake_aggregated": gbps("tcp_aggregated")
+        / gbps("mooncake_aggregated"),
+        "tcp_aggregated_over_mooncake_best": gbps("tcp_aggregated")
+        / max(
+            (gbps(k) for k in cases if k.startswith("mooncake") and "read" not in k),
+            default=math.nan,
+        ),
+        "tcp_merged_over_raw": gbps("tcp_merged") / gbps("raw_socket"),
+        "tcp_aggregated_over_discrete": gbps("tcp_aggregated") / gbps("tcp_discrete"),
+    }
+    for system in ("tcp", "mooncake"):
+        d, a = cases.get(f"{system}_discrete"), cases.get(f"{system}_aggregated")
+        if d and a:
+            out[f"{system}_discrete_over_aggregated_calls"] = d["calls"] / a["calls"]
+    out["targets"] = {
+        "tcp_aggregated_over_raw": {
+            "target": TARGET_RAW_FRACTION,
+            "value": out["tcp_aggregated_over_raw"],
+            "met": out["tcp_aggregated_over_raw"] >= TARGET_RAW_FRACTION,
+        },
+        "tcp_aggregated_over_mooncake_aggregated": {
+            "target": 1.0,
+            "value": out["tcp_aggregated_over_mooncake_aggregated"],
+            "met": out["tcp_aggregated_over_mooncake_aggregated"] >= 1.0,
+        },
+        "discrete_over_aggregated_calls": {
+            "target": 2 * spec.layers,
+            "value": out["tcp_discrete_over_aggregated_calls"],
+            "met": out["tcp_discrete_over_aggregated_calls"] == 2 * spec.layers,
+        },
+    }
+    return out
+
+
+def plot(path: Path, models: dict[str, Any]) -> None:
+    """Median GB/s per case and model, whiskers from the slowest to the fastest repetition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), squeeze=False)
+    colours = {"raw": "0.45", "tcp": "C0", "mooncake": "C1"}
+    for ax, (name, model) in zip(axes[0], models.items(), strict=True):
+        cases = [c for c in CASES if c.key in model["cases"]]
+        med = [model["cases"][c.key]["gbps_median"] for c in cases]
+        lo = [m - model["cases"][c.key]["gbps_min"] for c, m in zip(cases, med, strict=True)]
+        hi = [model["cases"][c.key]["gbps_max"] - m for c, m in zip(cases, med, strict=True)]
+        y = range(len(cases))
+        ax.barh(y, med, xerr=[lo, hi], color=[colours[c.system] for c in cases], capsize=3)
+        ax.set_yticks(list(y), [f"{c.label} ({model['cases'][c.key]['calls']:,})" for c in cases])
+        ax.invert_yaxis()
+        raw = model["cases"]["raw_socket"]["gbps_median"]
+        ax.axvline(raw * TARGET_RAW_FRACTION, color="k", ls=":", lw=0.8, label="70 % of raw copy")
+        ax.set(
+            xlabel="GB/s (median; whiskers: min-max)",
+            title=f"{name}: {model['tokens']:,} tokens, {model['bytes'] / 1e6:,.0f} MB",
+        )
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("One request's KV between two MemPools on loopback (calls in parentheses)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- run
+
+
+async def measure(settings: Settings, mooncake: bool) -> dict[str, Any]:
+    cases = [c for c in CASES if c.system != "mooncake" or mooncake]
+    models: dict[str, Any] = {}
+    remote = Remote()
+    try:
+        with progress_bar(30) as progress:
+            for name, spec in MODELS.items():
+                tokens = settings.tokens[name]
+                task = progress.add_task(
+                    f"{name}, {tokens} tokens", total=settings.reps * len(cases)
+                )
+                progress.refresh()
+                sender = Sender(spec, tokens, remote, mooncake)
+                try:
+                    await sender.start()
+                    samples: dict[str, list[Sample]] = {c.key: [] for c in cases}
+                    for _ in range(settings.reps):  # interleaved: drifts hit every case alike
+                        for case in cases:
+                            samples[case.key].append(await sender.run(case))
+                            step(progress, task)
+                finally:
+                    await sender.close()
+                nbytes = tokens * spec.bytes_per_token
+                model: dict[str, Any] = {
+                    "layers": spec.layers,
+                    "kv_heads": spec.kv_heads,
+                    "head_dim": spec.head_dim,
+                    "dtype": spec.dtype,
+                    "page_size": spec.page_size,
+                    "tokens": tokens,
+                    "bytes": nbytes,
+                    "pages": tokens // spec.page_size,
+                    "cases": {k: summarize(v, nbytes) for k, v in samples.items()},
+                }
+                model["ratios"] = ratios(model, spec)
+                models[name] = model
+    finally:
+        remote.close()
+    return models
+
+
+def table_rows(models: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, model in models.items():
+        for case in CASES:
+            c = model["cases"].get(case.key)
+            if c is None:
+                continue
+            rows.append(
+                {
+                    "model": name,
+                    "case": case.label,
+                    "network calls": c["calls"],
+                    "MB": round(model["bytes"] / 1e6, 1),
+                    "GB/s median": round(c["gbps_median"], 3),
+                    "min": round(c["gbps_min"], 3),
+                    "max": round(c["gbps_max"], 3),
+                    "verified": c["verified"],
+                }
+            )
+    return rows
+
+
+def ratio_rows(models: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, model in models.items():
+        for key, t in model["ratios"]["targets"].items():
+            rows.append(
+                {
+                    "model": name,
+                    "figure": key,
+                    "value": round(t["value"], 3) if isinstance(t["value"], float) else t["value"],
+                    "target": f">= {t['target']}" if "calls" not in key else f"== {t['target']}",
+                    "met": t["met"],
+                }
+            )
+        for key in ("tcp_merged_over_raw", "tcp_aggregated_over_mooncake_best"):
+            rows.append({"model": name, "figure": key, "value": round(model["ratios"][key], 3)})
+        if "mooncake_discrete_over_aggregated_calls" in model["ratios"]:
+            value = model["ratios"]["mooncake_discrete_over_aggregated_calls"]
+            rows.append(
+                {"model": name, "figure": "mooncake_discrete_over_aggregated_calls", "value": value}
+            )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the result files")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions, smaller Llama request"
+    )
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    # Before any thread exists: only the calling thread changes namespace.
+    mooncake, why_not = mooncake_status()
+    started = time.perf_counter()
+    models = asyncio.run(measure(settings, mooncake))
+    figures: dict[str, Any] = {
+        "mode": "quick" if settings.quick else "full",
+        "reps": settings.reps,
+        "tcp_streams": TCP_STREAMS,
+        "network": "private network namespace, loopback only" if mooncake else "loopback",
+        "mooncake": {"available": mooncake, "reason": why_not},
+        "models": models,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    notes = [
+        f"{settings.reps} repetitions, cases interleaved; GB/s = request bytes / wall time of "
+        "one write (or read) call until it returned, the peer's acknowledgement included.",
+        "Sender pool in this process, receiver pool in a child process; every transfer "
+        "verified (destination zeroed before, CRC-32 equal to the source's after).",
+        "Network calls: work items the transport was handed (TCP: segments; Mooncake: batch "
+        "entries; raw copy: one sendall).",
+        "merged = discrete blocks sorted and joined by merge_segments: a fresh pool hands "
+        "out blocks in descending address order, so merge_segments alone joins nothing.",
+        "Mooncake: batch_transfer_sync_* from a worker thread; it busy-polls its batch "
+        "status, which costs it one of the two cores while it waits.",
+    ]
+    if not mooncake:
+        notes.append(f"Mooncake not measured: {why_not}")
+    json_path, md_path = write_results(
+        args.out, NAME, figures, table_rows(models), "MemPool transfers on loopback", notes
+    )
+    md = md_path.read_text()
+    ratios_md = "## Ratios and targets\n\n" + markdown_table(ratio_rows(models)) + "\n\n"
+    md_path.write_text(md.replace("## Notes", ratios_md + "## Notes", 1))
+    plot(args.out / f"{NAME}.png", models)
+    print(md_path.read_text())
+    print(f"wrote {json_path}, {md_path}, {args.out / f'{NAME}.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
