@@ -611,10 +611,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "entries; raw copy: one sendall).",
         "merged = discrete blocks sorted and joined by merge_segments: a fresh pool hands "
         "out blocks in descending address order, so merge_segments alone joins nothing.",
-        "Mooncake: batch_transfer_sync_* from a worker thread; it busy-polls its batch "
-        "status, which costs it one of the two cores while it waits.",
+        f"The raw copy is one connection; TcpTransport splits a request over {TCP_STREAMS} "
+        "streams (two cores here), which is how it can beat the raw copy.",
+        "Mooncake: batch_transfer_sync_* from a worker thread, at most 1,024 entries per "
+        "batch (larger batches to one peer fail in 0.3.13); it busy-polls its batch status, "
+        "which costs it one of the two cores while it waits, and a single large entry (merged) "
+        "does not go faster than many page-sized ones.",
     ]
-    if not mooncake:
+    if mooncake:
+        notes.append(
+            "Every case ran inside a private network namespace (loopback only), because "
+            "Mooncake's listeners bind every interface."
+        )
+    else:
         notes.append(f"Mooncake not measured: {why_not}")
     json_path, md_path = write_results(
         args.out, NAME, figures, table_rows(models), "MemPool transfers on loopback", notes
