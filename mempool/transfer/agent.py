@@ -580,7 +580,7 @@ class TransferAgent:
             except (TransferFailed, OSError, ConnectionError, TimeoutError, ValueError) as exc:
                 log.warning(
                     "control connection refused during authentication: %s",
-                    exc or type(exc).__name__,
+                    str(exc) or type(exc).__name__,
                 )
                 writer.close()
                 return

@@ -182,7 +182,7 @@ async def open_link(
     except (OSError, ConnectionError, TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
         if writer is not None:
             writer.close()
-        raise TransferFailed(f"{where} unreachable: {e or type(e).__name__}") from None
+        raise TransferFailed(f"{where} unreachable: {str(e) or type(e).__name__}") from None
     if not isinstance(hello, m.Hello):
         writer.close()
         raise TransferFailed(f"{where} answered {type(hello).__name__} instead of Hello")

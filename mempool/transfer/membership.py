@@ -233,20 +233,24 @@ class RedisCluster(ClusterManager):
         try:
             return await coro
         except (RedisError, OSError, TimeoutError) as exc:
+            why = str(exc) or type(exc).__name__
             raise MembershipUnavailable(
-                f"membership store {self.url} unreachable ({what}): {exc or type(exc).__name__}"
+                f"{what} failed: membership store {self.url} unreachable: {why}"
             ) from None
 
     async def register(self, info: PeerInfo) -> None:
         px = max(1, int(self.ttl_s * 1000))
         value = self._codec.encode(info)
-        await self._call("register", self._redis.set(self._key(info.instance_id), value, px=px))
+        what = f"register of instance {info.instance_id}"
+        await self._call(what, self._redis.set(self._key(info.instance_id), value, px=px))
 
     async def deregister(self, instance_id: int) -> None:
-        await self._call("deregister", self._redis.delete(self._key(instance_id)))
+        what = f"deregister of instance {instance_id}"
+        await self._call(what, self._redis.delete(self._key(instance_id)))
 
     async def lookup(self, instance_id: int) -> PeerInfo:
-        raw = await self._call("lookup", self._redis.get(self._key(instance_id)))
+        what = f"lookup of instance {instance_id}"
+        raw = await self._call(what, self._redis.get(self._key(instance_id)))
         if raw is None:
             raise UnknownPeer(
                 f"instance {instance_id} is not a live member of the cluster ({self.url})"
@@ -260,10 +264,10 @@ class RedisCluster(ClusterManager):
             async for key in self._redis.scan_iter(match=f"{self.prefix}:peer:*", count=500):
                 keys.append(key)
 
-        await self._call("list", scan())
+        await self._call("listing members", scan())
         if not keys:
             return []
-        values = await self._call("list", self._redis.mget(keys))
+        values = await self._call("listing members", self._redis.mget(keys))
         return [self._decoder.decode(v) for v in values if v is not None]
 
     async def close(self) -> None:

@@ -282,7 +282,7 @@ class TcpTransport(DataTransport):
         except (OSError, TimeoutError, ConnectionError) as exc:
             sock.close()
             raise TransferFailed(
-                f"tcp: {self._where(link)} unreachable: {exc or type(exc).__name__}"
+                f"tcp: {self._where(link)} unreachable: {str(exc) or type(exc).__name__}"
             ) from None
         if sid != link.peer.instance_id:
             sock.close()
@@ -378,7 +378,8 @@ class TcpTransport(DataTransport):
                 )
         except (AuthenticationFailed, OSError, TimeoutError, ConnectionError) as exc:
             log.warning(
-                "tcp: data connection refused during authentication: %s", exc or type(exc).__name__
+                "tcp: data connection refused during authentication: %s",
+                str(exc) or type(exc).__name__,
             )
             sockio.close(sock)
             return

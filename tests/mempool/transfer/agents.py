@@ -32,7 +32,8 @@ async def agents(
     try:
         for i, pool in enumerate(pools):
             extra = options[i] if options else {}
-            agent = TransferAgent(pool, membership=cluster, **{**common, **extra})
+            kwargs = {"membership": cluster, **common, **extra}
+            agent = TransferAgent(pool, **kwargs)
             await agent.start()
             started.append(agent)
         yield started
