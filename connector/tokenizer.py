@@ -34,6 +34,27 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with its attribute verdicts remembered per (type, name).
+
+    The sandbox asks, on every attribute a template reads (`loop.first`, `message.role`),
+    whether it is safe; the answer depends only on the object's type and the name (jinja2's
+    is_internal_attribute and modifies_known_mutable test types, not values), so remembering
+    it is exact and saves most of a long chat's render time.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = self._verdicts[key] = super().is_safe_attribute(obj, attr, value)
+        return verdict
+
+
 class PromptEncoder(Protocol):
     """What turns a request's prompt into ids: `ChatTokenizer`, or its exact cache."""
 
@@ -66,7 +87,7 @@ class ChatTokenizer:
     def _template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ChatTemplateError(f"the model at {self.path} has no chat template")
-        env = ImmutableSandboxedEnvironment(
+        env = _TemplateSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.filters["tojson"] = lambda v, indent=None: json.dumps(

@@ -81,7 +81,8 @@ def least_loaded(workers: list[Worker]) -> Worker:
 
 class Policy(ABC):
     name: str
-    uses_tokens = False
+    uses_tokens = False  # the router tokenizes prompts for this policy
+    uses_text = False  # the router joins the prompt's raw text for this policy
 
     @abstractmethod
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
@@ -141,6 +142,7 @@ class CacheAware(Policy):
     """sglang-router's cache_aware: a character radix tree, tenants are workers."""
 
     name = "cache_aware"
+    uses_text = True
 
     def __init__(self, thresholds: Thresholds, max_chars: int = 1 << 24) -> None:
         self.thresholds = thresholds

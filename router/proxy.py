@@ -15,9 +15,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
+
+from router.upstream import UpstreamError, UpstreamPool
 
 _decode_json = msgspec.json.Decoder().decode  # several times faster than json.loads
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
@@ -132,7 +133,7 @@ class SSEWatcher:
 
 
 async def forward(
-    session: aiohttp.ClientSession,
+    upstream: UpstreamPool,
     request: web.Request,
     url: str,
     payload: bytes,
@@ -144,53 +145,57 @@ async def forward(
     """POST `payload` to `url` and relay the answer to the client of `request`.
 
     Raises WorkerUnavailable before anything reached the client (the caller may retry);
-    afterwards, failures end the client's stream with an error event instead.
+    afterwards, failures end the client's stream with an error event instead. `timeout_s`
+    bounds the whole exchange, streaming included (sglang-router's --request-timeout-secs).
     """
-    headers = {"Content-Type": "application/json"}
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        resp = await session.post(
-            url, data=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        )
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        raise WorkerUnavailable(f"cannot reach worker {url}: {exc}") from None
+        async with asyncio.timeout_at(deadline):
+            resp = await upstream.post(url, payload)
+    except (UpstreamError, TimeoutError) as exc:
+        why = str(exc) or f"no answer within {timeout_s} s"
+        raise WorkerUnavailable(f"cannot reach worker {url}: {why}") from None
     try:
         outcome.status = resp.status
+        headers = {k: v for k, v in resp.headers.items() if k not in HOP_HEADERS}
         if resp.status in RETRY_STATUSES:
-            text = await resp.text()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    text = (await resp.read()).decode(errors="replace")
+            except (UpstreamError, TimeoutError):
+                text = ""
             raise WorkerUnavailable(
                 f"worker {url} answered {resp.status}: {text[:200]}", resp.status
             )
-        kind = resp.headers.get("Content-Type", "application/json")
+        kind = resp.headers.get("content-type", "application/json")
         if not kind.startswith("text/event-stream"):
             try:
-                body = await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
+                async with asyncio.timeout_at(deadline):
+                    body = await resp.read()
+            except (UpstreamError, TimeoutError) as exc:
+                why = str(exc) or f"no answer within {timeout_s} s"
+                raise WorkerUnavailable(f"worker {url} failed while answering: {why}") from None
             on_first_byte()
             if resp.status == 200 and inspect:
                 with contextlib.suppress(msgspec.DecodeError):
                     read_result(_decode_json(body), outcome)
-            return web.Response(
-                status=resp.status,
-                body=body,
-                headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS},
-            )
+            return web.Response(status=resp.status, body=body, headers=headers)
         outcome.streamed = True
-        client = web.StreamResponse(
-            status=resp.status,
-            headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS},
-        )
+        client = web.StreamResponse(status=resp.status, headers=headers)
         await client.prepare(request)
         watcher = SSEWatcher(outcome, inspect)
         try:
-            async for chunk in resp.content.iter_any():
-                if not outcome.first_byte:
-                    outcome.first_byte = True
-                    on_first_byte()
-                await client.write(chunk)
-                watcher.feed(chunk)
-        except (aiohttp.ClientError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            async with asyncio.timeout_at(deadline):
+                async for chunk in resp.iter_chunks():
+                    if not outcome.first_byte:
+                        outcome.first_byte = True
+                        on_first_byte()
+                    await client.write(chunk)
+                    watcher.feed(chunk)
+        except UpstreamError as exc:
             outcome.error = f"worker {url} failed mid-stream: {exc}"
+        except TimeoutError:
+            outcome.error = f"worker {url} did not finish within {timeout_s} s"
         if outcome.error is None and not watcher.done:
             outcome.error = f"worker {url} closed the stream before it finished"
         if outcome.error is not None:

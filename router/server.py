@@ -28,6 +28,7 @@ from connector.http_errors import json_error
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
 from router.trees import PromptTrees
+from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ class Router:
         )
         self._queued = 0
         registry.on_unhealthy.append(lambda w: trees.forget(w.url))
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # management calls
+        self.upstream = UpstreamPool()  # the inference hot path
         self.kv_events_endpoint: str | None = None  # bind a SUB socket here for KV events
         self.kv_listener = None
 
@@ -223,6 +225,7 @@ class Router:
         if self.kv_listener is not None:
             await self.kv_listener.stop()
         await self.registry.stop()
+        await self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
@@ -277,8 +280,9 @@ class Router:
             raw = await request.read()
             body = self._parse(raw)
             self._check_model(body)
-            tokens, text = self._tokenize(route, body, self.policy.uses_tokens)
-            if not text and tokens is not None and self.policy.name == "cache_aware":
+            policy = self.policy
+            tokens, text = self._tokenize(route, body, policy.uses_tokens, policy.uses_text)
+            if not text and tokens is not None and policy.uses_text:
                 text = " ".join(map(str, tokens))  # sglang-router's tree sees the raw ids
             session = request.headers.get("X-Session-Id") or (
                 body.get("user") if isinstance(body.get("user"), str) else None
@@ -336,12 +340,13 @@ class Router:
         raise RequestError(404, f"model {model!r} not found; served: {sorted(self.model_ids)}")
 
     def _tokenize(
-        self, route: str, body: dict[str, Any], want_tokens: bool
+        self, route: str, body: dict[str, Any], want_tokens: bool, want_text: bool = True
     ) -> tuple[array | None, str]:
         """Token ids as the engine will see them (uint32, only if wanted) and the raw text.
 
         Malformed prompts are 400 whatever the policy; tokenizing costs milliseconds on long
-        prompts, so only token-routing policies pay for it.
+        prompts, so only token-routing policies pay for it. Chat text is joined only when
+        `want_text` (cache_aware's character tree).
         """
         enc = self.encoder if want_tokens else None
         if route == "/v1/chat/completions":
@@ -357,8 +362,10 @@ class Router:
                     content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
                 if content is not None and not isinstance(content, str):
                     raise RequestError(400, f"messages[{i}].content must be a string or parts")
-                parts.append({**m, "content": content or ""})
-            text = "".join(p["content"] for p in parts)
+                parts.append(
+                    m if isinstance(m.get("content"), str) else {**m, "content": content or ""}
+                )
+            text = "".join(p["content"] for p in parts) if want_text else ""
             if enc is None:
                 return None, text
             try:
@@ -476,7 +483,7 @@ class Router:
             )
         try:
             return await forward(
-                self.session,
+                self.upstream,
                 request,
                 worker.url + route,
                 payload,  # type: ignore[arg-type]
