@@ -186,7 +186,10 @@ class TransferAgent:
     notices free their allocations; default, a private in-process table fed by `add_peer`.
     `secret`: shared HMAC secret for control and TCP data connections. `timeout_s`: the
     longest wait for any reply or any data progress. `head_start`/`total_heads`: this
-    instance's tensor-parallel share of the KV heads.
+    instance's tensor-parallel share of the KV heads. `on_received`: called (or awaited) with
+    every `Received`. `pending_timeout_s`: how long a peer may hold blocks allocated or locked
+    here for one transfer or pull before they are freed anyway. A transport with an
+    `exchange` hook (RDMA) trades its connection offers over the control connection.
     """
 
     def __init__(
@@ -202,7 +205,7 @@ class TransferAgent:
         head_start: int = 0,
         total_heads: int = 0,
         on_received: OnReceived | None = None,
-        idle_timeout_s: float = 60.0,
+        pending_timeout_s: float = 60.0,
     ) -> None:
         self.pool = pool
         self.instance_id = pool.instance_id
@@ -221,9 +224,11 @@ class TransferAgent:
             raise InvalidRequest(f"unknown transport {transport!r}; expected tcp, local or one")
         if hasattr(self.transport, "access"):
             self.transport.access = self.grants.check  # type: ignore[attr-defined]
+        if getattr(self.transport, "exchange", False) is None:  # RDMA trades queue pairs here
+            self.transport.exchange = self._exchange  # type: ignore[attr-defined]
         self._own_membership = membership is None
         self.membership = membership or InProcessCluster(ttl_s=float("inf"), heartbeat_s=3600)
-        self.receiver = Receiver(pool, self.geometry, self.grants, on_received, idle_timeout_s)
+        self.receiver = Receiver(pool, self.geometry, self.grants, on_received, pending_timeout_s)
         self.info: PeerInfo | None = None
         self._server: asyncio.base_events.Server | None = None
         self._links: dict[int, ControlLink] = {}
@@ -550,13 +555,35 @@ class TransferAgent:
                     f"instance {id} offers no {self.transport.name!r} data endpoint "
                     f"(it offers {offered})"
                 )
+            self._links[id] = link  # the transport's connect may trade offers over it
             try:
                 await self.transport.connect(link.peer)
             except BaseException:
+                self._links.pop(id, None)
                 link.close("data connection failed")
                 raise
-            self._links[id] = link
             return link
+
+    async def _exchange(self, peer: PeerInfo, offer: dict[str, Any]) -> dict[str, Any]:
+        """The transport's offer to the peer's transport, over the control connection."""
+        link = self._links.get(peer.instance_id)
+        if link is None or link.closed:
+            raise TransferFailed(f"no control connection to instance {peer.instance_id}")
+        name = self.transport.name
+        reply = await link.request(lambda rid: m.Exchange(rid, name, offer), m.Exchanged)
+        return reply.answer
+
+    async def _accept(self, peer_id: int, msg: m.Exchange) -> m.Reply:
+        accept = getattr(self.transport, "accept", None)
+        if msg.transport != self.transport.name or accept is None:
+            why = f"this instance runs the {self.transport.name} transport, not {msg.transport}"
+            return m.Refused(msg.rid, "TransferFailed", why)
+        if msg.offer.get("instance_id", peer_id) != peer_id:
+            return m.Refused(msg.rid, "TransferFailed", "an offer made for another instance")
+        try:
+            return m.Exchanged(msg.rid, await accept(msg.offer))
+        except Exception as exc:
+            return m.Refused(msg.rid, "TransferFailed", f"{self.transport.name}: {exc}")
 
     async def _on_dead(self, peer_id: int) -> None:
         """MemServe 4.4: fail what is in flight to it, free what it holds here."""
@@ -589,8 +616,11 @@ class TransferAgent:
             try:
                 while True:
                     msg = await m.read_message(reader)
-                    self.receiver.touch(session)
-                    writer.write(m.encode(self.receiver.handle(session, msg)))
+                    if isinstance(msg, m.Exchange):
+                        reply = await self._accept(session.peer_id, msg)
+                    else:
+                        reply = self.receiver.handle(session, msg)
+                    writer.write(m.encode(reply))
                     await writer.drain()
             except asyncio.IncompleteReadError:
                 pass
@@ -604,7 +634,7 @@ class TransferAgent:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(min(5.0, self.receiver.idle_timeout_s / 4))
+            await asyncio.sleep(min(5.0, self.receiver.pending_timeout_s / 4))
             self.receiver.sweep()
 
     def session_count(self) -> int:

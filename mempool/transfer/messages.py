@@ -87,6 +87,19 @@ class Unlock(msgspec.Struct, tag=True, array_like=True):
     lock_id: int
 
 
+class Exchange(msgspec.Struct, tag=True, array_like=True):
+    """A data transport's connection offer (RDMA: qpn, psn, gid...) for the peer's `accept`."""
+
+    rid: int
+    transport: str
+    offer: dict[str, Any]
+
+
+class Exchanged(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+    answer: dict[str, Any]
+
+
 class Done(msgspec.Struct, tag=True, array_like=True):
     rid: int
 
@@ -99,8 +112,8 @@ class Refused(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-Request = Prepare | Commit | Abort | Lock | Unlock
-Reply = Prepared | Committed | Locked | Done | Refused
+Request = Prepare | Commit | Abort | Lock | Unlock | Exchange
+Reply = Prepared | Committed | Locked | Exchanged | Done | Refused
 Message = Hello | Request | Reply
 
 _encoder = msgspec.msgpack.Encoder()

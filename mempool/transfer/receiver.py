@@ -1,10 +1,11 @@
 """The serving side of the control plane: allocate, insert, lock and release for peers.
 
 Every allocation or lock made for a peer belongs to that peer's control session until the
-transfer commits or the lock is released. When the session ends (the connection drops, the
-peer dies, or it sat idle past the deadline) everything it still holds is freed (MemServe
-4.4: no memory leaks when an instance fails), and its data-plane grants are revoked first so
-no late byte lands in a block that is back on the free list.
+transfer commits or the lock is released. When the session ends (the connection drops or
+membership says the peer died) everything it still holds is freed (MemServe 4.4: no memory
+leaks when an instance fails), and a transfer or lock a live peer holds past
+`pending_timeout_s` is freed on its own. Data-plane grants are revoked first, so no late
+byte lands in a block that is back on the free list.
 """
 
 from __future__ import annotations
@@ -77,14 +78,14 @@ class _Pending:
     flags: int
     private: Any
     insert: bool
-    touched: float
+    since: float
 
 
 @dataclass(eq=False)
 class _Held:
     match: PrefixMatch
     granted: list[tuple[int, int]]
-    touched: float
+    since: float
 
 
 @dataclass(eq=False)
@@ -106,7 +107,7 @@ class Receiver:
         geometry: KVGeometry,
         grants: Grants,
         on_received: OnReceived | None = None,
-        idle_timeout_s: float = 60.0,
+        pending_timeout_s: float = 60.0,
         backlog: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -114,7 +115,7 @@ class Receiver:
         self.geometry = geometry
         self.grants = grants
         self.on_received = on_received
-        self.idle_timeout_s = idle_timeout_s
+        self.pending_timeout_s = pending_timeout_s
         self.clock = clock
         self.sessions: set[Session] = set()
         self._arrivals: deque[Received] = deque(maxlen=backlog)
@@ -146,6 +147,9 @@ class Receiver:
             raise InvalidRequest(f"unexpected {type(msg).__name__} on a control connection")
         except (MemPoolError, ValueError) as exc:
             return m.Refused(rid, type(exc).__name__, str(exc))
+        except Exception as exc:  # a bug here must not take the connection down silently
+            log.exception("receiver: %s failed", type(msg).__name__)
+            return m.Refused(rid, "TransferFailed", f"internal error: {exc!r}")
 
     # ----------------------------------------------------------------- transfer steps
 
@@ -229,7 +233,10 @@ class Receiver:
     def _commit(self, session: Session, msg: m.Commit) -> m.Committed:
         pending = session.transfers.pop(msg.xfer, None)
         if pending is None:
-            raise InvalidRequest(f"no transfer {msg.xfer} is in progress for this peer")
+            raise InvalidRequest(
+                f"transfer {msg.xfer} is unknown here (aborted, or expired after "
+                f"{self.pending_timeout_s}s)"
+            )
         self.grants.revoke(session.peer_id, "write", pending.granted)
         pending.granted = []
         lock = None
@@ -345,21 +352,31 @@ class Receiver:
         for session in [s for s in self.sessions if s.peer_id == peer_id]:
             self.end(session, why)
 
-    def sweep(self) -> None:
-        """End sessions whose transfers or locks sat idle past the deadline."""
-        cutoff = self.clock() - self.idle_timeout_s
+    def sweep(self) -> int:
+        """Free transfers and locks a live peer has held past the deadline (a sender that
+        never commits, a reader that never unlocks); how many were dropped."""
+        cutoff = self.clock() - self.pending_timeout_s
+        dropped = 0
         for session in list(self.sessions):
-            stale = [p.touched for p in session.transfers.values()]
-            stale += [h.touched for h in session.locks.values()]
-            if stale and min(stale) < cutoff:
-                self.end(session, f"idle for more than {self.idle_timeout_s}s")
-
-    def touch(self, session: Session) -> None:
-        now = self.clock()
-        for p in session.transfers.values():
-            p.touched = now
-        for h in session.locks.values():
-            h.touched = now
+            before = dropped
+            for xfer, pending in list(session.transfers.items()):
+                if pending.since < cutoff:
+                    del session.transfers[xfer]
+                    self._discard(session, pending)
+                    dropped += 1
+            for lock_id, held in list(session.locks.items()):
+                if held.since < cutoff:
+                    del session.locks[lock_id]
+                    self._unlock(session, held)
+                    dropped += 1
+            if dropped > before:
+                log.warning(
+                    "instance %d held %d allocations or locks here for more than %ss; freed",
+                    session.peer_id,
+                    dropped - before,
+                    self.pending_timeout_s,
+                )
+        return dropped
 
     # ----------------------------------------------------------------- arrivals
 

@@ -24,6 +24,7 @@ from mempool.transfer.receiver import Received
 
 from .agents import agents, run
 from .kv import alloc, digest, free_counts
+from .procpeer import eventually
 
 SPEC = KVBlockSpec(layers=3, kv_heads=4, head_dim=8, dtype="float16", page_size=4)
 ALL = (0, 4)
@@ -408,6 +409,27 @@ def test_dead_peer_fails_in_flight_transfers_and_frees_its_allocations() -> None
             assert free_counts(b) == base_b and tb.session_count() == 0
             with pytest.raises(TransferFailed, match="instance 2"):
                 await stream.send_layers(1, 3)
+            a.free_mem(src)
+
+    run(main())
+
+
+def test_allocations_held_past_the_deadline_are_freed() -> None:
+    """A live sender that never commits does not pin the receiver's blocks forever."""
+    a, b = pool(1), pool(2)
+    base_b = free_counts(b)
+
+    async def main() -> None:
+        async with agents(a, b, options=[{}, {"pending_timeout_s": 0.3}]) as (ta, tb):
+            src = src_blocks(a, 16)
+            stream = await ta.open_stream(2, src, tokens=prompt(16))
+            await stream.send_layers()
+            assert free_counts(b)["host"] == base_b["host"] - 4
+            took = await eventually(lambda: free_counts(b) == base_b, 2.0)
+            assert took > 0.25 and not tb.grants._granted
+            with pytest.raises(InvalidRequest, match=r"unknown here.*expired after 0\.3s"):
+                await stream.finish()
+            assert b.match(prompt(16)).num_tokens == 0 and tb.session_count() == 1
             a.free_mem(src)
 
     run(main())
