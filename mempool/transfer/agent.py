@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from mempool.address import MemType, instance_of
 from mempool.errors import InvalidAddress, InvalidRequest
 from mempool.pool import InsertFlags, MemPool, PrefixMatch
@@ -155,17 +157,12 @@ class TransferStream:
         )
 
     async def abort(self) -> None:
-        """Tell the receiver to free this transfer's blocks (best effort: a dead peer's
-        session is freed on its side when the connection drops)."""
+        """Tell the receiver to free this transfer's blocks, without waiting: a peer that is
+        gone frees them when its side of the connection drops, or after pending_timeout_s."""
         if self.done:
             return
         self.done = True
-        if self._link.closed:
-            return
-        try:
-            await self._link.request(lambda rid: m.Abort(rid, self._xfer), m.Done)
-        except Exception as exc:
-            log.info("abort of transfer %d to %s failed: %s", self._xfer, self._link.where, exc)
+        self._link.send(lambda rid: m.Abort(rid, self._xfer))
 
     async def __aenter__(self) -> TransferStream:
         return self
@@ -373,6 +370,10 @@ class TransferAgent:
                 f"{geo.page_size} here ({geo.pages_for(num_tokens) * geo.blocks_per_page} "
                 f"blocks), but {len(src)} source blocks ({pages} pages) were given"
             )
+        try:
+            msgspec.msgpack.encode(private)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise InvalidRequest(f"private must be msgpack-serializable: {exc}") from None
         dst = None
         if dst_addrs is not None:
             dst = self._check_dst(id, dst_addrs)

@@ -118,6 +118,11 @@ class ControlLink:
             raise TransferFailed(f"{self.where}: {type(reply).__name__} in reply to {what}")
         return reply
 
+    def send(self, make: Callable[[int], m.Request]) -> None:
+        """Fire and forget (an abort to a peer that may be gone: never wait on it)."""
+        if not self.closed:
+            self._writer.write(m.encode(make(self.new_id())))
+
     async def _read_replies(self) -> None:
         reason = "control connection closed by the peer"
         try:

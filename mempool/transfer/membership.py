@@ -126,12 +126,19 @@ class ClusterManager(ABC):
     # ----------------------------------------------------------------- internals
 
     async def _beat(self, instance_id: int) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
                 await self.heartbeat(instance_id)
             except MembershipError as exc:
-                log.warning("membership: heartbeat of instance %d failed: %s", instance_id, exc)
+                if not failing:  # once per outage, not once per beat
+                    log.warning("membership: heartbeats of instance %d fail: %s", instance_id, exc)
+                failing = True
+                continue
+            if failing:
+                log.warning("membership: heartbeats of instance %d resumed", instance_id)
+            failing = False
 
     async def check(self) -> set[int]:
         """Compare live records with the last check; fire callbacks for the missing ones."""

@@ -433,3 +433,26 @@ def test_allocations_held_past_the_deadline_are_freed() -> None:
             a.free_mem(src)
 
     run(main())
+
+
+def test_aborted_stream_frees_at_once_and_bad_private_is_refused() -> None:
+    a, b = pool(1), pool(2)
+    base_b = free_counts(b)
+
+    async def main() -> None:
+        async with agents(a, b) as (ta, tb):
+            src = src_blocks(a, 16)
+            with pytest.raises(RuntimeError, match="engine failed"):
+                async with await ta.open_stream(2, src, tokens=prompt(16)) as stream:
+                    await stream.send_layers(0, 1)
+                    raise RuntimeError("engine failed mid-prefill")
+            await eventually(lambda: free_counts(b) == base_b, 1.0)
+            assert tb.session_count() == 1 and b.stats()["protected_pages"] == 0
+            with pytest.raises(InvalidRequest, match="finished or aborted"):
+                await stream.send_layers(1, 2)
+            with pytest.raises(InvalidRequest, match="msgpack-serializable"):
+                await ta.transfer(2, src, private=object())
+            assert free_counts(b) == base_b
+            a.free_mem(src)
+
+    run(main())
