@@ -354,7 +354,7 @@ class TransferAgent:
         """Allocation step of a push; the returned stream sends and commits it."""
         geo = self.geometry
         toks = token_array(tokens) if tokens is not None else None
-        src = self._check_src(src_addrs)
+        src, src_locs = self._check_src(src_addrs)
         pages = len(src) // geo.blocks_per_page
         if toks is not None:
             if num_tokens is not None and num_tokens != len(toks):
@@ -401,10 +401,10 @@ class TransferAgent:
             ),
             m.Prepared,
         )
-        src_locs = [(int(t), off) for t, off in map(self.pool.offset_of, src)]
         return TransferStream(self, link, xfer, src_locs, prepared, num_tokens, int(flags))
 
-    def _check_src(self, src_addrs: Sequence[int]) -> list[int]:
+    def _check_src(self, src_addrs: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The source blocks and where their bytes are; InvalidAddress unless all are ours."""
         if isinstance(src_addrs, int | str | bytes):
             raise InvalidRequest(f"src_addrs must be a list of addresses, not {src_addrs!r}")
         src = list(src_addrs)
@@ -414,9 +414,8 @@ class TransferAgent:
                 f"{len(src)} source blocks is not a whole number of pages ({bpp} blocks per "
                 f"page in the {self.geometry.layout} layout)"
             )
-        for addr in src:
-            self.pool.offset_of(addr)  # InvalidAddress when not an allocated block here
-        return src
+        locs = [(int(t), off) for t, off in map(self.pool.offset_of, src)]
+        return src, locs
 
     def _check_dst(self, id: int, dst_addrs: Sequence[int]) -> list[int]:
         if isinstance(dst_addrs, int | str | bytes):
