@@ -23,7 +23,7 @@ from mempool.transfer.base import PeerInfo
 from mempool.transfer.membership import ClusterManager, RedisCluster
 
 SPEC = KVBlockSpec(layers=4, kv_heads=8, head_dim=64, dtype="float16", page_size=16)
-TTL_S, HEARTBEAT_S = 1.0, 0.25
+TTL_S, HEARTBEAT_S = 1.5, 0.25  # six beats per TTL: robust to a loaded machine
 
 
 def tokens(n: int) -> list[int]:
