@@ -2,8 +2,10 @@
 
 Flags keep SGLang's names where the meaning is the same (--model-path, --host, --port,
 --page-size, --max-running-requests, --max-prefill-tokens, --max-total-tokens,
---disable-radix-cache, --kv-events-config, --disaggregation-mode, --served-model-name,
---context-length).
+--disable-radix-cache, --kv-events-config, --disaggregation-mode,
+--disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
+--context-length). Ours: --pd-caching (MemServe's caching modes of a disaggregated pair),
+--mempool-port, --mempool-secret, --tokenizer-cache, --backend, --time-scale.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from aiohttp import web
 from connector.kv_events import KVEventPublisher, KVEventsConfig
 from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
+from connector.worker.pd import Caching, PDConfig, PDLink, PDMode
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
@@ -70,7 +74,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--disaggregation-mode",
         choices=["null", "prefill", "decode"],
         default="null",
-        help="null: a colocated instance (SGLang's default)",
+        help="null: a colocated instance (SGLang's default); prefill or decode: one side "
+        "of a disaggregated pair (the router adds SGLang's bootstrap fields)",
+    )
+    p.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="prefill: where decode instances claim rooms (SGLang's default 8998)",
+    )
+    p.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=["mempool", "fake"],
+        default="mempool",
+        help="mempool: KV moves through MemPool's transfer agents; fake: no KV moves and "
+        "each side computes alone (SGLang's test backend)",
+    )
+    p.add_argument(
+        "--pd-caching",
+        default="caching-3",
+        help="MemServe table 4: basic (no caching), caching-1 (prefill caches), caching-2 "
+        "(+ decode caches, prefill sends only what decode lacks), caching-3 (+ decode writes "
+        "its KV back to prefill: the default)",
+    )
+    p.add_argument("--mempool-port", type=int, default=0, help="MemPool agent port (0: any)")
+    p.add_argument(
+        "--mempool-secret",
+        default=os.environ.get("MEMSERVE_MEMPOOL_SECRET"),
+        help="shared secret for MemPool transfers (default: $MEMSERVE_MEMPOOL_SECRET)",
+    )
+    p.add_argument(
+        "--disaggregation-timeout-secs",
+        type=float,
+        default=30.0,
+        help="longest wait for the other side of a bootstrap room",
     )
     p.add_argument(
         "--time-scale",
@@ -118,11 +155,11 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
 
 def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     """Everything a worker is, from its arguments; raises SystemExit with a message on misuse."""
-    if args.disaggregation_mode != "null":
-        raise SystemExit(
-            "--disaggregation-mode prefill|decode is not available yet "
-            "(it arrives with PD disaggregation); use null"
-        )
+    try:
+        caching = Caching.parse(args.pd_caching)
+    except ValueError as exc:
+        raise SystemExit(f"--pd-caching: {exc}") from None
+    mode = PDMode(args.disaggregation_mode)
     if args.page_size <= 0:
         raise SystemExit("--page-size must be positive")
     if args.model_path is None:
@@ -161,6 +198,24 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             raise SystemExit(str(exc)) from None
         if config.publisher == "zmq":
             events = KVEventPublisher(config, args.page_size)
+    pd = None
+    enable_cache = not args.disable_radix_cache
+    if mode is not PDMode.NULL:
+        pd_config = PDConfig(
+            mode,
+            caching,
+            args.disaggregation_transfer_backend,
+            args.host,
+            args.disaggregation_bootstrap_port,
+            args.host,
+            args.mempool_port,
+            args.mempool_secret,
+            args.disaggregation_timeout_secs,
+        )
+        pd = PDLink(pd_config, pool)
+        if args.disaggregation_transfer_backend == "mempool":
+            side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches
+            enable_cache = enable_cache and side
     scheduler = Scheduler(
         backend,
         pool,
@@ -168,9 +223,10 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         SchedulerConfig(
             max_running_requests=args.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
-            enable_cache=not args.disable_radix_cache,
+            enable_cache=enable_cache,
         ),
         events,
+        pd,
     )
     server_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     server_args["model_path"] = str(model_dir)

@@ -35,8 +35,16 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def store_pages(self, seq: Sequence, first_page: int, addrs: list[int]) -> None:
-        """Write the KV of pages first_page.. of seq.all_ids into `addrs` (one block a page)."""
+    def store_pages(
+        self, seq: Sequence, first_page: int, addrs: list[int], partial: bool = False
+    ) -> None:
+        """Write the KV of pages first_page.. of seq.all_ids into `addrs` (one block a page).
+
+        `partial`: the last page may be only partly computed (a prompt handed to a decode
+        instance); its computed rows are written, the rest of the block is zero.
+        A decode instance's sequence with `seq.preloaded` tokens has their KV in
+        `seq.kv_addrs` before its first decode step: load it instead of computing.
+        """
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished or aborted)."""

@@ -139,19 +139,30 @@ class HFBackend(Backend):
         # The last prompt token is always recomputed: its logits give the first output token.
         start = min(seq.cached_tokens, len(prompt) - 1)
         if start > 0:
-            self._load_prefix(seq, cache, start)
+            self._load_kv(seq.rid, seq.prefix.addrs if seq.prefix else [], cache, start)
         logits = self._forward(prompt[start:], start, cache)
-        generator = None
-        if not seq.sampling.greedy:
-            generator = torch.Generator()
-            if seq.sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seq.sampling.seed)
-        return HFState(cache, generator), logits
+        return HFState(cache, self._generator(seq.sampling)), logits
+
+    @staticmethod
+    def _generator(sampling: SamplingParams) -> torch.Generator | None:
+        """The sequence's sampling RNG (None when greedy)."""
+        if sampling.greedy:
+            return None
+        generator = torch.Generator()
+        if sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(sampling.seed)
+        return generator
 
     def _decode(self, seq: Sequence) -> tuple[HFState, torch.Tensor]:
         state = seq.backend_state
+        if state is None and seq.preloaded and seq.output_ids:  # KV from a prefill instance
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+            self._load_kv(seq.rid, seq.kv_addrs, cache, seq.preloaded)
+            state = seq.backend_state = HFState(cache, self._generator(seq.sampling))
         if not isinstance(state, HFState) or not seq.output_ids:
             raise ValueError(f"request {seq.rid}: decode before prefill")
         position = seq.num_computed  # position of the last output token, not yet fed
@@ -177,15 +188,14 @@ class HFBackend(Backend):
 
     # ----------------------------------------------------------------- MemPool pages
 
-    def _load_prefix(self, seq: Sequence, cache: DynamicCache, num_tokens: int) -> None:
-        """Fill an empty cache with the first `num_tokens` K/V from the prefix's blocks."""
+    def _load_kv(self, rid: str, addrs: list[int], cache: DynamicCache, num_tokens: int) -> None:
+        """Fill an empty cache with the first `num_tokens` K/V from these page blocks."""
         page = self.spec.page_size
-        addrs = seq.prefix.addrs if seq.prefix is not None else []
         pages = -(-num_tokens // page)
         if len(addrs) < pages:
             raise ValueError(
-                f"request {seq.rid}: {seq.cached_tokens} cached tokens but the prefix has "
-                f"{len(addrs)} blocks of {page} tokens"
+                f"request {rid}: KV of {num_tokens} tokens wanted but only {len(addrs)} "
+                f"blocks of {page} tokens are there"
             )
         layers, heads, dim = self.spec.layers, self.spec.kv_heads, self.spec.head_dim
         buf = torch.empty(pages, 2 * layers, heads, page, dim, dtype=torch.float32)
@@ -199,11 +209,14 @@ class HFBackend(Backend):
             v = kv[self.spec.segment_index(layer, True)].unsqueeze(0)
             cache.update(k.contiguous(), v.contiguous(), layer)
 
-    def store_pages(self, seq: Sequence, first_page: int, addrs: list[int]) -> None:
-        """Copy the K/V of whole pages first_page.. into MemPool blocks (one block a page).
+    def store_pages(
+        self, seq: Sequence, first_page: int, addrs: list[int], partial: bool = False
+    ) -> None:
+        """Copy the K/V of pages first_page.. into MemPool blocks (one block a page).
 
         Only pages whose every position is computed (< seq.num_computed) can be stored: the
-        last output token has no KV until the next decode feeds it.
+        last output token has no KV until the next decode feeds it. With `partial`, the last
+        page may be partly computed: its other rows are zero.
         """
         state = seq.backend_state
         page = self.spec.page_size
@@ -213,16 +226,20 @@ class HFBackend(Backend):
             raise ValueError(f"store_pages needs first_page >= 0 and blocks, got {first_page}")
         end = (first_page + len(addrs)) * page
         have = min(seq.num_computed, state.cache.get_seq_length())
-        if end > have:
+        if end > have and not (partial and end - have < page):
             raise ValueError(
                 f"request {seq.rid}: pages {first_page}..{first_page + len(addrs) - 1} need KV "
                 f"of positions < {end}, only {have} computed"
             )
         start = first_page * page
+        stop = min(end, have)
         layers, heads, dim = self.spec.layers, self.spec.kv_heads, self.spec.head_dim
         with torch.inference_mode():
             per_layer = [
-                torch.stack((lay.keys[0, :, start:end], lay.values[0, :, start:end]))
+                torch.nn.functional.pad(
+                    torch.stack((lay.keys[0, :, start:stop], lay.values[0, :, start:stop])),
+                    (0, 0, 0, end - stop),
+                )
                 for lay in state.cache.layers[:layers]
             ]
             # [L, 2, H, n*P, D] -> [n, 2L, H, P, D]: each page's block, layer-major, K first.

@@ -68,9 +68,15 @@ class SimBackend(Backend):
         for seq in (*prefills, *decodes):
             seq.output_ids.append(self._next_token(seq))
 
-    def store_pages(self, seq: Sequence, first_page: int, addrs: list[int]) -> None:
+    def store_pages(
+        self, seq: Sequence, first_page: int, addrs: list[int], partial: bool = False
+    ) -> None:
         ps = self.spec.page_size
+        if partial and (first_page + len(addrs)) * ps > seq.num_computed:
+            addrs = addrs[:-1]  # a partial page carries no stamp: its hash is not defined yet
         last = first_page + len(addrs)
+        if not addrs:
+            return
         if last * ps > seq.num_computed:
             raise ValueError(f"page {last - 1} has no KV yet ({seq.num_computed} tokens computed)")
         hashes = page_hashes(seq.all_ids[: last * ps], ps)

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from connector.kv_events import KVEventPublisher, page_hashes
 from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
+from connector.worker.pd import Arrival, PDLink, PDMode, bootstrap_fields
 from connector.worker.protocol import BadRequest, GenerateInput
 from connector.worker.sequence import Sequence
-from mempool import MemPool, OutOfBlocks
+from mempool import InsertFlags, MemPool, OutOfBlocks, PrefixMatch
+from mempool.radix import InsertResult
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,10 @@ class Scheduler:
         tokenizer: ChatTokenizer,
         config: SchedulerConfig,
         events: KVEventPublisher | None = None,
+        pd: PDLink | None = None,
     ) -> None:
         self.backend = backend
+        self.pd = pd  # prefill/decode disaggregation, when this instance is one side of it
         self.pool = pool
         self.tokenizer = tokenizer
         self.config = config
@@ -98,10 +102,85 @@ class Scheduler:
             )
         sampling = gen.sampling
         sampling.max_new_tokens = min(sampling.max_new_tokens, limit - n)
+        try:
+            room = bootstrap_fields(gen.extras) if self.pd is not None else None
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
         seq = Sequence(gen.rid, gen.input_ids, sampling)
+        if room is not None and not self.pd.fake:  # type: ignore[union-attr]
+            seq.room = room[0]
+            if self.pd.config.mode is PDMode.DECODE:  # type: ignore[union-attr]
+                self.pd.spawn(self._receive(seq, *room))  # type: ignore[union-attr]
+                return seq
+            if self.pd.config.mode is PDMode.PREFILL:  # type: ignore[union-attr]
+                sampling.max_new_tokens = min(sampling.max_new_tokens, 1)  # as SGLang's prefill
         self.waiting.append(seq)
         self._wake.set()
         return seq
+
+    async def _receive(self, seq: Sequence, room: int, host: str, port: int | None) -> None:
+        """Decode side: wait for the prefill's KV of `room`, then decode from its token."""
+        try:
+            arrival = await self.pd.receive(room, host, port)  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            seq.handoff_error = str(exc)
+            seq.finish_reason = {"type": "abort", "message": str(exc)}
+            seq.events.put_nowait(DONE)
+            return
+        if seq.finish_reason is not None:  # the client left while the KV travelled
+            self._free_arrival(arrival)
+            seq.events.put_nowait(DONE)
+            return
+        try:
+            self._adopt(seq, arrival)
+        except Exception as exc:
+            self._free_arrival(arrival)
+            seq.prefix, seq.blocks = None, []
+            seq.handoff_error = f"bad KV arrival: {exc}"
+            seq.finish_reason = {"type": "abort", "message": seq.handoff_error}
+            seq.events.put_nowait(DONE)
+            return
+        self._wake.set()
+
+    def _adopt(self, seq: Sequence, arrival: Arrival) -> None:
+        """A decode request whose prompt KV arrived: it joins the batch already prefilled."""
+        got = arrival.received
+        n = len(seq.prompt_ids)
+        if got.num_tokens != n:
+            raise ValueError(f"{got.num_tokens} tokens of KV arrived for a {n}-token prompt")
+        whole = n // self.page if got.inserted else 0
+        if got.inserted:
+            seq.prefix = PrefixMatch(got.addrs[:whole], whole * self.page, got.lock.node, True)  # type: ignore[union-attr]
+        seq.blocks = list(got.addrs[whole:])
+        seq.cached_tokens = whole * self.page
+        seq.preloaded = n
+        seq.reported_cached = arrival.prefill_cached
+        seq.prefill_id = arrival.prefill_id
+        seq.output_ids.append(arrival.first_token)
+        seq.prefilled = True
+        seq.first_token_at = time.perf_counter()
+        self.on_first_token(seq.first_token_at - seq.arrival)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += n
+        self.stats.cached_tokens += arrival.prefill_cached
+        self.running.append(seq)
+        self._check_finish(seq)
+        if seq.finish_reason is None and not self._grow(seq):
+            seq.finish_reason = {"type": "abort", "message": "out of KV cache memory"}
+        seq.events.put_nowait(TOKEN)
+        if seq.finish_reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, cache=self.config.enable_cache)
+
+    def _free_arrival(self, arrival: Arrival) -> None:
+        got = arrival.received
+        whole = len(got.addrs) if not got.inserted else got.num_tokens // self.page
+        if got.inserted and got.lock is not None:
+            self.pool.release(got.lock)
+        if got.addrs[whole:]:
+            self.pool.free_mem(got.addrs[whole:])
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: drop a waiting request, finish a running one at the next step."""
@@ -261,7 +340,20 @@ class Scheduler:
         return next((s for s in seq.sampling.stop if s and s in text), None)
 
     def _finish(self, seq: Sequence, cache: bool) -> None:
-        """Turn the request's KV into historical KV (insert), free the rest, wake the client."""
+        """Turn the request's KV into historical KV (insert), free the rest, wake the client.
+
+        A disaggregated request hands its KV on first: a prefill pushes the prompt to its
+        decode instance, a PD-Caching-3 decode writes its KV back to the prefill instance;
+        the blocks stay pinned until that transfer ends.
+        """
+        ok = seq.prefilled and (seq.finish_reason or {}).get("type") != "abort"
+        if ok and seq.room is not None and self.pd is not None:
+            if self.pd.config.mode is PDMode.PREFILL:
+                self._hand_to_decode(seq, cache)
+                return
+            if seq.prefill_id is not None and cache and self.pd.config.caching.writeback:
+                self._write_back(seq)
+                return
         cached_pages = seq.cached_tokens // self.page
         full = seq.num_computed // self.page if seq.prefilled else 0
         new_pages = full - cached_pages if cache and full > cached_pages else 0
@@ -272,12 +364,18 @@ class Scheduler:
             except Exception:  # caching failed: free everything, never leak
                 log.exception("caching request %s failed", seq.rid)
                 rest = seq.blocks
+        self._done(seq, rest)
+
+    def _done(self, seq: Sequence, rest: list[int], lock: InsertResult | None = None) -> None:
+        """Free what the request still owns, unpin its prefix, wake the client."""
         if rest:
             self.pool.free_mem(rest)
         seq.blocks = []
         if seq.prefix is not None:
             self.pool.release(seq.prefix)
             seq.prefix = None
+        if lock is not None:
+            self.pool.release(lock)
         self.backend.release(seq)
         self.stats.generation_tokens += len(seq.output_ids)
         self.on_finish(time.perf_counter() - seq.arrival)
@@ -285,16 +383,88 @@ class Scheduler:
             self.stats.aborted += 1
         seq.events.put_nowait(DONE)
 
-    def _cache(self, seq: Sequence, full: int, adopt: list[int]) -> None:
-        """Write the new pages' KV and insert the request's whole pages into the index."""
+    def _hand_to_decode(self, seq: Sequence, cache: bool) -> None:
+        """Prefill side: store every prompt page (partial last one too), pin it, push it."""
+        n = len(seq.prompt_ids)
         cached_pages = seq.cached_tokens // self.page
-        self.backend.store_pages(seq, cached_pages, adopt)
+        pages = -(-n // self.page)
+        own = seq.blocks[: pages - cached_pages]
+        spare = seq.blocks[pages - cached_pages :]
+        lock: InsertResult | None = None
+        try:
+            addrs = (seq.prefix.addrs if seq.prefix is not None else []) + own
+            whole = n // self.page
+            engine, first_engine_page = own, cached_pages
+            if cache and whole > cached_pages:  # whole pages become cache, pinned
+                lock = self._cache(seq, whole, own[: whole - cached_pages], lock=True)
+                engine, first_engine_page = own[whole - cached_pages :], whole
+            if engine:
+                self.backend.store_pages(seq, first_engine_page, engine, partial=True)
+        except Exception as exc:
+            log.exception("request %s: preparing its KV for the decode instance failed", seq.rid)
+            seq.handoff_error = f"preparing the KV failed: {exc}"
+            seq.finish_reason = {"type": "abort", "message": seq.handoff_error}
+            self._done(seq, seq.blocks)
+            return
+        seq.blocks = engine + spare
+        tokens, first, reported = list(seq.prompt_ids), seq.output_ids[0], seq.cached_tokens
+
+        async def push() -> None:
+            try:
+                await self.pd.send(seq.room, tokens, addrs, first, reported)  # type: ignore[union-attr,arg-type]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                seq.handoff_error = str(exc)
+                seq.finish_reason = {"type": "abort", "message": str(exc)}
+            finally:
+                self._done(seq, seq.blocks, lock)
+
+        self.pd.spawn(push())  # type: ignore[union-attr]
+
+    def _write_back(self, seq: Sequence) -> None:
+        """PD-Caching-3 decode side: cache locally, pinned, and send it to the prefill."""
+        cached_pages = seq.cached_tokens // self.page
+        full = seq.num_computed // self.page
+        adopt, rest = seq.blocks[: full - cached_pages], seq.blocks[full - cached_pages :]
+        try:
+            lock = self._cache(seq, full, adopt, lock=True) if full > cached_pages else None
+        except Exception:
+            log.exception("caching request %s failed", seq.rid)
+            self._done(seq, seq.blocks)
+            return
+        if lock is None:
+            self._done(seq, rest)
+            return
+        tokens = seq.all_ids[: full * self.page]
+        addrs = (seq.prefix.addrs if seq.prefix is not None else []) + adopt
+        prefill_id = seq.prefill_id
+        self._done(seq, rest)  # the client has its answer; the write-back runs after
+
+        async def send() -> None:
+            try:
+                await self.pd.write_back(prefill_id, tokens, addrs)  # type: ignore[union-attr,arg-type]
+            finally:
+                self.pool.release(lock)
+
+        self.pd.spawn(send())  # type: ignore[union-attr]
+
+    def _cache(
+        self, seq: Sequence, full: int, adopt: list[int], lock: bool = False
+    ) -> InsertResult | None:
+        """Write the new pages' KV and insert the request's whole pages into the index;
+        with `lock`, the inserted path stays pinned (the result releases it)."""
+        cached_pages = seq.cached_tokens // self.page
+        if adopt:
+            self.backend.store_pages(seq, cached_pages, adopt)
         addrs = (seq.prefix.addrs if seq.prefix is not None else []) + adopt
         tokens = seq.all_ids[: full * self.page]
-        result = self.pool.insert(tokens, addrs)  # validates before it changes anything
+        flags = InsertFlags.LOCK if lock else InsertFlags.NONE
+        result = self.pool.insert(tokens, addrs, flags)  # validates before it changes anything
         stored = result.new_tokens // self.page
         if stored:
             hashes = page_hashes(tokens, self.page)[full - stored :]
             self._hash_of_block.update(zip(addrs[full - stored :], hashes, strict=True))
             if self.events is not None:
                 self.events.stored(tokens, full - stored, stored)
+        return result if lock else None

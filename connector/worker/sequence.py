@@ -50,6 +50,24 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     prefilled: bool = False
+    # Disaggregation: the SGLang bootstrap room this request belongs to; on a decode
+    # instance, the prompt tokens whose KV arrived from the prefill instance (loaded, not
+    # computed), the prefill's own cached_tokens (what the response reports) and its id.
+    room: int | None = None
+    preloaded: int = 0
+    reported_cached: int | None = None
+    prefill_id: int | None = None
+    handoff_error: str | None = None  # the KV could not move between the two instances
+
+    @property
+    def report_cached(self) -> int:
+        """cached_tokens as the response reports it: prompt tokens whose prefill was skipped."""
+        return self.cached_tokens if self.reported_cached is None else self.reported_cached
+
+    @property
+    def kv_addrs(self) -> list[int]:
+        """Blocks of every page with KV, in order: the cached prefix, then owned blocks."""
+        return (self.prefix.addrs if self.prefix is not None else []) + self.blocks
 
     @property
     def all_ids(self) -> list[int]:

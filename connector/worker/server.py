@@ -45,6 +45,10 @@ class WorkerInfo:
     server_args: dict[str, Any]
 
 
+class KVHandOffFailed(Exception):
+    """A disaggregated request whose KV never moved (the other side failed or vanished)."""
+
+
 @web.middleware
 async def errors_as_json(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -54,6 +58,8 @@ async def errors_as_json(
         return await handler(request)
     except BadRequest as exc:
         return json_error(400, str(exc))
+    except KVHandOffFailed as exc:
+        return json_error(502, str(exc), "KVTransferError")
     except web.HTTPException as exc:
         if exc.status >= 400:
             return json_error(exc.status, exc.reason, type(exc).__name__)
@@ -178,9 +184,13 @@ class WorkerServer:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        if self.scheduler.pd is not None:
+            await self.scheduler.pd.start()
         self.scheduler.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self.scheduler.pd is not None:
+            await self.scheduler.pd.close()
         await self.scheduler.stop()
         if self.scheduler.events is not None:
             self.scheduler.events.close()
@@ -193,7 +203,7 @@ class WorkerServer:
             "finish_reason": seq.finish_reason if finished else None,
             "prompt_tokens": len(seq.prompt_ids),
             "completion_tokens": len(seq.output_ids),
-            "cached_tokens": seq.cached_tokens,
+            "cached_tokens": seq.report_cached,
             "e2e_latency": time.perf_counter() - seq.arrival,
         }
 
@@ -206,6 +216,8 @@ class WorkerServer:
         except asyncio.CancelledError:
             self.scheduler.abort(seq)
             raise
+        if seq.handoff_error is not None:
+            raise KVHandOffFailed(f"bootstrap_room {seq.room}: {seq.handoff_error}")
         return seq
 
     async def _stream(
@@ -279,7 +291,7 @@ class WorkerServer:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": seq.report_cached},
         }
 
     async def _openai(
@@ -427,6 +439,7 @@ class WorkerServer:
                 * pool.spec.page_size,
                 "backend": self.scheduler.backend.info(),
                 "mempool": pool.stats(),
+                "disaggregation": None if self.scheduler.pd is None else self.scheduler.pd.info(),
                 "internal_states": [self.scheduler.load()],
             }
         )
