@@ -40,8 +40,8 @@ class BlockAllocator:
                 f"{self.mem_type.name.lower()} tier of instance {self.instance}: "
                 f"{count} blocks requested, {len(free)} free of {self.num_blocks}"
             )
-        addrs = free[-count:]
-        del free[-count:]
+        addrs = free[: -count - 1 : -1] if count else []  # top of the stack first: ascending
+        del free[len(free) - count :]
         self._allocated.update(addrs)
         return addrs
 
@@ -60,7 +60,7 @@ class BlockAllocator:
         if len(allocated) != before - len(addrs):  # an address was named twice: undo
             allocated.update(addrs)
             return False
-        self._free.extend(addrs)
+        self._free.extend(reversed(addrs))  # a freed run comes back out in the same order
         return True
 
     def owns(self, addrs: Iterable[int]) -> bool:

@@ -141,6 +141,10 @@ class MemPool:
         """Virtual address of a tier's first byte (for RDMA / Mooncake registration)."""
         return self.arenas[self._allocator(mem_type).mem_type].base_address
 
+    def is_indexed(self, addr: int) -> bool:
+        """True when the block holds cached KV (the index owns it; never write into it)."""
+        return addr in self._indexed
+
     def offset_of(self, addr: int) -> tuple[MemType, int]:
         """(tier, byte offset in its arena) of an allocated block: what a Segment names."""
         arena, block = self._locate(addr)

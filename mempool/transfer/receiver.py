@@ -221,10 +221,9 @@ class Receiver:
         """Named destination blocks must be allocated here and not cached in the index."""
         if len(set(addrs)) != len(addrs):
             raise InvalidRequest("dst_addrs names a block twice")
-        indexed = self.pool._indexed  # read-only: no public query for "is this block cached"
         for addr in addrs:
             self.pool.offset_of(addr)  # raises InvalidAddress for blocks not allocated here
-            if addr in indexed:
+            if self.pool.is_indexed(addr):
                 raise InvalidAddress(
                     f"destination block {addr:#x} holds cached KV; writing it would corrupt "
                     "the index"

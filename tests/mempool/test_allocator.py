@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mempool.address import MemType, decode, encode
+from mempool.address import MemType, block_of, decode, encode
 from mempool.allocator import BlockAllocator
 from mempool.errors import InvalidAddress, OutOfBlocks
 
@@ -70,3 +70,12 @@ def test_reference_model_of_free_counts(ops: list[tuple[bool, int]]) -> None:
         in_use = [a for group in held for a in group]
         assert alloc.num_used == len(in_use) == len(set(in_use))
         assert alloc.num_free + alloc.num_used == 12
+
+
+def test_runs_come_out_ascending_so_transfers_can_merge_them() -> None:
+    alloc = BlockAllocator(1, MemType.HOST, 10)
+    first = alloc.alloc(4)
+    assert [block_of(a) for a in first] == [0, 1, 2, 3]
+    assert [block_of(a) for a in alloc.alloc(3)] == [4, 5, 6]
+    alloc.free(first)
+    assert [block_of(a) for a in alloc.alloc(4)] == [0, 1, 2, 3]
