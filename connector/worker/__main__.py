@@ -21,9 +21,10 @@ from typing import Any
 from aiohttp import web
 
 from connector.kv_events import KVEventPublisher, KVEventsConfig
+from connector.pd_caching import Caching
 from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
-from connector.worker.pd import Caching, PDConfig, PDLink, PDMode
+from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool

@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from connector.http_errors import json_error
+from connector.pd_caching import Caching
 from mempool import MemPool
 from mempool.transfer.agent import TransferAgent
 from mempool.transfer.base import PeerInfo, TransferFailed
@@ -37,36 +38,6 @@ class PDMode(Enum):
     NULL = "null"
     PREFILL = "prefill"
     DECODE = "decode"
-
-
-class Caching(Enum):
-    """MemServe table 4: where a disaggregated pair keeps KV for the next turn."""
-
-    BASIC = "basic"  # nothing cached; all KV sent every time
-    CACHING_1 = "caching-1"  # the prefill instance caches prompts
-    CACHING_2 = "caching-2"  # + decode caches its KV; prefill sends only what decode lacks
-    CACHING_3 = "caching-3"  # + decode writes its KV back to prefill after each request
-
-    @classmethod
-    def parse(cls, value: str) -> Caching:
-        text = value.lower().replace("_", "-").removeprefix("pd-")
-        for mode in cls:
-            if text == mode.value:
-                return mode
-        names = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown PD caching mode {value!r}; expected one of {names}")
-
-    @property
-    def prefill_caches(self) -> bool:
-        return self is not Caching.BASIC
-
-    @property
-    def decode_caches(self) -> bool:
-        return self in (Caching.CACHING_2, Caching.CACHING_3)
-
-    @property
-    def writeback(self) -> bool:
-        return self is Caching.CACHING_3
 
 
 @dataclass(slots=True)
