@@ -17,12 +17,14 @@ from pathlib import Path
 
 from aiohttp import web
 
+from connector.pd_caching import Caching
 from router.local_cluster import LocalCluster
+from router.pd import PDSettings
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
 from router.server import Router, RouterConfig
 from router.trees import PromptTrees
-from router.workers import BreakerConfig, WorkerRegistry
+from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +78,52 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tree-ttl-secs", type=float, default=300)
     a("--max-tree-size", type=int, default=1 << 20, help="pages per prompt tree")
     a("--page-size", type=int, default=16, help="must equal the workers' page size")
+    a(
+        "--pd-disaggregation",
+        action="store_true",
+        help="route to prefill/decode pairs (implied by --prefill/--decode)",
+    )
+    a(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker and its bootstrap port (or 'none'); repeat for more",
+    )
+    a("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeat")
+    a("--prefill-policy", default=None, help="policy for prefill workers (default: --policy)")
+    a("--decode-policy", default=None, help="policy for decode workers (default: --policy)")
+    a(
+        "--pd-caching",
+        default="caching-3",
+        help="the workers' caching mode (basic, caching-1, caching-2, caching-3): which prompt "
+        "trees learn what after a PD request",
+    )
     a("--local-workers", type=int, default=2, help="workers to start when none are named")
     a("--local-backend", choices=["auto", "hf", "sim"], default="auto")
     a("--log-level", default="warning")
     return p
+
+
+def pd_workers(args: argparse.Namespace) -> tuple[list[tuple[str, int | None]], list[str]]:
+    """(--prefill URL [BOOTSTRAP_PORT] entries, --decode URLs); SystemExit on misuse."""
+    prefills = []
+    for entry in args.prefill:
+        if len(entry) > 2:
+            raise SystemExit(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(entry)}")
+        port: int | None = None
+        if len(entry) == 2 and entry[1].lower() != "none":
+            try:
+                port = int(entry[1])
+            except ValueError:
+                raise SystemExit(f"--prefill {entry[0]}: bootstrap port {entry[1]!r}") from None
+        prefills.append((entry[0], port))
+    if (args.pd_disaggregation or prefills or args.decode) and not (prefills and args.decode):
+        raise SystemExit("PD disaggregation needs at least one --prefill and one --decode")
+    if prefills and args.worker_urls:
+        raise SystemExit("give either --worker-urls or --prefill/--decode, not both")
+    return prefills, list(args.decode)
 
 
 def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
@@ -128,14 +172,31 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             registry.add(url)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
+    prefills, decodes = pd_workers(args)
+    try:
+        for url, port in prefills:
+            registry.add(url, WorkerType.PREFILL, port)
+        for url in decodes:
+            registry.add(url, WorkerType.DECODE)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     trees = PromptTrees(args.page_size, args.tree_ttl_secs, args.max_tree_size)
-    policy = make_policy(
-        name,
-        trees,
-        Thresholds(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold),
-        CostModel(),
+    thresholds = Thresholds(
+        args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
     )
-    encoder = load_encoder(tokenizer_dir(args, urls))
+    policy = make_policy(name, trees, thresholds, CostModel())
+    pd = None
+    if prefills:
+        try:
+            pd = PDSettings(
+                Caching.parse(args.pd_caching),
+                make_policy(args.prefill_policy or name, trees, thresholds, CostModel()),
+                make_policy(args.decode_policy or name, trees, thresholds, CostModel()),
+            )
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        policy = pd.prefill_policy
+    encoder = load_encoder(tokenizer_dir(args, list(registry.workers)))
     if encoder is None and policy.uses_tokens:
         raise SystemExit(
             f"--policy {name} routes on tokens: give --tokenizer-path (a model "
@@ -158,7 +219,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             not args.disable_retries,
         ),
     )
-    router = Router(config, registry, trees, policy, encoder)
+    router = Router(config, registry, trees, policy, encoder, pd)
     router.kv_events_endpoint = args.kv_events_bind
     return router
 
@@ -194,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     cluster = None
     urls = list(args.worker_urls)
-    if not urls:
+    if not urls and not args.prefill and not args.decode:
         cluster = LocalCluster(
             args.local_workers, args.local_backend, ["--page-size", str(args.page_size)]
         )

@@ -60,6 +60,7 @@ class Outcome:
     first_byte: bool = False
     error: str | None = None
     streamed: bool = False
+    client: web.StreamResponse | None = None  # the client's stream, once it has begun
 
 
 class WorkerUnavailable(Exception):
@@ -183,6 +184,7 @@ async def forward(
         outcome.streamed = True
         client = web.StreamResponse(status=resp.status, headers=headers)
         await client.prepare(request)
+        outcome.client = client
         watcher = SSEWatcher(outcome, inspect)
         try:
             async with asyncio.timeout_at(deadline):
@@ -199,9 +201,17 @@ async def forward(
         if outcome.error is None and not watcher.done:
             outcome.error = f"worker {url} closed the stream before it finished"
         if outcome.error is not None:
-            error = {"error": {"message": outcome.error, "type": "WorkerError", "code": 502}}
-            await client.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+            return await end_stream(client, outcome.error)
         await client.write_eof()
         return client
     finally:
         resp.release()
+
+
+async def end_stream(client: web.StreamResponse, message: str) -> web.StreamResponse:
+    """End a client's SSE stream with an error event and [DONE]: a clear end, never a hang."""
+    error = {"error": {"message": message, "type": "WorkerError", "code": 502}}
+    with contextlib.suppress(ConnectionResetError):
+        await client.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+        await client.write_eof()
+    return client

@@ -25,8 +25,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from connector.http_errors import json_error
+from router.pd import (
+    PDSettings,
+    PrefillResult,
+    bootstrap_payload,
+    drain_prefill,
+    merge_input_logprobs,
+    pick_pair,
+)
 from router.policies import Decision, Policy, RouteRequest
-from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
+from router.proxy import Outcome, RetryConfig, WorkerUnavailable, end_stream, forward
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
@@ -86,6 +94,12 @@ class RouterMetrics:
         )
         self.processed = Counter(
             "sgl_router_processed_requests", "Requests per worker", ["worker"], registry=r
+        )
+        self.pd_requests = Counter(
+            "sgl_router_pd_requests", "Requests sent to a prefill/decode pair", registry=r
+        )
+        self.pd_errors = Counter(
+            "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
         r.register(self)
         self._children: dict[tuple[str, str], Any] = {}
@@ -162,11 +176,16 @@ class Router:
         trees: PromptTrees,
         policy: Policy,
         encoder: Any | None,
+        pd: PDSettings | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.trees = trees
         self.policy = policy
+        self.pd = pd  # prefill/decode disaggregation: pairs instead of single workers
+        policies = [policy] if pd is None else [pd.prefill_policy, pd.decode_policy]
+        self.uses_tokens = any(p.uses_tokens for p in policies)
+        self.uses_text = any(p.uses_text for p in policies)
         self.encoder = encoder  # connector.token_cache.CachedEncoder, or None (no token policies)
         self.model_ids: set[str] = set()
         self.metrics = RouterMetrics(self)
@@ -280,15 +299,16 @@ class Router:
             raw = await request.read()
             body = self._parse(raw)
             self._check_model(body)
-            policy = self.policy
-            tokens, text = self._tokenize(route, body, policy.uses_tokens, policy.uses_text)
-            if not text and tokens is not None and policy.uses_text:
+            tokens, text = self._tokenize(route, body, self.uses_tokens, self.uses_text)
+            if not text and tokens is not None and self.uses_text:
                 text = " ".join(map(str, tokens))  # sglang-router's tree sees the raw ids
             session = request.headers.get("X-Session-Id") or (
                 body.get("user") if isinstance(body.get("user"), str) else None
             )
             route_request = RouteRequest(tokens, text, session)
             try:
+                if self.pd is not None:
+                    return await self._dispatch_pd(request, route, body, route_request)
                 return await self._dispatch(request, route, body, raw, route_request)
             finally:
                 duration.observe(time.perf_counter() - started)
@@ -386,6 +406,13 @@ class Router:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
+        # A batch (SGLang accepts lists of prompts) routes by its first prompt.
+        if isinstance(text, list):
+            if not text or not all(isinstance(t, str) for t in text):
+                raise RequestError(400, "'text' must be a string or a non-empty list of strings")
+            text = text[0]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            ids = ids[0]
         if ids is not None:
             return self._ids("input_ids", ids), ""
         if not isinstance(text, str):
@@ -462,7 +489,10 @@ class Router:
         decision: Decision,
         outcome: Outcome,
         tokens: list[int],
+        tree: WorkerType | None = WorkerType.COLOCATED,
     ) -> web.StreamResponse:
+        """Forward to `decision.worker`, counting it in flight; `tree`: the prompt tree that
+        learns (optimistically) that the worker is about to hold the prompt."""
         worker = decision.worker
         pending = max(len(tokens) - decision.predicted_cached, 0)
         worker.in_flight += 1
@@ -477,10 +507,8 @@ class Router:
 
         self.metrics.event(decision.reason).inc()
         (self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses).inc()
-        if tokens and self.policy.uses_tokens:  # optimistic; right after the request is sent
-            asyncio.get_running_loop().call_soon(
-                self.trees.record, WorkerType.COLOCATED, worker.url, tokens
-            )
+        if tokens and tree is not None and self.uses_tokens:  # optimistic; after the send
+            asyncio.get_running_loop().call_soon(self.trees.record, tree, worker.url, tokens)
         try:
             return await forward(
                 self.upstream,
@@ -490,7 +518,7 @@ class Router:
                 self.config.request_timeout_s,
                 outcome,
                 prefill_done,
-                inspect=self.policy.uses_tokens,  # only token policies learn from answers
+                inspect=self.uses_tokens,  # only token policies learn from answers
             )
         finally:
             prefill_done()
@@ -509,7 +537,7 @@ class Router:
             return
         self.registry.record_success(worker)
         tokens = route_request.tokens
-        if not tokens or not self.policy.uses_tokens or outcome.status != 200:
+        if not tokens or not self.uses_tokens or outcome.status != 200:
             return
         if outcome.cached_tokens is not None:
             self.trees.feedback(
@@ -519,6 +547,10 @@ class Router:
                 decision.predicted_cached,
                 outcome.cached_tokens,
             )
+        self.trees.record(WorkerType.COLOCATED, worker.url, self._next_prefix(tokens, outcome))
+
+    def _next_prefix(self, tokens: Any, outcome: Outcome) -> array:
+        """The prompt plus what was generated: the next turn's prefix."""
         prefix = array("I", tokens)
         if outcome.output_ids is not None:
             prefix.extend(outcome.output_ids)
@@ -526,7 +558,134 @@ class Router:
             prefix.extend(
                 self.encoder.tokenizer.encode(outcome.output_text, add_special_tokens=False)
             )
-        self.trees.record(WorkerType.COLOCATED, worker.url, prefix)
+        return prefix
+
+    # ----------------------------------------------------------------- PD
+
+    async def _dispatch_pd(
+        self, request: web.Request, route: str, body: dict[str, Any], route_request: RouteRequest
+    ) -> web.StreamResponse:
+        """A prefill and a decode worker per request, with SGLang's bootstrap fields."""
+        pd = self.pd
+        assert pd is not None
+        retry = self.config.retry
+        attempts = 1 + (retry.max_retries if retry.enabled else 0)
+        tried: set[str] = set()
+        last_error = "no healthy prefill and decode pair"
+        tokens = route_request.tokens or []
+        keep_prefill = bool(body.get("return_logprob")) and not body.get("stream")
+        for attempt in range(attempts):
+            pairs = []
+            for kind in (WorkerType.PREFILL, WorkerType.DECODE):
+                live = self.registry.available(kind)
+                pairs.append([w for w in live if w.url not in tried] or live)
+            if not pairs[0] or not pairs[1]:
+                break
+            p_dec, d_dec = pick_pair(pd, route_request, pairs[0], pairs[1])
+            prefill, decode = p_dec.worker, d_dec.worker
+            payload, _room = bootstrap_payload(body, prefill)
+            self.metrics.pd_requests.inc()
+            if tokens and self.uses_tokens and pd.caching.prefill_caches:
+                self.trees.record(WorkerType.PREFILL, prefill.url, tokens)
+            p_task = asyncio.create_task(self._prefill(route, payload, p_dec, tokens, keep_prefill))
+            outcome = Outcome()
+            d_tree = WorkerType.DECODE if pd.caching.decode_caches else None
+            d_task = asyncio.create_task(
+                self._send(request, route, payload, d_dec, outcome, tokens, d_tree)
+            )
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if d_task not in done and p_task.result().error and not outcome.first_byte:
+                # the decode would wait for KV that never comes: end it now, not at its timeout
+                d_task.cancel()
+                await asyncio.gather(d_task, return_exceptions=True)
+                error = p_task.result().error or "prefill failed"
+                self.metrics.pd_errors.labels("prefill").inc()
+                self.registry.record_failure(prefill)
+                if outcome.client is not None:  # a stream had begun: end it with the error
+                    return await end_stream(outcome.client, error)
+                raise RequestError(502, error)
+            try:
+                response = await d_task
+            except WorkerUnavailable as exc:
+                p_task.cancel()
+                await asyncio.gather(p_task, return_exceptions=True)
+                last_error = str(exc)
+                tried.add(decode.url)
+                self.registry.record_failure(decode)
+                if exc.status == 502:
+                    self.registry.mark_dead(decode)
+                self.metrics.pd_errors.labels("decode").inc()
+                if attempt + 1 < attempts:
+                    self.metrics.retries.inc()
+                    await asyncio.sleep(retry.backoff(attempt))
+                continue
+            result = await p_task
+            if keep_prefill and result.body is not None and isinstance(response, web.Response):
+                response.body = merge_input_logprobs(result.body, response.body)  # type: ignore[arg-type]
+            asyncio.get_running_loop().call_soon(
+                self._learn_pd, route_request, p_dec, d_dec, outcome, result
+            )
+            return response
+        raise RequestError(
+            503,
+            f"no prefill/decode pair could serve the request: {last_error}",
+            {"Retry-After": "1"},
+        )
+
+    async def _prefill(
+        self, route: str, payload: bytes, decision: Decision, tokens: Any, keep: bool
+    ) -> PrefillResult:
+        worker = decision.worker
+        pending = max(len(tokens) - decision.predicted_cached, 0)
+        worker.in_flight += 1
+        worker.in_flight_tokens += pending
+        try:
+            return await drain_prefill(
+                self.upstream, worker.url + route, payload, self.config.request_timeout_s, keep
+            )
+        finally:
+            worker.in_flight -= 1
+            worker.in_flight_tokens -= pending
+            worker.processed += 1
+            self.metrics.for_worker(worker.url).inc()
+
+    def _learn_pd(
+        self,
+        route_request: RouteRequest,
+        p_dec: Decision,
+        d_dec: Decision,
+        outcome: Outcome,
+        result: PrefillResult,
+    ) -> None:
+        """Breakers of both sides; the trees as the caching mode says the KV now lies."""
+        caching = self.pd.caching  # type: ignore[union-attr]
+        prefill, decode = p_dec.worker, d_dec.worker
+        if result.error is None:
+            self.registry.record_success(prefill)
+        else:
+            self.registry.record_failure(prefill)
+            self.metrics.pd_errors.labels("prefill").inc()
+        if outcome.error is None:
+            self.registry.record_success(decode)
+        else:
+            self.registry.record_failure(decode)
+            self.metrics.pd_errors.labels("decode").inc()
+        tokens = route_request.tokens
+        if not tokens or not self.uses_tokens or outcome.status != 200 or outcome.error:
+            return
+        if result.cached_tokens is not None:
+            self.trees.feedback(
+                WorkerType.PREFILL,
+                prefill.url,
+                tokens,
+                p_dec.predicted_cached,
+                result.cached_tokens,
+            )
+        prefix = self._next_prefix(tokens, outcome)
+        if caching.decode_caches:
+            self.trees.record(WorkerType.DECODE, decode.url, prefix)
+        if caching.writeback:
+            self.trees.record(WorkerType.PREFILL, prefill.url, prefix)
 
     # ----------------------------------------------------------------- management
 
