@@ -42,6 +42,7 @@ from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
 log = logging.getLogger(__name__)
 _json_decode = msgspec.json.Decoder().decode
 INFERENCE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics"}
 
 
@@ -465,9 +466,10 @@ class Router:
                     self.metrics.retries.inc()
                     await asyncio.sleep(retry.backoff(attempt))
                 continue
-            # Learning is for the next request: off this one's critical path.
-            asyncio.get_running_loop().call_soon(
-                self._learn, route, route_request, decision, outcome
+            # Learning is for later requests: off this one's path, and off the next one's
+            # (a multi-turn client sends its next turn the moment this answer lands).
+            asyncio.get_running_loop().call_later(
+                LEARN_DELAY_S, self._learn, route, route_request, decision, outcome
             )
             return response
         raise RequestError(
@@ -622,8 +624,8 @@ class Router:
             result = await p_task
             if keep_prefill and result.body is not None and isinstance(response, web.Response):
                 response.body = merge_input_logprobs(result.body, response.body)  # type: ignore[arg-type]
-            asyncio.get_running_loop().call_soon(
-                self._learn_pd, route_request, p_dec, d_dec, outcome, result
+            asyncio.get_running_loop().call_later(
+                LEARN_DELAY_S, self._learn_pd, route_request, p_dec, d_dec, outcome, result
             )
             return response
         raise RequestError(
