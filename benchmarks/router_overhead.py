@@ -14,7 +14,8 @@ Measured per system, against the baseline of sending the same requests straight 
 - added latency p50/p99 (end to end through the router minus the baseline's, one client
   sending sequentially so no queueing blurs it) for small chat prompts (~50 tokens), cold
   8K-token chats (each a new conversation) and multi-turn chats (turn 2 onwards of those
-  8K conversations: the history resent plus a new short user message);
+  8K conversations: the history resent with the answer the worker just gave, as a chat client
+  sends it, plus a new short user message);
 - maximum requests/s: small chat prompts, non-streaming, max_tokens 1, from N concurrent
   clients in one process for a fixed time.
 
@@ -200,7 +201,8 @@ class TextMaker:
 @dataclass
 class Conversation:
     """One 8K chat: turn 1 is the whole history ending with a user message; each later
-    turn resends it with a fixed assistant reply and a new short user message."""
+    turn's last message is its new user question (the assistant reply before it is scripted
+    here, but the benchmark sends the worker's real answer in its place)."""
 
     turns: list[list[dict[str, str]]]
     tokens: int  # turn 1's prompt tokens (chat template included)
@@ -431,25 +433,35 @@ def start_systems(systems: list[System], probe_body: bytes, timeout_s: float = 1
 # --------------------------------------------------------------------------- HTTP clients
 
 
-async def timed_post(
+async def timed_chat(
     session: aiohttp.ClientSession, url: str, body: bytes
-) -> tuple[float | None, dict[str, Any] | None]:
-    """(seconds, usage) of one request; (None, None) on an error."""
+) -> tuple[float | None, dict[str, Any] | None, str]:
+    """(seconds, usage, answer text) of one chat request; (None, None, "") on an error."""
     t0 = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
             payload = await resp.read()
             status = resp.status
     except (aiohttp.ClientError, TimeoutError):
-        return None, None
+        return None, None, ""
     seconds = time.perf_counter() - t0
     if status != 200:
-        return None, None
+        return None, None, ""
     try:
-        usage = json.loads(payload).get("usage")
-    except (ValueError, AttributeError):
-        usage = None
-    return seconds, usage if isinstance(usage, dict) else None
+        answer = json.loads(payload)
+        usage = answer.get("usage")
+        text = answer["choices"][0]["message"]["content"] or ""
+    except (ValueError, AttributeError, KeyError, IndexError, TypeError):
+        return seconds, None, ""
+    return seconds, usage if isinstance(usage, dict) else None, text
+
+
+async def timed_post(
+    session: aiohttp.ClientSession, url: str, body: bytes
+) -> tuple[float | None, dict[str, Any] | None]:
+    """(seconds, usage) of one request; (None, None) on an error."""
+    seconds, usage, _ = await timed_chat(session, url, body)
+    return seconds, usage
 
 
 async def flush_workers(session: aiohttp.ClientSession, workers: list[Proc]) -> None:
@@ -464,7 +476,7 @@ async def latency_phase(
     systems: list[System],
     workers: list[Proc],
     small: list[bytes],
-    conversations: list[list[bytes]],
+    conversations: list[Conversation],
     warmup: tuple[list[bytes], list[bytes]],
     settings: Settings,
     progress: Progress,
@@ -482,7 +494,7 @@ async def latency_phase(
                 await timed_post(session, s.url + CHAT, body)
             step(progress, warm)
         small_task = progress.add_task("latency: small chat", total=len(small) * len(live))
-        conv_requests = sum(len(c) for c in conversations)
+        conv_requests = sum(len(c.turns) for c in conversations)
         conv_task = progress.add_task(
             "latency: 8K chats (cold, turns)", total=conv_requests * len(live)
         )
@@ -495,10 +507,16 @@ async def latency_phase(
         for c, conv in enumerate(conversations):  # a whole conversation per system
             for s in live[c % len(live) :] + live[: c % len(live)]:
                 await flush_workers(session, workers)
-                for turn, body in enumerate(conv):
-                    workload = "cold_8k" if turn == 0 else "multi_turn"
-                    s.record(workload, *await timed_post(session, s.url + CHAT, body))
-                progress.advance(conv_task, len(conv))
+                messages, answer = list(conv.turns[0]), ""
+                for turn in range(len(conv.turns)):
+                    if turn:  # a chat client sends the answer back, then its next question
+                        question = conv.turns[turn][-1]
+                        reply = {"role": "assistant", "content": answer}
+                        messages = [*messages, reply, question]
+                    body = chat_body(messages, SMALL_MAX_TOKENS)
+                    seconds, usage, answer = await timed_chat(session, s.url + CHAT, body)
+                    s.record("cold_8k" if turn == 0 else "multi_turn", seconds, usage)
+                progress.advance(conv_task, len(conv.turns))
             progress.refresh()
         await flush_workers(session, workers)
 
@@ -1058,11 +1076,10 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
                 step(progress, build)
             warm_conv = make_conversation(tokenizer, 999_999, 2)
             warmup = (small[:5], [chat_body(m, SMALL_MAX_TOKENS) for m in warm_conv.turns])
-            conv_bodies = [[chat_body(m, SMALL_MAX_TOKENS) for m in c.turns] for c in conversations]
             step(progress, build)
 
             run_async(
-                latency_phase(systems, workers, small, conv_bodies, warmup, settings, progress)
+                latency_phase(systems, workers, small, conversations, warmup, settings, progress)
             )
             run_async(rps_phase(systems, rps_payloads, settings, progress))
         finally:
@@ -1187,8 +1204,9 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         f"(p50 {_fmt(wl['cold_8k_prompt_tokens_p50'])} tokens: a shared "
         f"{_fmt(wl['system_prompt_tokens'])}-token system prompt, then user/assistant "
         "messages of 220-340 words of seeded English-like prose). "
-        f"multi_turn: turns 2..{settings.turns} of each (history + a fixed ~40-word assistant "
-        "reply + a new ~25-word user message; p50 "
+        f"multi_turn: turns 2..{settings.turns} of each (history + the answer the worker "
+        f"gave, {SMALL_MAX_TOKENS} tokens, sent back as a chat client does + a new ~25-word user "
+        "message; p50 "
         f"{_fmt(wl['multi_turn_prompt_tokens_p50'])} tokens).",
         "`cached` columns: the workers' reported cached_tokens / prompt_tokens, i.e. how well "
         "the routing kept a conversation on the worker holding its history.",

@@ -115,6 +115,16 @@ class CachedEncoder:
         )
         return self._encode(text, add_special_tokens=False)
 
+    def prime(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Cache the pieces of a chat as it will be resent (no generation prompt): called with
+        a finished answer appended, so the next turn finds its history already encoded."""
+        if self._pattern is None:
+            return
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=False, tools=tools)
+        self._encode_pieces(text)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
         return self._encode(text, add_special_tokens).tolist()

@@ -16,6 +16,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from mempool.radix import RadixTree
 from router.trees import PrefixView, PromptTrees
@@ -30,6 +31,7 @@ class RouteRequest:
     text: str
     session: str | None
     type: WorkerType = WorkerType.COLOCATED
+    chat: list[dict[str, Any]] | None = None  # a chat's messages (the router's, not policies')
 
 
 @dataclass(slots=True)

@@ -300,13 +300,14 @@ class Router:
             raw = await request.read()
             body = self._parse(raw)
             self._check_model(body)
-            tokens, text = self._tokenize(route, body, self.uses_tokens, self.uses_text)
+            tokens, text, chat = self._tokenize(route, body, self.uses_tokens, self.uses_text)
             if not text and tokens is not None and self.uses_text:
                 text = " ".join(map(str, tokens))  # sglang-router's tree sees the raw ids
             session = request.headers.get("X-Session-Id") or (
                 body.get("user") if isinstance(body.get("user"), str) else None
             )
             route_request = RouteRequest(tokens, text, session)
+            route_request.chat = chat
             try:
                 if self.pd is not None:
                     return await self._dispatch_pd(request, route, body, route_request)
@@ -362,8 +363,9 @@ class Router:
 
     def _tokenize(
         self, route: str, body: dict[str, Any], want_tokens: bool, want_text: bool = True
-    ) -> tuple[array | None, str]:
-        """Token ids as the engine will see them (uint32, only if wanted) and the raw text.
+    ) -> tuple[array | None, str, list[dict[str, Any]] | None]:
+        """Token ids as the engine will see them (uint32, only if wanted), the raw text, and
+        a chat's normalized messages (None for text prompts).
 
         Malformed prompts are 400 whatever the policy; tokenizing costs milliseconds on long
         prompts, so only token-routing policies pay for it. Chat text is joined only when
@@ -388,9 +390,9 @@ class Router:
                 )
             text = "".join(p["content"] for p in parts) if want_text else ""
             if enc is None:
-                return None, text
+                return None, text, parts
             try:
-                return enc.encode_chat_array(parts, tools=body.get("tools")), text
+                return enc.encode_chat_array(parts, tools=body.get("tools")), text, parts
             except ValueError as exc:
                 raise RequestError(400, f"cannot apply the chat template: {exc}") from None
         if route == "/v1/completions":
@@ -400,10 +402,10 @@ class Router:
                 and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
             ):
-                return prompt, " ".join(map(str, prompt))
+                return prompt, " ".join(map(str, prompt)), None
             if not isinstance(prompt, str):
                 raise RequestError(400, "'prompt' must be a string or a list of token ids")
-            return (enc.encode(prompt) if enc else None), prompt
+            return (enc.encode(prompt) if enc else None), prompt, None
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
@@ -415,10 +417,10 @@ class Router:
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             ids = ids[0]
         if ids is not None:
-            return self._ids("input_ids", ids), ""
+            return self._ids("input_ids", ids), "", None
         if not isinstance(text, str):
             raise RequestError(400, "'text' must be a string")
-        return (array("I", enc.encode(text)) if enc else None), text
+        return (array("I", enc.encode(text)) if enc else None), text, None
 
     @staticmethod
     def _ids(name: str, ids: Any) -> array:
@@ -549,11 +551,21 @@ class Router:
                 decision.predicted_cached,
                 outcome.cached_tokens,
             )
-        self.trees.record(WorkerType.COLOCATED, worker.url, self._next_prefix(tokens, outcome))
+        prefix = self._next_prefix(route_request, outcome)
+        self.trees.record(WorkerType.COLOCATED, worker.url, prefix)
 
-    def _next_prefix(self, tokens: Any, outcome: Outcome) -> array:
-        """The prompt plus what was generated: the next turn's prefix."""
-        prefix = array("I", tokens)
+    def _next_prefix(self, route_request: RouteRequest, outcome: Outcome) -> array:
+        """The prompt plus what was generated: the next turn's prefix.
+
+        For a chat, the next turn's render of this answer is encoded now too (off every
+        request's path): the client sends the answer back verbatim as the assistant message,
+        so the next turn only has its new user message left to tokenize.
+        """
+        chat, enc = route_request.chat, self.encoder
+        if chat is not None and enc is not None and outcome.output_text:
+            with contextlib.suppress(ValueError):
+                enc.prime([*chat, {"role": "assistant", "content": outcome.output_text}])
+        prefix = array("I", route_request.tokens)
         if outcome.output_ids is not None:
             prefix.extend(outcome.output_ids)
         elif outcome.output_text and self.encoder is not None:
@@ -683,7 +695,7 @@ class Router:
                 p_dec.predicted_cached,
                 result.cached_tokens,
             )
-        prefix = self._next_prefix(tokens, outcome)
+        prefix = self._next_prefix(route_request, outcome)
         if caching.decode_caches:
             self.trees.record(WorkerType.DECODE, decode.url, prefix)
         if caching.writeback:

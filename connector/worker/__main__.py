@@ -5,7 +5,8 @@ Flags keep SGLang's names where the meaning is the same (--model-path, --host, -
 --disable-radix-cache, --kv-events-config, --disaggregation-mode,
 --disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
 --context-length). Ours: --pd-caching (MemServe's caching modes of a disaggregated pair),
---mempool-port, --mempool-secret, --tokenizer-cache, --backend, --time-scale.
+--mempool-port, --mempool-secret, --cluster-redis, --tokenizer-cache, --backend,
+--time-scale, --sim-interconnect-gbps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
+from mempool.transfer.base import TransferFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared secret for MemPool transfers (default: $MEMSERVE_MEMPOOL_SECRET)",
     )
     p.add_argument(
+        "--cluster-redis",
+        default=None,
+        metavar="URL",
+        help="PD: join MemPool membership in Redis (e.g. redis://127.0.0.1:6379/0): "
+        "heartbeats, peers looked up there, a dead peer's allocations freed (default: "
+        "in-process, peers known from room claims)",
+    )
+    p.add_argument(
         "--disaggregation-timeout-secs",
         type=float,
         default=30.0,
@@ -117,12 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim: multiply simulated GPU time (0: no sleeping)",
     )
     p.add_argument(
+        "--sim-interconnect-gbps",
+        type=float,
+        default=None,
+        help="sim, PD: speed of the modelled KV interconnect in Gb/s (default: the latency "
+        "model's RDMA, 200); the bytes moved are a stand-in, their time is modelled",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
         help="hf: torch threads (default: this process's CPU share, at most 4)",
     )
-    p.add_argument("--instance-id", type=int, default=0, help="MemPool instance id (0..65535)")
+    p.add_argument(
+        "--instance-id",
+        type=int,
+        default=None,
+        help="MemPool instance id (0..65535; default: 0, or a random one for a prefill or "
+        "decode instance, whose peers must have other ids)",
+    )
     p.add_argument(
         "--enable-cache-report",
         action="store_true",
@@ -146,10 +170,16 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
         return HFBackend(model_dir, page_size=args.page_size, threads=args.threads)
     from connector.worker.backend_sim import SimBackend
 
+    try:
+        model = SimBackend.model_with_interconnect(args.sim_interconnect_gbps)
+    except ValueError as exc:
+        raise SystemExit(f"--sim-interconnect-gbps: {exc}") from None
     return SimBackend(
         tokenizer,
         page_size=args.page_size,
         time_scale=args.time_scale,
+        model=model,
+        stand_in=args.disaggregation_mode != "null",  # PD moves stand-in bytes, time modelled
         **({"context_length": args.context_length} if args.context_length else {}),
     )
 
@@ -163,6 +193,10 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     mode = PDMode(args.disaggregation_mode)
     if args.page_size <= 0:
         raise SystemExit("--page-size must be positive")
+    if args.instance_id is None:  # a pair of defaults would both be 0 and refuse each other
+        args.instance_id = 0 if mode is PDMode.NULL else random.randrange(1, 1 << 16)
+    if args.cluster_redis and mode is PDMode.NULL:
+        raise SystemExit("--cluster-redis: only prefill and decode instances join membership")
     if args.model_path is None:
         from connector.model_files import ensure_hf_model
 
@@ -212,8 +246,10 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.mempool_port,
             args.mempool_secret,
             args.disaggregation_timeout_secs,
+            args.cluster_redis,
         )
-        pd = PDLink(pd_config, pool)
+        wire = getattr(backend, "wire_s", None)  # sim: modelled time of stand-in transfers
+        pd = PDLink(pd_config, pool, wire, args.time_scale)
         if args.disaggregation_transfer_backend == "mempool":
             side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches
             enable_cache = enable_cache and side
@@ -255,7 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         pass
     app, _ = build(args)
     print(f"worker ({args.backend}) serving on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    except (TransferFailed, OSError) as exc:  # membership store down, a port taken
+        raise SystemExit(f"worker cannot start: {exc}") from None
 
 
 if __name__ == "__main__":

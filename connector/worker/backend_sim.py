@@ -1,16 +1,23 @@
 """`sim` backend: the scheduler's real paths with the model step replaced by a latency model.
 
 Output tokens are deterministic pseudo-text of the requested length: token i of an answer
-depends only on the prompt's last page and i, so reruns and multi-turn replays agree. KV
-blocks have the real size of the modelled model's pages; each stored page is stamped with
-its page hash (first 8 bytes) instead of being filled, so transfers move real volumes while
-many simulated instances share one small machine.
+depends only on the prompt's last page and i, so reruns and multi-turn replays agree. Each
+stored page is stamped with its page hash (first 8 bytes) instead of being filled.
+
+A colocated sim's blocks have the real size of the modelled model's pages (2 MiB per
+16-token Llama-3.1-8B page, mapped without reserving memory). One side of a disaggregated
+pair (`stand_in=True`) stores a 256-byte stand-in page instead (same page count), so the real
+transfer path (agents, TCP, insert, write-back) runs on small bytes, and the time the real
+bytes would take on the modelled interconnect is `wire_s`, slept by the sender between the
+allocation and the data of each transfer. Stamps of KV that arrived or was cached are
+checked before it is used: a transfer that moved the wrong bytes fails the step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 from connector.kv_events import page_hashes
@@ -42,16 +49,36 @@ class SimBackend(Backend):
         time_scale: float = 1.0,
         model: LatencyModel | None = None,
         context_length: int = 131072,
+        stand_in: bool = False,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.latency = model or LatencyModel()
-        self.spec = self.latency.kv_spec(page_size)
+        self.modelled_spec = self.latency.kv_spec(page_size)
+        self.stand_in = stand_in
+        self.spec = self.latency.stand_in_spec(page_size) if stand_in else self.modelled_spec
         self.time_scale = time_scale
         self.context_length = context_length
         self.eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self._words = _word_tokens(tokenizer)
         self.simulated_busy_s = 0.0
+        self.verified_pages = 0
+
+    @staticmethod
+    def model_with_interconnect(gbps: float | None) -> LatencyModel:
+        """The default latency model, its interconnect set to `gbps` Gb/s when given."""
+        model = LatencyModel()
+        if gbps is None:
+            return model
+        if gbps <= 0:
+            raise ValueError(f"the interconnect needs a positive speed, got {gbps} Gb/s")
+        return replace(
+            model, interconnect=f"{gbps:g} Gb/s", interconnect_bytes_per_s=gbps * 1e9 / 8
+        )
+
+    def wire_s(self, pages: int) -> float:
+        """Modelled seconds (unscaled) for one transfer of `pages` real-size pages."""
+        return self.latency.transfer_s(pages, self.spec.page_size)
 
     def _next_token(self, seq: Sequence) -> int:
         tail = seq.prompt_ids[-self.spec.page_size :]
@@ -59,6 +86,9 @@ class SimBackend(Backend):
         return self._words[int.from_bytes(seed, "big") % len(self._words)]
 
     async def step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
+        if self.stand_in:
+            for seq in (*prefills, *decodes):
+                self._check_loaded(seq)
         work = [(len(s.prompt_ids) - s.cached_tokens, s.cached_tokens) for s in prefills]
         context = sum(s.num_computed for s in decodes)
         seconds = self.latency.step_s(work, len(decodes), context)
@@ -83,10 +113,44 @@ class SimBackend(Backend):
         for addr, page_hash in zip(addrs, hashes[first_page:], strict=True):
             self.pool.view_block(addr)[:8] = page_hash.to_bytes(8, "big", signed=True)
 
+    def _check_loaded(self, seq: Sequence) -> None:
+        """KV this sequence uses without computing it (a cached prefix, or a prompt that
+        arrived from a prefill instance) must carry its pages' stamps; checked once."""
+        if seq.backend_state is not None:
+            return
+        seq.backend_state = "checked"
+        ps = self.spec.page_size
+        if seq.preloaded:
+            pages, addrs = seq.preloaded // ps, seq.kv_addrs
+        else:
+            pages, addrs = seq.cached_tokens // ps, seq.prefix.addrs if seq.prefix else []
+        if not pages:
+            return
+        hashes = page_hashes(seq.prompt_ids[: pages * ps], ps)
+        for page, (addr, page_hash) in enumerate(zip(addrs[:pages], hashes, strict=True)):
+            want = page_hash.to_bytes(8, "big", signed=True)
+            got = bytes(self.pool.view_block(addr)[:8])
+            if got != want:
+                raise ValueError(
+                    f"request {seq.rid}: KV page {page} (block {addr:#x}) holds stamp "
+                    f"{got.hex()}, not its page hash {want.hex()}: the KV moved or cached "
+                    "for it is wrong"
+                )
+        self.verified_pages += pages
+
     def info(self) -> dict[str, Any]:
-        return {
+        info: dict[str, Any] = {
             "backend": self.name,
             "time_scale": self.time_scale,
             "latency_model": self.latency.describe(),
             "simulated_busy_s": round(self.simulated_busy_s, 6),
+            "kv_page_bytes": self.spec.page_bytes,
+            "modelled_kv_page_bytes": self.modelled_spec.page_bytes,
         }
+        if self.stand_in:
+            info["kv_bytes"] = (
+                "stand-in: each page stores and moves kv_page_bytes; transfer time is "
+                "modelled for modelled_kv_page_bytes a page on the latency model's interconnect"
+            )
+            info["verified_pages"] = self.verified_pages
+        return info

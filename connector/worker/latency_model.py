@@ -8,7 +8,10 @@ The parameters are derived from the H100's published peak figures (989 TFLOPS de
   token, context token) pair at the same efficiency;
 - a decode step is memory-bound: reading 16 GB of weights at ~70 % of 3.35 TB/s is 6.8 ms,
   plus each sequence's KV (128 KiB per token) read once per step;
-- a fixed per-step cost for scheduling and kernel launches.
+- a fixed per-step cost for scheduling and kernel launches;
+- KV moving between a prefill and a decode instance (disaggregation) crosses one RDMA NIC
+  per GPU, 200 Gb/s (25 GB/s, ConnectX-7 / HDR class), after a fixed per-transfer cost of
+  100 us for the allocation and commit round trips of MemServe's three-step transfer.
 The model is a model: /get_server_info and every benchmark print these parameters.
 """
 
@@ -35,9 +38,28 @@ class LatencyModel:
     prefill_per_token_pair_s: float = 1.3e-12
     decode_weights_s: float = 6.8e-3
     decode_per_context_token_s: float = 5.6e-8
+    interconnect: str = "RDMA, one 200 Gb/s NIC per GPU"
+    interconnect_bytes_per_s: float = 25e9
+    transfer_latency_s: float = 1.0e-4
 
     def kv_spec(self, page_size: int) -> KVBlockSpec:
         return KVBlockSpec(self.layers, self.kv_heads, self.head_dim, self.dtype, page_size)
+
+    def stand_in_spec(self, page_size: int) -> KVBlockSpec:
+        """A small page that stands in for `kv_spec`'s between disaggregated sim instances.
+
+        Same page size and page count, so caching, allocation and the transfer protocol run
+        as they would, but a token takes 16 bytes (one layer, one head of 4 bf16 values, K
+        and V: 256 bytes a 16-token page) instead of 128 KiB: moving real pages over
+        loopback TCP would cost a small test machine seconds per long prompt. The bytes
+        moved are a stand-in; `transfer_s` models the time the real ones would take.
+        """
+        return KVBlockSpec(1, 1, 4, "bfloat16", page_size)
+
+    def transfer_s(self, pages: int, page_size: int) -> float:
+        """Moving `pages` pages of the modelled KV over the interconnect, in one transfer."""
+        nbytes = pages * self.kv_spec(page_size).page_bytes
+        return self.transfer_latency_s + nbytes / self.interconnect_bytes_per_s
 
     def kv_capacity_tokens(self, page_size: int, memory_fraction: float = 0.9) -> int:
         """Tokens of KV an instance holds: HBM x fraction minus weights, as SGLang sizes it."""

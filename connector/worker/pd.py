@@ -7,6 +7,13 @@ instance tells the prefill's bootstrap server where its MemPool agent listens (`
 `transfer` or `transfer_with_insert` (MemServe figure 2), naming the room in `private`; the
 decode instance picks the arrival up by room and decodes from there. Caching modes follow
 MemServe table 4; PD-Caching-3 also writes the decode's KV back to the prefill instance.
+
+Peers are known from the room claims (a static in-process table) or, with `cluster_redis`,
+from shared membership in Redis (MemServe 4.4: heartbeats, dead instances' allocations
+freed). A decode instance waiting for a room's KV gives up as soon as the prefill instance is
+gone (its bootstrap server refuses connections, or membership declares it dead), not only at
+the timeout. A `wire` model (the sim backend) adds the modelled time of the real bytes to
+each transfer, between its allocation and its data, while the bytes moved are a stand-in.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -25,8 +33,9 @@ from aiohttp import web
 from connector.http_errors import json_error
 from connector.pd_caching import Caching
 from mempool import MemPool
-from mempool.transfer.agent import TransferAgent
+from mempool.transfer.agent import TransferAgent, TransferResult
 from mempool.transfer.base import PeerInfo, TransferFailed
+from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
 from mempool.transfer.receiver import Received, TransferFlags
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,8 @@ class PDConfig:
     agent_port: int = 0
     secret: str | None = None
     timeout_s: float = 30.0  # longest wait for the other side of a room
+    cluster_redis: str | None = None  # shared membership in Redis; None: peers from claims
+    watch_interval_s: float = 0.5  # how often a waiting decode checks its prefill is alive
 
 
 @dataclass(slots=True)
@@ -63,46 +74,107 @@ class Arrival:
     prefill_id: int
 
 
-class PDLink:
-    """One worker's side of disaggregation: its MemPool agent, rooms and bootstrap server."""
+WireModel = Callable[[int], float]  # pages of one transfer -> modelled seconds (unscaled)
 
-    def __init__(self, config: PDConfig, pool: MemPool) -> None:
+
+class PDLink:
+    """One worker's side of disaggregation: its MemPool agent, rooms and bootstrap server.
+
+    `wire`, when given (sim backend), models the seconds a transfer of so many real-size
+    pages takes on the modelled interconnect; each push sleeps that long, times
+    `time_scale`, after the receiver allocated and before the data moves.
+    """
+
+    def __init__(
+        self,
+        config: PDConfig,
+        pool: MemPool,
+        wire: WireModel | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.fake = config.transfer_backend == "fake"
+        self.wire = wire
+        self.time_scale = time_scale
         self.agent: TransferAgent | None = None
+        self.membership: ClusterManager | None = None
         self._rooms: dict[int, asyncio.Future[PeerInfo]] = {}
+        self._claimed_at: dict[int, float] = {}
+        self._failed: dict[int, tuple[float, str]] = {}  # prefill: rooms it could not serve
+        self._waiting: dict[int, tuple[asyncio.Future[Received], int | None]] = {}
         self._bootstrap: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._prefills: dict[tuple[str, int], PeerInfo] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.stats = {"sent": 0, "received": 0, "written_back": 0, "bytes": 0, "failures": 0}
+        self.stats: dict[str, float] = {
+            "sent": 0,
+            "received": 0,
+            "written_back": 0,
+            "bytes": 0,
+            "failures": 0,
+            "pages_moved": 0,
+            "modelled_transfer_s": 0.0,
+            "transfer_wall_s": 0.0,
+            "late_arrivals_freed": 0,
+        }
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        """Start the agent (joining membership) and, on a prefill, the bootstrap server;
+        TransferFailed (MembershipUnavailable...) or OSError, everything closed, when that
+        cannot be done."""
         self._session = aiohttp.ClientSession()
         if self.fake:
             return
-        self.agent = TransferAgent(
+        try:
+            await self._start_agent()
+            if self.config.mode is PDMode.PREFILL:
+                await self._start_bootstrap()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start_agent(self) -> None:
+        if self.config.cluster_redis:
+            self.membership = RedisCluster(self.config.cluster_redis)
+            await self._check_id_free(self.membership)
+        agent = TransferAgent(
             self.pool,
             host=self.config.agent_host,
             port=self.config.agent_port,
+            membership=self.membership,
             secret=self.config.secret,
             timeout_s=min(self.config.timeout_s, 10.0),
+            on_received=self._on_received,
         )
-        await self.agent.start()
-        if self.config.mode is PDMode.PREFILL:
-            app = web.Application()
-            app.router.add_get("/health", self._health)
-            app.router.add_get("/route", self._route)
-            app.router.add_post("/rooms/{room}", self._claim)
-            self._bootstrap = web.AppRunner(app, access_log=None)
-            await self._bootstrap.setup()
-            site = web.TCPSite(
-                self._bootstrap, self.config.bootstrap_host, self.config.bootstrap_port
-            )
-            await site.start()
+        await agent.start()  # closes itself when it fails
+        self.agent = agent
+        agent.membership.on_dead(self._peer_dead)
+
+    async def _start_bootstrap(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/route", self._route)
+        app.router.add_post("/rooms/{room}", self._claim)
+        app.router.add_get("/rooms/{room}", self._room_state)
+        self._bootstrap = web.AppRunner(app, access_log=None)
+        await self._bootstrap.setup()
+        site = web.TCPSite(self._bootstrap, self.config.bootstrap_host, self.config.bootstrap_port)
+        await site.start()
+
+    async def _check_id_free(self, membership: ClusterManager) -> None:
+        """Two live members with one id would take each other's transfers: refuse to start."""
+        me = self.pool.instance_id
+        try:
+            other = await membership.lookup(me)
+        except UnknownPeer:
+            return
+        raise TransferFailed(
+            f"instance id {me} is already a live member of {self.config.cluster_redis} (at "
+            f"{other.host}:{other.port}); give each worker its own --instance-id (a previous "
+            f"run's record expires {membership.ttl_s:g} s after it stopped)"
+        )
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -113,6 +185,8 @@ class PDLink:
             await self._bootstrap.cleanup()
         if self.agent is not None:
             await self.agent.close()
+        if self.membership is not None:
+            await self.membership.close()
         if self._session is not None:
             await self._session.close()
 
@@ -125,6 +199,9 @@ class PDLink:
 
     def info(self) -> dict[str, Any]:
         agent = self.agent.info if self.agent is not None else None
+        stats = dict(self.stats)
+        for key in ("modelled_transfer_s", "transfer_wall_s"):
+            stats[key] = round(stats[key], 6)
         return {
             "disaggregation_mode": self.config.mode.value,
             "caching": self.config.caching.value,
@@ -135,8 +212,12 @@ class PDLink:
             "agent": None
             if agent is None
             else {"instance_id": agent.instance_id, "port": agent.port},
+            "membership": self.config.cluster_redis or "in-process (peers from room claims)",
+            "transfer_time": "modelled (stand-in bytes)" if self.wire else "real",
             "open_rooms": len(self._rooms),
-            **self.stats,
+            "claimed_rooms": sum(1 for f in self._rooms.values() if f.done()),
+            "waiting_rooms": len(self._waiting),
+            **stats,
         }
 
     # ----------------------------------------------------------------- bootstrap server
@@ -155,18 +236,97 @@ class PDLink:
             peer = _peer_json.decode(await request.read())
         except (ValueError, msgspec.DecodeError) as exc:
             return json_error(400, f"bad room claim: {exc}")
+        self._expire_claims()
+        if room in self._failed:
+            why = self._failed[room][1]
+            return json_error(409, f"bootstrap_room {room} failed here: {why}")
         future = self._room(room)
         if future.done():
             return json_error(409, f"bootstrap_room {room} is already claimed")
         future.set_result(peer)
+        self._claimed_at[room] = time.monotonic()
         body = b'{"room":%d,"prefill":%s}' % (room, _encode(self.agent.info))
         return web.Response(body=body, content_type="application/json")
+
+    async def _room_state(self, request: web.Request) -> web.Response:
+        """Where a room stands here, for a decode instance waiting for its KV: `failed`
+        (with the reason) lets it answer at once instead of at its timeout."""
+        try:
+            room = int(request.match_info["room"])
+        except ValueError as exc:
+            return json_error(400, f"bad room: {exc}")
+        failed = self._failed.get(room)
+        future = self._rooms.get(room)
+        if failed is not None:
+            state = {"state": "failed", "message": failed[1]}
+        elif future is not None:
+            state = {"state": "claimed" if future.done() else "unclaimed"}
+        else:
+            state = {"state": "unknown"}  # not here yet, in flight, or done
+        return web.json_response({"room": room, **state})
+
+    def fail_room(self, room: int, why: str) -> None:
+        """This prefill instance will not send `room`'s KV: a waiting decode learns why."""
+        self._expire_claims()
+        self._failed[room] = (time.monotonic(), why)
+        if room in self._rooms and self._rooms[room].done():
+            del self._rooms[room]
+            self._claimed_at.pop(room, None)
+
+    def _expire_claims(self) -> None:
+        """Forget claims whose prefill request never came (the decode gave up long ago) and
+        failures every decode has heard of or stopped waiting for."""
+        cutoff = time.monotonic() - 2 * self.config.timeout_s
+        for room in [r for r, at in self._claimed_at.items() if at < cutoff]:
+            del self._claimed_at[room]
+            future = self._rooms.get(room)
+            if future is not None and future.done():
+                del self._rooms[room]
+        for room in [r for r, (at, _) in self._failed.items() if at < cutoff]:
+            del self._failed[room]
 
     def _room(self, room: int) -> asyncio.Future[PeerInfo]:
         future = self._rooms.get(room)
         if future is None:
             future = self._rooms[room] = asyncio.get_running_loop().create_future()
         return future
+
+    # ----------------------------------------------------------------- pushing
+
+    async def _know(self, peer: PeerInfo) -> None:
+        """Without shared membership, a peer is known from its claim (or claim answer)."""
+        if self.membership is None:
+            await self.agent.add_peer(peer)  # type: ignore[union-attr]
+
+    async def _push(
+        self,
+        peer_id: int,
+        addrs: list[int],
+        *,
+        tokens: Sequence[int] | None = None,
+        num_tokens: int | None = None,
+        flags: TransferFlags = TransferFlags.NONE,
+        private: Any = None,
+    ) -> TransferResult:
+        """One transfer (with insert when `tokens` are given): allocation at the receiver,
+        the modelled wire time of the pages it lacks (when modelled), data, commit."""
+        started = time.perf_counter()
+        stream = await self.agent.open_stream(  # type: ignore[union-attr]
+            peer_id, addrs, tokens=tokens, num_tokens=num_tokens, flags=flags, private=private
+        )
+        async with stream:
+            pages = stream.pages_total - stream.cached_pages
+            if self.wire is not None:
+                modelled = self.wire(pages)
+                self.stats["modelled_transfer_s"] += modelled
+                if modelled and self.time_scale:
+                    await asyncio.sleep(modelled * self.time_scale)
+            await stream.send_layers()
+            result = await stream.finish()
+        self.stats["transfer_wall_s"] += time.perf_counter() - started
+        self.stats["pages_moved"] += pages
+        self.stats["bytes"] += result.bytes
+        return result
 
     # ----------------------------------------------------------------- prefill side
 
@@ -187,40 +347,149 @@ class PDLink:
             peer = await asyncio.wait_for(future, self.config.timeout_s)
         except TimeoutError:
             self.stats["failures"] += 1
-            raise TimeoutError(
+            why = (
                 f"no decode instance claimed bootstrap_room {room} within "
                 f"{self.config.timeout_s:g} s"
-            ) from None
+            )
+            self.fail_room(room, why)
+            raise TimeoutError(why) from None
         finally:
             self._rooms.pop(room, None)
-        agent = self.agent
-        await agent.add_peer(peer)
+            self._claimed_at.pop(room, None)
         private = {"room": room, "first_token": first_token, "prefill_cached": cached_tokens}
         try:
+            await self._know(peer)
             if self.config.caching.decode_caches:
-                result = await agent.transfer_with_insert(
-                    peer.instance_id, tokens, addrs, flags=TransferFlags.LOCK, private=private
+                await self._push(
+                    peer.instance_id,
+                    addrs,
+                    tokens=tokens,
+                    flags=TransferFlags.LOCK,
+                    private=private,
                 )
             else:
-                result = await agent.transfer(
-                    peer.instance_id, addrs, private=private, num_tokens=len(tokens)
-                )
-        except TransferFailed:
+                await self._push(peer.instance_id, addrs, num_tokens=len(tokens), private=private)
+        except TransferFailed as exc:
             self.stats["failures"] += 1
-            raise
+            why = (
+                f"sending the KV to decode instance {peer.instance_id} "
+                f"({peer.host}:{peer.port}) failed: {exc}"
+            )
+            self.fail_room(room, why)
+            raise TransferFailed(why) from None
         self.stats["sent"] += 1
-        self.stats["bytes"] += result.bytes
 
     # ----------------------------------------------------------------- decode side
 
+    def _on_received(self, received: Received) -> None:
+        """Hand a room's KV to the request waiting for it; free KV nobody waits for any
+        more (its request timed out or ended), so a late arrival cannot leak blocks."""
+        private = received.private
+        if not isinstance(private, dict) or "room" not in private:
+            return  # a write-back: the index owns its pages
+        waiting = self._waiting.get(private["room"])
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_result(received)
+            return
+        log.warning(
+            "KV for bootstrap_room %s arrived from instance %d after its request ended; freed",
+            private["room"],
+            received.peer_id,
+        )
+        self.stats["late_arrivals_freed"] += 1
+        self.free_received(received)
+
+    def free_received(self, received: Received) -> None:
+        """Give back what an arrival holds: its lock on indexed pages, its engine blocks."""
+        page = self.pool.spec.page_size
+        whole = received.num_tokens // page if received.inserted else 0
+        if received.lock is not None:
+            self.pool.release(received.lock)
+        if received.addrs[whole:]:
+            self.pool.free_mem(received.addrs[whole:])
+
+    def _peer_dead(self, instance_id: int) -> None:
+        """Membership lost an instance: rooms waiting for its KV fail now."""
+        for room, (future, prefill_id) in self._waiting.items():
+            if prefill_id == instance_id and not future.done():
+                future.set_exception(
+                    TransferFailed(
+                        f"the prefill instance {instance_id} left the cluster (no heartbeat) "
+                        f"while bootstrap_room {room} waited for its KV"
+                    )
+                )
+
+    async def _watch_prefill(self, base: str, room: int, future: asyncio.Future) -> None:
+        """Fail the wait when the prefill instance says it failed the room, or when its
+        bootstrap server refuses connections (its process is gone, so the KV never comes);
+        a busy or slow prefill is left alone until the timeout."""
+        timeout = aiohttp.ClientTimeout(total=max(self.config.watch_interval_s, 1.0))
+        while not future.done():
+            await asyncio.sleep(self.config.watch_interval_s)
+            try:
+                async with self._session.get(f"{base}/rooms/{room}", timeout=timeout) as resp:  # type: ignore[union-attr]
+                    state = await resp.json(content_type=None) if resp.status == 200 else {}
+            except aiohttp.ClientConnectorError as exc:
+                why = (
+                    f"the prefill instance is gone (its bootstrap server {base} refuses "
+                    f"connections: {exc.os_error}) while bootstrap_room {room} waited for its KV"
+                )
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            else:
+                if not isinstance(state, dict) or state.get("state") != "failed":
+                    continue
+                why = f"the prefill instance failed bootstrap_room {room}: {state.get('message')}"
+            if not future.done():
+                future.set_exception(TransferFailed(why))
+            return
+
     async def receive(self, room: int, host: str, port: int | None) -> Arrival:
         """Claim `room` at the prefill's bootstrap server and wait for its KV."""
-        agent = self.agent
-        url = f"http://{host}:{port or 8998}/rooms/{room}"
+        if room in self._waiting:
+            raise TransferFailed(f"bootstrap_room {room} is already waiting for KV here")
+        future: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
+        self._waiting[room] = (future, None)  # before the claim: the KV may come at once
+        delivered = False
+        try:
+            base = f"http://{host}:{port or 8998}"
+            prefill = await self._claim_room(base, room)
+            self._waiting[room] = (future, prefill.instance_id)
+            await self._know(prefill)  # for the write-back (PD-Caching-3)
+            watch = self.spawn(self._watch_prefill(base, room, future))
+            try:
+                received = await asyncio.wait_for(asyncio.shield(future), self.config.timeout_s)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"the prefill instance sent no KV for bootstrap_room {room} within "
+                    f"{self.config.timeout_s:g} s"
+                ) from None
+            finally:
+                watch.cancel()
+            delivered = True
+        finally:
+            self._waiting.pop(room, None)
+            if not delivered and future.done() and not future.cancelled():
+                if future.exception() is None:  # arrived as the wait ended: not leaked
+                    self.free_received(future.result())
+            elif not future.done():
+                future.cancel()
+        self.stats["received"] += 1
+        private = received.private
+        return Arrival(
+            received,
+            int(private["first_token"]),
+            int(private["prefill_cached"]),
+            prefill.instance_id,
+        )
+
+    async def _claim_room(self, base: str, room: int) -> PeerInfo:
+        """POST our agent to the prefill's bootstrap server; its agent, as it answers."""
+        url = f"{base}/rooms/{room}"
         try:
             async with self._session.post(  # type: ignore[union-attr]
                 url,
-                data=_encode(agent.info),
+                data=_encode(self.agent.info),  # type: ignore[union-attr]
                 headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=min(self.config.timeout_s, 10.0)),
             ) as resp:
@@ -234,35 +503,16 @@ class PDLink:
                 f"cannot reach the prefill bootstrap server {url}: {exc}"
             ) from None
         try:
-            prefill = msgspec.convert(body["prefill"], PeerInfo)
+            return msgspec.convert(body["prefill"], PeerInfo)
         except (KeyError, TypeError, msgspec.ValidationError) as exc:
             why = f"prefill bootstrap {url} answered without its agent: {exc}"
             raise TransferFailed(why) from None
-        await agent.add_peer(prefill)  # for the write-back (PD-Caching-3)
-        prefill_id = prefill.instance_id
-
-        def mine(r: Received) -> bool:
-            return isinstance(r.private, dict) and r.private.get("room") == room
-
-        try:
-            received = await agent.wait_received(mine, timeout=self.config.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(
-                f"the prefill instance sent no KV for bootstrap_room {room} within "
-                f"{self.config.timeout_s:g} s"
-            ) from None
-        self.stats["received"] += 1
-        private = received.private
-        return Arrival(
-            received, int(private["first_token"]), int(private["prefill_cached"]), prefill_id
-        )
 
     async def write_back(self, prefill_id: int, tokens: list[int], addrs: list[int]) -> None:
         """PD-Caching-3: the decode's KV goes back to the prefill instance, which inserts it
-        (incremental: only the pages it lacks travel)."""
-        started = time.perf_counter()
+        (incremental: only the pages it lacks travel; off the request's critical path)."""
         try:
-            result = await self.agent.transfer_with_insert(prefill_id, tokens, addrs)  # type: ignore[union-attr]
+            await self._push(prefill_id, addrs, tokens=tokens)
         except TransferFailed as exc:
             self.stats["failures"] += 1
             log.warning(
@@ -270,13 +520,6 @@ class PDLink:
             )
             return
         self.stats["written_back"] += 1
-        self.stats["bytes"] += result.bytes
-        log.debug(
-            "wrote back %d pages to %d in %.1f ms",
-            result.pages_sent,
-            prefill_id,
-            (time.perf_counter() - started) * 1e3,
-        )
 
 
 def bootstrap_fields(extras: dict[str, Any]) -> tuple[int, str, int | None] | None:

@@ -127,6 +127,19 @@ def test_turn_two_of_8k_conversation_encodes_only_new_messages(chat: ChatTokeniz
     assert encoder.stats()["verified"] == 4 and encoder.stats()["mismatches"] == 0
 
 
+def test_primed_answer_leaves_only_the_new_question_to_encode(chat: ChatTokenizer) -> None:
+    encoder = CachedEncoder(chat)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    encoder.encode_chat(messages)
+    for turn in range(3):
+        answer = {"role": "assistant", "content": f"Answer {turn}: a sky-blue  reply.\n"}
+        encoder.prime([*messages, answer])  # what the router does once the answer passed
+        messages += [answer, {"role": "user", "content": f"Question {turn}: and then?"}]
+        before = encoder.stats()
+        assert encoder.encode_chat(messages) == chat.encode_chat(messages)
+        assert encoder.stats()["misses"] - before["misses"] == 1  # the new question only
+
+
 def test_verify_every_catches_a_wrong_cache_entry(chat: ChatTokenizer) -> None:
     encoder = CachedEncoder(chat, verify_every=2)
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -82,16 +82,18 @@ def test_feedback_drops_a_path_the_worker_no_longer_holds(model_dir: Path, tmp_p
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
         assert call(router.url + "/generate", body)[1]["meta_info"]["cached_tokens"] == 0
         assert call(router.url + "/generate", body)[1]["meta_info"]["cached_tokens"] == 192
-        stats = call(router.url + "/get_server_info")[1]["tree_stats"]
-        assert stats["predicted_cached_tokens"] == stats["reported_cached_tokens"] == 192
+
+        def stats() -> dict:  # answers teach the trees a moment after they are relayed
+            return call(router.url + "/get_server_info")[1]["tree_stats"]
+
+        assert wait_for(lambda: stats()["reported_cached_tokens"] == 192)
+        assert stats()["predicted_cached_tokens"] == 192
         # The worker evicts behind the router's back (no KV events here).
         assert call(worker.url + "/flush_cache", method="POST", raw=b"")[0] == 200
         assert call(router.url + "/generate", body)[1]["meta_info"]["cached_tokens"] == 0
-        stats = call(router.url + "/get_server_info")[1]["tree_stats"]
-        assert stats["corrections"] == 1
-        assert (
-            stats["predicted_cached_tokens"] == 2 * 192 and stats["reported_cached_tokens"] == 192
-        )
+        assert wait_for(lambda: stats()["corrections"] == 1)
+        now = stats()
+        assert now["predicted_cached_tokens"] == 2 * 192 and now["reported_cached_tokens"] == 192
         metrics = call(router.url + "/metrics")[1]
         assert "memserve_router_predicted_cached_tokens_total 384.0" in metrics
         assert "memserve_router_reported_cached_tokens_total 192.0" in metrics
