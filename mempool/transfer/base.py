@@ -53,8 +53,14 @@ class Segment:
     length: int
 
 
-def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
-    """Join runs that are contiguous on both sides (KVDirect's merging), keeping the order."""
+def merge_segments(
+    segments: Sequence[Segment], block_sizes: tuple[int, int] | None = None
+) -> list[Segment]:
+    """Join runs that are contiguous on both sides (KVDirect's merging), keeping the order.
+
+    With `block_sizes` (source, destination), a run never crosses a block boundary on either
+    side: one call per block, as an engine without merging issues them.
+    """
     out: list[Segment] = []
     for seg in segments:
         if out:
@@ -64,6 +70,7 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
                 and last.dst_type == seg.dst_type
                 and last.src_offset + last.length == seg.src_offset
                 and last.dst_offset + last.length == seg.dst_offset
+                and (block_sizes is None or _same_blocks(last, seg, *block_sizes))
             ):
                 out[-1] = Segment(
                     last.src_type,
@@ -75,6 +82,14 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
                 continue
         out.append(seg)
     return out
+
+
+def _same_blocks(last: Segment, seg: Segment, src_block: int, dst_block: int) -> bool:
+    """`seg` ends in the blocks where `last` starts, on both sides."""
+    return (
+        last.src_offset // src_block == (seg.src_offset + seg.length - 1) // src_block
+        and last.dst_offset // dst_block == (seg.dst_offset + seg.length - 1) // dst_block
+    )
 
 
 class TransferFailed(Exception):

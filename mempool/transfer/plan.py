@@ -216,34 +216,4 @@ def plan_segments(
                         )
                     )
         t = end
-    return merge_segments(out) if merge else _merge_within_blocks(out, src, dst)
-
-
-def _merge_within_blocks(
-    segments: list[Segment], src: KVGeometry, dst: KVGeometry
-) -> list[Segment]:
-    """Join contiguous pieces only inside one source block and one destination block: one call
-    per block, what an engine without merging issues (MemServe's NCCL baseline)."""
-    sbs, dbs = src.block_size, dst.block_size
-    out: list[Segment] = []
-    for seg in segments:
-        if out:
-            last = out[-1]
-            if (
-                last.src_type == seg.src_type
-                and last.dst_type == seg.dst_type
-                and last.src_offset + last.length == seg.src_offset
-                and last.dst_offset + last.length == seg.dst_offset
-                and last.src_offset // sbs == (seg.src_offset + seg.length - 1) // sbs
-                and last.dst_offset // dbs == (seg.dst_offset + seg.length - 1) // dbs
-            ):
-                out[-1] = Segment(
-                    last.src_type,
-                    last.src_offset,
-                    last.dst_type,
-                    last.dst_offset,
-                    last.length + seg.length,
-                )
-                continue
-        out.append(seg)
-    return out
+    return merge_segments(out, None if merge else (src.block_size, dst.block_size))
