@@ -181,14 +181,21 @@ class PDLink:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._bootstrap is not None:
-            await self._bootstrap.cleanup()
-        if self.agent is not None:
-            await self.agent.close()
-        if self.membership is not None:
-            await self.membership.close()
-        if self._session is not None:
-            await self._session.close()
+        bootstrap, agent, membership, session = (
+            self._bootstrap,
+            self.agent,
+            self.membership,
+            self._session,
+        )
+        self._bootstrap = self.agent = self.membership = self._session = None  # close once
+        if bootstrap is not None:
+            await bootstrap.cleanup()
+        if agent is not None:
+            await agent.close()
+        if membership is not None:
+            await membership.close()
+        if session is not None:
+            await session.close()
 
     def spawn(self, coro: Any) -> asyncio.Task:
         """Run PD work beside the scheduler, kept referenced until it ends."""

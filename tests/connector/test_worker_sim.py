@@ -140,6 +140,11 @@ def test_info_endpoints(worker, model_dir: Path) -> None:
     status, server = call(worker.url + "/get_server_info")
     assert server["page_size"] == PAGE and server["backend"]["backend"] == "sim"
     assert server["backend"]["latency_model"]["gpu"] == "H100-SXM-80GB"
+    # colocated: blocks of the modelled size (a disaggregated sim stores a stand-in page)
+    block_bytes = server["mempool"]["tiers"]["host"]["block_bytes"]
+    assert server["backend"]["kv_page_bytes"] == 2 * 1024 * 1024 == block_bytes
+    assert server["backend"]["latency_model"]["interconnect_bytes_per_s"] == 25e9
+    assert "kv_bytes" not in server["backend"] and server["disaggregation"] is None
     status, models = call(worker.url + "/v1/models")
     assert models["data"][0]["max_model_len"] == 4096
     status, loads = call(worker.url + "/v1/loads")
