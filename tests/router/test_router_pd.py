@@ -77,9 +77,7 @@ def test_multi_turn_chat_through_pd_equals_colocated_and_reuses_the_history(
         events = stream(r.url + "/v1/chat/completions", body)
         assert events[-1] == "[DONE]"
         text = "".join(
-            e["choices"][0]["delta"].get("content") or ""
-            for e in events[:-1]
-            if e.get("choices")
+            e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e.get("choices")
         )
         direct = call(colocated.url + "/v1/chat/completions", {**body, "stream": False})[1]
         assert text == direct["choices"][0]["message"]["content"]
