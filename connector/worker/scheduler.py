@@ -130,13 +130,13 @@ class Scheduler:
             seq.events.put_nowait(DONE)
             return
         if seq.finish_reason is not None:  # the client left while the KV travelled
-            self._free_arrival(arrival)
+            self.pd.free_received(arrival.received)  # type: ignore[union-attr]
             seq.events.put_nowait(DONE)
             return
         try:
             self._adopt(seq, arrival)
         except Exception as exc:
-            self._free_arrival(arrival)
+            self.pd.free_received(arrival.received)  # type: ignore[union-attr]
             seq.prefix, seq.blocks = None, []
             seq.handoff_error = f"bad KV arrival: {exc}"
             seq.finish_reason = {"type": "abort", "message": seq.handoff_error}
@@ -173,14 +173,6 @@ class Scheduler:
         if seq.finish_reason is not None:
             self.running.remove(seq)
             self._finish(seq, cache=self.config.enable_cache)
-
-    def _free_arrival(self, arrival: Arrival) -> None:
-        got = arrival.received
-        whole = len(got.addrs) if not got.inserted else got.num_tokens // self.page
-        if got.inserted and got.lock is not None:
-            self.pool.release(got.lock)
-        if got.addrs[whole:]:
-            self.pool.free_mem(got.addrs[whole:])
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: drop a waiting request, finish a running one at the next step."""
@@ -347,6 +339,10 @@ class Scheduler:
         the blocks stay pinned until that transfer ends.
         """
         ok = seq.prefilled and (seq.finish_reason or {}).get("type") != "abort"
+        prefill_side = self.pd is not None and self.pd.config.mode is PDMode.PREFILL
+        if not ok and seq.room is not None and prefill_side:  # the decode stops waiting now
+            why = (seq.finish_reason or {}).get("message") or "the prefill did not finish"
+            self.pd.fail_room(seq.room, why)  # type: ignore[union-attr]
         if ok and seq.room is not None and self.pd is not None:
             if self.pd.config.mode is PDMode.PREFILL:
                 self._hand_to_decode(seq, cache)
@@ -404,6 +400,7 @@ class Scheduler:
             log.exception("request %s: preparing its KV for the decode instance failed", seq.rid)
             seq.handoff_error = f"preparing the KV failed: {exc}"
             seq.finish_reason = {"type": "abort", "message": seq.handoff_error}
+            self.pd.fail_room(seq.room, seq.handoff_error)  # type: ignore[union-attr,arg-type]
             self._done(seq, seq.blocks)
             return
         seq.blocks = engine + spare

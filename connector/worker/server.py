@@ -232,11 +232,17 @@ class WorkerServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         decoder = IncrementalDecoder(self.tokenizer)
+        first = None
         try:
+            if seq.room is not None:  # a KV hand-off failing before any token: an HTTP error
+                first = await seq.events.get()
+                if first == DONE and seq.handoff_error is not None:
+                    raise KVHandOffFailed(f"bootstrap_room {seq.room}: {seq.handoff_error}")
             await response.prepare(request)
             finished = False
             while not finished:
-                finished = await seq.events.get() == DONE
+                event, first = first if first is not None else await seq.events.get(), None
+                finished = event == DONE
                 while not finished and not seq.events.empty():  # coalesce steps we fell behind
                     finished = seq.events.get_nowait() == DONE
                 if finished:

@@ -161,6 +161,8 @@ def test_prefill_without_a_decode_claim_fails_clearly_and_frees(
         dead = dict(body, bootstrap_port=free_port(), bootstrap_room=7)
         status, answer = call(d.url + "/generate", dead)
         assert status == 502 and "cannot reach the prefill bootstrap server" in answer["message"]
+        status, answer = call(d.url + "/generate", dict(dead, stream=True))  # no stream begins
+        assert status == 502 and "cannot reach the prefill bootstrap server" in answer["message"]
         no_leak(d)
 
         status, answer = call(d.url + "/generate", dict(body, bootstrap_room="x"))
