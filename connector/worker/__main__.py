@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mempool-port", type=int, default=0, help="MemPool agent port (0: any)")
     p.add_argument(
+        "--mempool-transport",
+        choices=["auto", "tcp", "rdma", "mooncake"],
+        default="auto",
+        help="MemPool's data plane between PD instances: auto picks RDMA (pyverbs) when the "
+        "machine has a device, else TCP",
+    )
+    p.add_argument(
         "--mempool-secret",
         default=os.environ.get("MEMSERVE_MEMPOOL_SECRET"),
         help="shared secret for MemPool transfers (default: $MEMSERVE_MEMPOOL_SECRET)",
@@ -247,6 +254,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.mempool_secret,
             args.disaggregation_timeout_secs,
             args.cluster_redis,
+            transport=args.mempool_transport,
         )
         wire = getattr(backend, "wire_s", None)  # sim: modelled time of stand-in transfers
         pd = PDLink(pd_config, pool, wire, args.time_scale)

@@ -34,7 +34,7 @@ from connector.http_errors import json_error
 from connector.pd_caching import Caching
 from mempool import MemPool
 from mempool.transfer.agent import TransferAgent, TransferResult
-from mempool.transfer.base import PeerInfo, TransferFailed
+from mempool.transfer.base import DataTransport, PeerInfo, TransferFailed
 from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
 from mempool.transfer.receiver import Received, TransferFlags
 
@@ -61,6 +61,8 @@ class PDConfig:
     secret: str | None = None
     timeout_s: float = 30.0  # longest wait for the other side of a room
     cluster_redis: str | None = None  # shared membership in Redis; None: peers from claims
+    transport: str = "auto"  # MemPool data plane: auto (RDMA if a device exists), tcp, rdma,
+    # or mooncake
     watch_interval_s: float = 0.5  # how often a waiting decode checks its prefill is alive
 
 
@@ -143,6 +145,7 @@ class PDLink:
             self.pool,
             host=self.config.agent_host,
             port=self.config.agent_port,
+            transport=make_transport(self.config.transport, self.pool),
             membership=self.membership,
             secret=self.config.secret,
             timeout_s=min(self.config.timeout_s, 10.0),
@@ -213,6 +216,7 @@ class PDLink:
             "disaggregation_mode": self.config.mode.value,
             "caching": self.config.caching.value,
             "transfer_backend": self.config.transfer_backend,
+            "transport": None if self.agent is None else self.agent.transport.name,
             "bootstrap_port": self.config.bootstrap_port
             if self.config.mode is PDMode.PREFILL
             else None,
@@ -543,3 +547,33 @@ def bootstrap_fields(extras: dict[str, Any]) -> tuple[int, str, int | None] | No
     if not isinstance(host, str) or (port is not None and not isinstance(port, int)):
         raise ValueError("'bootstrap_host' must be a string and 'bootstrap_port' an int or null")
     return room, host, port
+
+
+def make_transport(kind: str, pool: MemPool) -> str | DataTransport:
+    """The data plane for this instance's agent: RDMA when asked or, with `auto`, when the
+    machine has a device (MemServe's path); else TCP. TransferFailed says why a named one
+    cannot run."""
+    if kind == "tcp":
+        return "tcp"
+    if kind in ("auto", "rdma"):
+        from mempool.transfer.rdma import RdmaTransport, RdmaUnavailable, rdma_devices
+
+        try:
+            devices = rdma_devices()
+        except RdmaUnavailable as exc:
+            if kind == "rdma":
+                raise TransferFailed(f"--mempool-transport rdma: {exc}") from None
+            return "tcp"
+        if devices:
+            return RdmaTransport(pool)
+        if kind == "rdma":
+            raise TransferFailed("--mempool-transport rdma: this machine has no RDMA device")
+        return "tcp"
+    if kind == "mooncake":
+        from mempool.transfer.mooncake import MooncakeTransport, MooncakeUnavailable
+
+        try:
+            return MooncakeTransport(pool)
+        except MooncakeUnavailable as exc:
+            raise TransferFailed(f"--mempool-transport mooncake: {exc}") from None
+    raise TransferFailed(f"unknown --mempool-transport {kind!r}: auto, tcp, rdma or mooncake")

@@ -234,6 +234,7 @@ def test_sim_pd_multi_turn_equals_colocated_in_every_caching_mode(
             assert cached == prompt1 // PAGE * PAGE
 
         pinfo, dinfo = info(p), info(d)
+        assert pinfo["disaggregation"]["transport"] == "tcp"  # auto: no RDMA device here
         assert pinfo["disaggregation"]["sent"] == 4 and dinfo["disaggregation"]["received"] == 4
         assert dinfo["backend"]["kv_page_bytes"] == 256  # the stand-in page really moved
         assert dinfo["mempool"]["tiers"]["host"]["block_bytes"] == 256
@@ -377,6 +378,11 @@ def test_redis_membership_down_at_start_is_a_one_line_error(model_dir: Path) -> 
     dead = f"redis://127.0.0.1:{free_port()}/0"
     line = start_fails(model_dir, "--disaggregation-mode", "decode", "--cluster-redis", dead)
     assert "unreachable" in line and dead in line
+
+
+def test_rdma_asked_for_without_a_device_is_a_one_line_error(model_dir: Path) -> None:
+    line = start_fails(model_dir, "--disaggregation-mode", "decode", "--mempool-transport", "rdma")
+    assert "no RDMA device" in line  # `auto` would have chosen TCP (the pairs above)
 
 
 def test_redis_membership_outage_keeps_connected_peers_working(
