@@ -107,13 +107,15 @@ class Scheduler:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         seq = Sequence(gen.rid, gen.input_ids, sampling)
-        if room is not None and not self.pd.fake:  # type: ignore[union-attr]
-            seq.room = room[0]
-            if self.pd.config.mode is PDMode.DECODE:  # type: ignore[union-attr]
-                self.pd.spawn(self._receive(seq, *room))  # type: ignore[union-attr]
-                return seq
-            if self.pd.config.mode is PDMode.PREFILL:  # type: ignore[union-attr]
-                sampling.max_new_tokens = min(sampling.max_new_tokens, 1)  # as SGLang's prefill
+        if room is not None:
+            mode = self.pd.config.mode  # type: ignore[union-attr]
+            if mode is PDMode.PREFILL:  # as SGLang's prefill: the first token only
+                sampling.max_new_tokens = min(sampling.max_new_tokens, 1)
+            if not self.pd.fake:  # type: ignore[union-attr]  (fake: each side computes alone)
+                seq.room = room[0]
+                if mode is PDMode.DECODE:
+                    self.pd.spawn(self._receive(seq, *room))  # type: ignore[union-attr]
+                    return seq
         self.waiting.append(seq)
         self._wake.set()
         return seq

@@ -380,6 +380,18 @@ def test_redis_membership_down_at_start_is_a_one_line_error(model_dir: Path) -> 
     assert "unreachable" in line and dead in line
 
 
+def test_fake_backend_moves_no_kv_and_each_side_computes_alone(
+    model_dir: Path, tmp_path: Path, colocated: Server
+) -> None:
+    extra = ("--disaggregation-transfer-backend", "fake")
+    with pd_pair(model_dir, tmp_path, "caching-3", *extra) as (p, d, boot):
+        ids = list(range(1000, 1100))
+        pre, dec = pd_generate(p, d, boot, ids)
+        assert len(pre["output_ids"]) == 1  # the prefill answers its first token only
+        assert dec["output_ids"] == colocated_generate(colocated, ids)
+        assert info(p)["disaggregation"]["sent"] == info(d)["disaggregation"]["received"] == 0
+
+
 def test_rdma_asked_for_without_a_device_is_a_one_line_error(model_dir: Path) -> None:
     line = start_fails(model_dir, "--disaggregation-mode", "decode", "--mempool-transport", "rdma")
     assert "no RDMA device" in line  # `auto` would have chosen TCP (the pairs above)
