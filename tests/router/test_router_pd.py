@@ -122,16 +122,25 @@ class Scripted:
     def __enter__(self) -> Scripted:
         async def start() -> None:
             for side, port in self.ports.items():
-                runner = web.AppRunner(self.app(side))
+                runner = web.AppRunner(self.app(side), shutdown_timeout=0.1)
                 await runner.setup()
                 await web.TCPSite(runner, "127.0.0.1", port).start()
+                self.runners.append(runner)
 
+        self.runners: list[web.AppRunner] = []
         self.loop.run_until_complete(start())
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:  # handlers still waiting are cancelled, not left pending
+            for runner in self.runners:
+                await runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
 
     def url(self, side: str) -> str:
         return f"http://127.0.0.1:{self.ports[side]}"
