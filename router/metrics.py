@@ -1,0 +1,115 @@
+"""The router's Prometheus metrics: sglang-router's `sgl_router_*` names, plus the prompt
+trees' quality figure (predicted versus reported cached tokens)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.workers import WorkerType
+
+if TYPE_CHECKING:
+    from router.server import Router
+
+
+class RouterMetrics:
+    """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("sgl_router_requests", "Requests", ["route"], registry=r)
+        self.duration = Histogram(
+            "sgl_router_request_duration_seconds", "Request duration", ["route"], registry=r
+        )
+        self.retries = Counter("sgl_router_retries", "Retries", registry=r)
+        self.errors = Counter(
+            "sgl_router_request_errors", "Failed requests", ["route", "reason"], registry=r
+        )
+        self.events = Counter(
+            "sgl_router_load_balancing_events",
+            "Routing decisions by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "sgl_router_cache_hits", "Routed to a predicted holder", registry=r
+        )
+        self.cache_misses = Counter(
+            "sgl_router_cache_misses", "Routed without a predicted hit", registry=r
+        )
+        self.processed = Counter(
+            "sgl_router_processed_requests", "Requests per worker", ["worker"], registry=r
+        )
+        self.pd_requests = Counter(
+            "sgl_router_pd_requests", "Requests sent to a prefill/decode pair", registry=r
+        )
+        self.pd_errors = Counter(
+            "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
+        )
+        r.register(self)
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def _child(self, kind: str, label: str, make) -> Any:
+        """Labelled children, looked up once: .labels() costs microseconds per call."""
+        key = (kind, label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = make(label)
+        return child
+
+    def for_route(self, route: str) -> tuple[Any, Any]:
+        return (
+            self._child("requests", route, self.requests.labels),
+            self._child("duration", route, self.duration.labels),
+        )
+
+    def event(self, reason: str) -> Any:
+        return self._child("event", reason, self.events.labels)
+
+    def for_worker(self, url: str) -> Any:
+        return self._child("processed", url, self.processed.labels)
+
+    def collect(self):
+        router = self.router
+        health = GaugeMetricFamily("sgl_router_worker_health", "1 healthy", labels=["worker"])
+        load = GaugeMetricFamily("sgl_router_worker_load", "Requests in flight", labels=["worker"])
+        breaker = GaugeMetricFamily(
+            "sgl_router_cb_state", "0 closed, 1 open, 2 half-open", labels=["worker"]
+        )
+        for w in router.registry.workers.values():
+            health.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            load.add_metric([w.url], w.load)
+            breaker.add_metric([w.url], w.breaker.value)
+        yield from (health, load, breaker)
+        size = GaugeMetricFamily(
+            "sgl_router_tree_size", "Pages in the prompt tree", labels=["type"]
+        )
+        for t in WorkerType:
+            size.add_metric([t.value], router.trees.size(t))
+        yield size
+        stats = router.trees.stats
+        for name, doc, value in (
+            (
+                "memserve_router_predicted_cached_tokens",
+                "Cached tokens the trees predicted",
+                stats.predicted_tokens,
+            ),
+            (
+                "memserve_router_reported_cached_tokens",
+                "Cached tokens workers reported",
+                stats.reported_tokens,
+            ),
+            (
+                "memserve_router_tree_corrections",
+                "Paths dropped on worker feedback",
+                stats.corrections,
+            ),
+            ("memserve_router_tree_expired_pages", "Pages expired by TTL", stats.expired_pages),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
