@@ -1,0 +1,200 @@
+"""The load generator: one aiohttp session sends a workload's requests, streaming, causally.
+
+Each request waits for its parent's answer, then for its arrival time (and the parent's
+answer plus `gap_s`). TTFT is the time to the first chunk carrying content, JCT the time to
+the end of the stream, TPOT (JCT - TTFT) / (completion tokens - 1); prompt, cached and
+completion tokens come from the usage the workers report in the last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from benchmarks.multiturn.workloads import CHAT, Request, Workload
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass
+class Outcome:
+    """What happened to one request."""
+
+    rid: int
+    session: str
+    turn: int
+    sent_s: float | None = None  # from the start of the run
+    ttft_s: float | None = None
+    jct_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    answer: str = ""
+    messages: list[dict[str, str]] | None = None  # chat: what was sent
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.jct_s is None or self.completion_tokens < 2:
+            return None
+        return (self.jct_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+@dataclass
+class RunResult:
+    outcomes: list[Outcome]
+    wall_s: float
+    first_sent_s: float
+    last_done_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def body_for(request: Request, model: str, messages: list[dict[str, str]] | None) -> bytes:
+    common = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.route == CHAT:
+        # `user` names the session: our `session` policy sticks by it (X-Session-Id too).
+        return _encode({**common, "messages": messages, "user": request.session})
+    return _encode({**common, "prompt": request.prompt, "user": request.session})
+
+
+def messages_for(request: Request, parent: Outcome | None) -> list[dict[str, str]]:
+    """This turn's chat: the parent's history and answer (when carried), then the user."""
+    if parent is not None and request.carry and parent.messages is not None:
+        history = [*parent.messages, {"role": "assistant", "content": parent.answer}]
+    else:
+        history = list(request.base or [])
+    return [*history, {"role": "user", "content": request.user or ""}]
+
+
+async def send_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    request: Request,
+    outcome: Outcome,
+    body: bytes,
+    started: float,
+) -> None:
+    t0 = time.perf_counter()
+    outcome.sent_s = t0 - started
+    path = "/v1/chat/completions" if request.route == CHAT else "/v1/completions"
+    chat = request.route == CHAT
+    pieces: list[str] = []
+    usage = None
+    try:
+        async with session.post(url + path, data=body, headers=JSON_HEADERS) as resp:
+            if resp.status != 200:
+                text = (await resp.read())[:300].decode(errors="replace")
+                outcome.error = f"HTTP {resp.status}: {text}"
+                return
+            buffer = b""
+            async for data in resp.content.iter_any():
+                buffer += data
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:].strip()
+                    if payload == b"[DONE]":
+                        continue
+                    chunk = _decode(payload)
+                    if not isinstance(chunk, dict):
+                        continue
+                    if chunk.get("error"):
+                        outcome.error = f"stream error: {str(chunk['error'])[:200]}"
+                    for choice in chunk.get("choices") or ():
+                        piece = (choice.get("delta") or {}).get("content") if chat else None
+                        if not chat:
+                            piece = choice.get("text")
+                        if piece:
+                            if outcome.ttft_s is None:
+                                outcome.ttft_s = time.perf_counter() - t0
+                            pieces.append(piece)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"[:300]
+        return
+    outcome.jct_s = time.perf_counter() - t0
+    outcome.answer = "".join(pieces)
+    if outcome.error is not None:
+        return
+    if not isinstance(usage, dict):
+        outcome.error = "no usage in the stream"
+        return
+    details = usage.get("prompt_tokens_details") or {}
+    outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    outcome.cached_tokens = int(details.get("cached_tokens") or 0)
+    outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+    if outcome.ttft_s is None:
+        outcome.error = "no content in the stream"
+
+
+async def run_workload(
+    url: str,
+    workload: Workload,
+    model: str,
+    on_done: Callable[[Outcome], None] | None = None,
+    timeout_s: float = 600,
+) -> RunResult:
+    """Send every request of `workload` to `url` as its plan says; wait for all answers."""
+    requests = workload.requests
+    outcomes = [Outcome(r.rid, r.session, r.turn) for r in requests]
+    done = [asyncio.Event() for _ in requests]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+
+        async def one(request: Request) -> None:
+            outcome = outcomes[request.rid]
+            try:
+                parent = None
+                not_before = request.at_s
+                if request.parent is not None:
+                    await done[request.parent].wait()
+                    parent = outcomes[request.parent]
+                    if not parent.ok:
+                        outcome.error = "not sent: its previous turn failed"
+                        return
+                    assert parent.jct_s is not None and parent.sent_s is not None
+                    not_before = max(not_before, parent.sent_s + parent.jct_s + request.gap_s)
+                delay = not_before - (loop.time() - start_loop)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                messages = None
+                if request.route == CHAT:
+                    messages = messages_for(request, parent)
+                    outcome.messages = messages
+                body = body_for(request, model, messages)
+                await send_one(session, url, request, outcome, body, started)
+            finally:
+                done[request.rid].set()
+                if on_done is not None:
+                    on_done(outcome)
+
+        start_loop = loop.time()
+        await asyncio.gather(*(one(r) for r in requests))
+        wall = time.perf_counter() - started
+    sent = [o.sent_s for o in outcomes if o.sent_s is not None]
+    ends = [o.sent_s + o.jct_s for o in outcomes if o.sent_s is not None and o.jct_s is not None]
+    return RunResult(outcomes, wall, min(sent, default=0.0), max(ends, default=wall))

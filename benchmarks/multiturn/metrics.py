@@ -1,0 +1,74 @@
+"""One run's figures from its outcomes: latency statistics, hit ratios, per-turn TTFT."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.multiturn.client import Outcome
+from benchmarks.report import percentile
+
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+def stats(prefix: str, samples: Sequence[float]) -> dict[str, float | None]:
+    """`{prefix}_mean_s`, `_p50_s`, `_p90_s`, `_p99_s` (None without samples)."""
+    out: dict[str, float | None] = {
+        f"{prefix}_mean_s": statistics.fmean(samples) if samples else None
+    }
+    for name, q in QUANTILES.items():
+        out[f"{prefix}_{name}_s"] = percentile(samples, q) if samples else None
+    return out
+
+
+def summarize(
+    outcomes: Sequence[Outcome],
+    oracle: Sequence[int | None],
+    oracle_lengths: Sequence[int | None],
+    wall_s: float,
+) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    jct = [o.jct_s for o in ok if o.jct_s is not None]
+    tpot = [t for o in ok if (t := o.tpot_s) is not None]
+    prompt = sum(o.prompt_tokens for o in ok)
+    cached = sum(o.cached_tokens for o in ok)
+    completion = sum(o.completion_tokens for o in ok)
+    # The oracle over the same (successful) requests, so both ratios share a denominator.
+    oracle_cached = sum(oracle[o.rid] or 0 for o in ok)
+    oracle_prompt = sum(oracle_lengths[o.rid] or 0 for o in ok)
+    sent = [o.sent_s for o in outcomes if o.sent_s is not None]
+    ends = [o.sent_s + o.jct_s for o in ok if o.sent_s is not None and o.jct_s is not None]
+    span = (max(ends) - min(sent)) if ends and sent else wall_s
+    per_turn: dict[int, list[float]] = {}
+    for o in ok:
+        if o.ttft_s is not None:
+            per_turn.setdefault(o.turn, []).append(o.ttft_s)
+    out: dict[str, Any] = {
+        "requests": len(outcomes),
+        "completed": len(ok),
+        "errors": len(outcomes) - len(ok),
+        "error_samples": sorted({o.error for o in outcomes if o.error})[:5],
+        **stats("ttft", ttft),
+        **stats("tpot", tpot),
+        **stats("jct", jct),
+        "duration_s": span,
+        "throughput_rps": len(ok) / span if span > 0 else None,
+        "output_tokens_per_s": completion / span if span > 0 else None,
+        "offered_rps": len(sent) / (max(sent) - min(sent)) if len(sent) > 1 else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "hit_ratio": cached / prompt if prompt else None,
+        "oracle_hit_ratio": oracle_cached / oracle_prompt if oracle_prompt else None,
+        "oracle_prompt_tokens": oracle_prompt,
+        "per_turn_ttft_mean_s": {str(t): statistics.fmean(v) for t, v in sorted(per_turn.items())},
+        "per_turn_requests": {str(t): len(v) for t, v in sorted(per_turn.items())},
+    }
+    return out
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

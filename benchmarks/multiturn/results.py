@@ -1,0 +1,242 @@
+"""results.json (one object per run, plus targets and the setup) and results.md (tables)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.multiturn.cluster import PeerStatus
+from benchmarks.multiturn.metrics import finite
+from benchmarks.multiturn.plan import Plan
+from benchmarks.multiturn.plots import plot_all
+from benchmarks.multiturn.targets import all_targets
+from benchmarks.report import markdown_table, write_results
+
+NAME = "results"
+
+
+def sim_model() -> dict[str, Any]:
+    from connector.worker.latency_model import LatencyModel
+
+    model = LatencyModel()
+    return {**model.describe(), "kv_capacity_tokens_default": model.kv_capacity_tokens(16)}
+
+
+def _r(value: Any, digits: int = 3) -> Any:
+    return round(value, digits) if finite(value) else value
+
+
+def _pct(value: Any) -> Any:
+    return f"{value:.1%}" if finite(value) else None
+
+
+def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
+    row: dict[str, Any] = {"system": run["system"]}
+    if with_cluster:
+        row["cluster"] = f"{run['cluster']} ({run.get('cluster_label') or ''})"
+    if not run.get("available"):
+        row["note"] = f"not run: {run.get('reason')}"
+        return row
+    row.update(
+        {
+            "req": run.get("completed"),
+            "err": run.get("errors"),
+            "TTFT mean": _r(run.get("ttft_mean_s")),
+            "p50": _r(run.get("ttft_p50_s")),
+            "p90": _r(run.get("ttft_p90_s")),
+            "p99": _r(run.get("ttft_p99_s")),
+            "TPOT mean ms": _r((run.get("tpot_mean_s") or 0) * 1e3, 1)
+            if run.get("tpot_mean_s") is not None
+            else None,
+            "JCT mean": _r(run.get("jct_mean_s")),
+            "JCT p99": _r(run.get("jct_p99_s")),
+            "tok/s": _r(run.get("output_tokens_per_s"), 0),
+            "hit": _pct(run.get("hit_ratio")),
+            "oracle": _pct(run.get("oracle_hit_ratio")),
+        }
+    )
+    if run.get("kv_bytes_moved"):
+        row["KV moved GiB"] = _r(run["kv_bytes_moved"] / 2**30, 2)
+    return row
+
+
+def target_rows(targets: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, t in targets.items():
+        value = t.get("value")
+        rows.append(
+            {
+                "target": name,
+                "value": _r(value, 3),
+                "limit": f"{t['op']} {t['limit']:g}",
+                "met": t.get("met"),
+                "figures": t.get("detail", ""),
+                "why missed": t.get("why", "") if t.get("met") is not True else "",
+            }
+        )
+    return rows
+
+
+def per_turn_rows(runs: Sequence[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        if run.get("workload") != workload or run.get("group") != "main":
+            continue
+        if not run.get("available"):
+            continue
+        turns = run.get("per_turn_ttft_mean_s") or {}
+        row: dict[str, Any] = {"system": run["system"]}
+        for t, v in turns.items():
+            row[f"turn {int(t) + 1}"] = _r(v)
+        rows.append(row)
+    return rows
+
+
+def sections(runs: Sequence[dict[str, Any]], targets: dict[str, Any]) -> list[str]:
+    """The Markdown body: targets, then one table per workload and cluster group."""
+    out = ["## Targets (reported, not asserted)", "", markdown_table(target_rows(targets)), ""]
+    seen: list[tuple[str, str, str, float]] = []
+    for run in runs:
+        key = (run["group"], run["cluster"], run["workload"], run["rate"])
+        if key not in seen:
+            seen.append(key)
+    order = {"main": 0, "no_cache": 1, "rate_sweep": 2, "share_ratio": 3, "pd": 4}
+    seen.sort(key=lambda k: (order.get(k[0], 9), k[2], k[3]))
+    pd_done = False
+    for group, cluster, workload, rate in seen:
+        if group == "pd":
+            if pd_done:
+                continue
+            pd_done = True
+            subset = [r for r in runs if r["group"] == "pd"]
+            title = (
+                f"### PD: {subset[0]['workload_title']} at {rate:g} req/s, equal instance "
+                "counts (MemServe's PD, PD-CC, 1P1D, 1P1D-CC)"
+            )
+            table = markdown_table([run_row(r, with_cluster=True) for r in subset])
+        else:
+            subset = [
+                r
+                for r in runs
+                if (r["group"], r["cluster"], r["workload"], r["rate"])
+                == (group, cluster, workload, rate)
+            ]
+            title = f"### {subset[0]['workload_title']}: {cluster}, {rate:g} req/s offered"
+            if group == "rate_sweep":
+                title += " (rate sweep)"
+            table = markdown_table([run_row(r) for r in subset])
+        out += [title, "", table, ""]
+    for workload in ("multi_round_qa", "sharegpt", "react", "trace"):
+        rows = per_turn_rows(runs, workload)
+        if rows and len(rows[0]) > 2:
+            out += [f"### Per-turn mean TTFT (s): {workload}, 4 colocated", ""]
+            out += [markdown_table(rows), ""]
+    return out
+
+
+def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatus]) -> list[str]:
+    model = sim_model()
+    capacity = plan.max_total_tokens or model["kv_capacity_tokens_default"]
+    workloads: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        if run.get("workload_params") and run["workload"] not in workloads:
+            workloads[run["workload"]] = run["workload_params"]
+    peer_text = "; ".join(
+        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
+        for name, s in peers.items()
+    )
+    out = [
+        f"Preset: {plan.preset}. Times in seconds unless marked. TTFT: time to the first "
+        "streamed chunk with content; JCT: time to the end of the stream; TPOT: (JCT - TTFT) "
+        "/ (completion tokens - 1). `hit`: cached_tokens / prompt_tokens as the workers "
+        "report them; `oracle`: the same requests replayed in send order into one infinite "
+        "prefix cache (16-token pages, last prompt token always computed): the upper bound.",
+        "Workers: `python -m connector.worker --backend sim --time-scale "
+        f"{plan.time_scale:g} --tokenizer-cache` (the sim models "
+        f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
+        f"µs/token + {model['prefill_per_token_pair_s'] * 1e12:g} ps per (new, context) pair, "
+        f"decode step {model['decode_weights_s'] * 1e3:g} ms + "
+        f"{model['decode_per_context_token_s'] * 1e9:g} ns per context token, "
+        f"{model['step_overhead_s'] * 1e3:g} ms per step, KV over {model['interconnect']} "
+        f"({model['interconnect_bytes_per_s'] / 1e9:g} GB/s + "
+        f"{model['transfer_latency_s'] * 1e6:g} µs per transfer)). KV capacity per instance: "
+        f"{capacity:,} tokens"
+        + (
+            " (--max-total-tokens, lowered so eviction shows)"
+            if plan.max_total_tokens
+            else " (90 % of an 80 GB H100 minus the 16 GB of weights, at 128 KiB per token)"
+        )
+        + ". The same workers serve every system of a cluster; caches are flushed before "
+        "each run and each run starts a fresh router.",
+        "Clients: one aiohttp session (uvloop), streaming, `temperature` 0, "
+        "`ignore_eos`; chat workloads send /v1/chat/completions with the session as the "
+        "OpenAI `user` field (our `session` policy sticks by it), the trace sends "
+        "/v1/completions text: every router sees text it can route on (sglang-router and "
+        "smg match characters, ours tokenizes). Each session is causal: a turn is sent after "
+        "the previous answer arrived and carries it.",
+        f"Peers: {peer_text}. smg runs with --disable-tokenizer-autoload (no downloads); "
+        "peers keep their default thresholds.",
+        f"Machine: {os.cpu_count()} cores run the client, the router and every worker; the "
+        "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
+    ]
+    for name, params in workloads.items():
+        text = ", ".join(
+            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items()
+        )
+        out.append(f"Workload `{name}`: {text}.")
+    return out
+
+
+def write_all(
+    out_dir: Path,
+    plan: Plan,
+    runs: list[dict[str, Any]],
+    peers: dict[str, PeerStatus],
+    elapsed_s: float,
+    command: str,
+) -> dict[str, Any]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = all_targets(runs)
+    plots = plot_all(out_dir, runs)
+    figures = {
+        "preset": plan.preset,
+        "command": command,
+        "elapsed_s": elapsed_s,
+        "runs": runs,
+        "targets": targets,
+        "sim_model": sim_model(),
+        "kv_capacity_tokens": plan.max_total_tokens or sim_model()["kv_capacity_tokens_default"],
+        "clusters": {name: spec.__dict__ for name, spec in plan.clusters.items()},
+        "peers": {name: s.__dict__ for name, s in peers.items()},
+        "plots": plots,
+    }
+    headline = [
+        run_row(r) | {"workload": r["workload"]}
+        for r in runs
+        if r["group"] == "main" and r["workload"] in ("trace", "multi_round_qa")
+    ]
+    _, md = write_results(
+        out_dir,
+        NAME,
+        figures,
+        headline,
+        "Multi-turn cache benchmarks: policies, peers and PD caching modes",
+        notes(plan, runs, peers),
+    )
+    text = md.read_text()
+    head, sep, tail = text.partition("\n## Notes")
+    title, _, _ = head.partition("\n\n")
+    body = [
+        title,
+        "",
+        f"`{command}` ({elapsed_s / 60:.1f} min).",
+        "",
+        *sections(runs, targets),
+        *[f"![{p}]({p})" for p in plots],
+        "",
+    ]
+    md.write_text("\n".join(body) + sep + tail)
+    return figures

@@ -1,0 +1,202 @@
+"""Executes a plan: clusters up one at a time, each step's systems in turn, results per run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress, TaskID
+
+from benchmarks.multiturn.client import Outcome, run_workload
+from benchmarks.multiturn.cluster import (
+    OURS,
+    Cluster,
+    PeerStatus,
+    RouterSpec,
+    cpu_seconds,
+    model_name,
+    scrape,
+    start_router,
+)
+from benchmarks.multiturn.metrics import summarize
+from benchmarks.multiturn.oracle import oracle_hits
+from benchmarks.multiturn.plan import Plan, Step
+from benchmarks.multiturn.text import Vocab
+from benchmarks.multiturn.workloads import Workload
+from benchmarks.report import step as advance
+
+
+def run_async(coro: Any) -> Any:
+    """uvloop when installed (as the routers and workers run), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+@dataclass
+class Context:
+    plan: Plan
+    model_dir: Path
+    log_dir: Path
+    tokenizer: Any  # ChatTokenizer
+    encoder: Any  # CachedEncoder: the oracle's chat encodes
+    vocab: Vocab
+    progress: Progress
+    peers: dict[str, PeerStatus]
+
+
+def execute(ctx: Context) -> list[dict[str, Any]]:
+    """Every step of the plan; one record per (step, system), failures recorded, not raised
+    (except that our own router failing to start is an error of the project)."""
+    plan = ctx.plan
+    overall = ctx.progress.add_task("runs", total=plan.runs())
+    records: list[dict[str, Any]] = []
+    built: dict[int, Workload] = {}
+    rotation = 0
+    for cluster_name, spec in plan.clusters.items():
+        steps = [s for s in plan.steps if s.cluster == cluster_name]
+        if not steps:
+            continue
+        boot = ctx.progress.add_task(f"start {cluster_name} ({spec.instances} workers)", total=1)
+        ctx.progress.refresh()
+        cluster = Cluster.create(
+            spec, ctx.model_dir, ctx.log_dir, plan.time_scale, plan.max_total_tokens
+        )
+        try:
+            cluster.start()
+            advance(ctx.progress, boot)
+            model = model_name(cluster.workers[0].url)
+            info = cluster.server_info()[0]
+            for step in steps:
+                workload = built.get(id(step.workload))
+                if workload is None:
+                    workload = built[id(step.workload)] = step.workload.build(ctx.vocab)
+                systems = list(step.systems)
+                k = rotation % len(systems)
+                rotation += 1
+                for system in systems[k:] + systems[:k]:
+                    record = run_one(ctx, cluster, step, system, workload, model)
+                    record["worker_capacity_tokens"] = info.get("max_total_num_tokens")
+                    records.append(record)
+                    advance(ctx.progress, overall)
+        finally:
+            cluster.stop()
+    return records
+
+
+def base_record(
+    step: Step, system: RouterSpec, cluster: Cluster, workload: Workload
+) -> dict[str, Any]:
+    return {
+        "system": system.name,
+        "router": system.router,
+        "policy": system.policy,
+        "cluster": step.cluster,
+        "cluster_label": cluster.spec.label,
+        "instances": cluster.spec.instances,
+        "pd_caching": cluster.spec.caching,
+        "radix_cache": cluster.spec.radix_cache,
+        "workload": workload.name,
+        "workload_title": workload.title,
+        "group": step.group,
+        "rate": step.rate,
+        "sessions": workload.sessions,
+        "available": True,
+        "reason": None,
+    }
+
+
+def run_one(
+    ctx: Context,
+    cluster: Cluster,
+    step: Step,
+    system: RouterSpec,
+    workload: Workload,
+    model: str,
+) -> dict[str, Any]:
+    record = base_record(step, system, cluster, workload)
+    record["requests"] = len(workload.requests)
+    if system.router != OURS:
+        status = ctx.peers[system.router]
+        record["router_version"] = status.version
+        if not status.importable:
+            return {**record, "available": False, "reason": status.reason}
+    cluster.flush()
+    label = f"{workload.name} @{step.rate:g}/s: {system.name} [{cluster.spec.name}]"
+    task: TaskID = ctx.progress.add_task(label, total=len(workload.requests))
+    ctx.progress.refresh()
+    try:
+        router = start_router(system, cluster, ctx.log_dir, model)
+    except RuntimeError as exc:
+        ctx.progress.remove_task(task)
+        if system.router == OURS:
+            raise
+        return {**record, "available": False, "reason": f"failed to start: {exc}"[:500]}
+    cluster.flush()  # the start-up probe must not warm anyone's cache
+    pages_before, bytes_before = cluster.kv_moved()
+    counters_before = cluster.worker_counters()
+    workers_cpu = cluster.cpu_seconds()
+    client_cpu = time.process_time()
+    last_refresh = [0.0]
+
+    def on_done(_: Outcome) -> None:
+        ctx.progress.advance(task)
+        now = time.monotonic()
+        if now - last_refresh[0] > 0.5:
+            last_refresh[0] = now
+            ctx.progress.refresh()
+
+    router_metrics: dict[str, float] = {}
+    try:
+        result = run_async(run_workload(router.url, workload, model, on_done))
+        client_cpu = time.process_time() - client_cpu
+        workers_cpu = cluster.cpu_seconds() - workers_cpu
+        router_cpu = cpu_seconds(router.proc.proc.pid if router.proc.proc else None)
+        if system.router == OURS:
+            router_metrics = scrape(router.url + "/metrics")
+    finally:
+        router.proc.stop()
+    pages_after, bytes_after = cluster.kv_moved()
+    counters_after = cluster.worker_counters()
+    ctx.progress.remove_task(task)
+    ctx.progress.refresh()
+    hits, lengths = oracle_hits(ctx.encoder, workload.requests, result.outcomes)
+    record.update(summarize(result.outcomes, hits, lengths, result.wall_s))
+    record["kv_pages_moved"] = pages_after - pages_before
+    record["kv_bytes_moved"] = bytes_after - bytes_before
+    record["wall_s"] = result.wall_s
+    record["per_worker"] = [
+        {k: after[k] - before.get(k, 0.0) for k in after}
+        for before, after in zip(counters_before, counters_after, strict=True)
+    ]
+    record["router_decisions"] = decisions(router_metrics)
+    record["cpu_s"] = {"client": client_cpu, "router": router_cpu, "workers": workers_cpu}
+    with contextlib.suppress(KeyError):
+        record["workload_params"] = dict(workload.params)
+    return record
+
+
+def decisions(metrics: dict[str, float]) -> dict[str, float] | None:
+    """Our router's routing reasons and its trees' predicted vs reported cached tokens."""
+    if not metrics:
+        return None
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if name.startswith("sgl_router_load_balancing_events_total{"):
+            reason = name.split('reason="', 1)[1].split('"', 1)[0]
+            out[f"reason:{reason}"] = value
+    for key in (
+        "memserve_router_predicted_cached_tokens_total",
+        "memserve_router_reported_cached_tokens_total",
+        "memserve_router_tree_corrections_total",
+    ):
+        if key in metrics:
+            out[key.removeprefix("memserve_router_").removesuffix("_total")] = metrics[key]
+    return out

@@ -1,0 +1,149 @@
+"""Replay of a trace in Mooncake's format (`timestamp` ms, `input_length`, `output_length`,
+`hash_ids`: one id per 512-token block, equal leading ids meaning a shared prefix).
+
+Sessions are rebuilt from the blocks: a request's parent is the latest earlier request that
+shares at least its first two blocks with it (the first block is the system prompt every
+request shares), so a conversation's turns form a chain. A subset is a seeded sample of whole
+sessions (`sessions`), or the requests from `start` on (`requests`). Timestamps are scaled so
+the subset is offered at `rate` requests/s; a turn is also never sent before its parent is
+answered. Each block becomes deterministic text of exactly 512 tokens (`text.Vocab.block`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.multiturn.text import Vocab
+from benchmarks.multiturn.workloads import COMPLETION, Request, Workload
+
+DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: Path) -> list[TraceRow]:
+    """Rows in timestamp order; ValueError naming the line for a malformed one."""
+    rows = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                rows.append(
+                    TraceRow(
+                        float(obj["timestamp"]),
+                        int(obj["input_length"]),
+                        int(obj["output_length"]),
+                        tuple(int(h) for h in obj["hash_ids"]),
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace row ({exc})") from None
+    rows.sort(key=lambda r: r.timestamp_ms)
+    return rows
+
+
+def parents(rows: list[TraceRow]) -> list[int | None]:
+    """Each row's parent: the latest earlier row sharing at least its first two blocks."""
+    owner: dict[tuple[int, ...], int] = {}
+    out: list[int | None] = []
+    for i, row in enumerate(rows):
+        h, parent = row.hash_ids, None
+        for k in range(len(h), 1, -1):
+            parent = owner.get(h[:k])
+            if parent is not None:
+                break
+        out.append(parent)
+        for k in range(2, len(h) + 1):
+            owner[h[:k]] = i
+    return out
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    path: Path = DEFAULT_TRACE
+    sessions: int = 150  # sampled whole sessions (0: use `requests` from `start`)
+    requests: int = 0
+    start: int = 0
+    rate: float = 2.0  # offered requests/s after scaling the timestamps
+    max_input_tokens: int = 32768  # longer requests are left out (CPU tokenizing cost)
+    max_output_tokens: int = 512  # answers are capped here (CPU streaming cost)
+    seed: int = 5
+
+    def build(self, vocab: Vocab) -> Workload:
+        rows = load_trace(self.path)
+        parent = parents(rows)
+        session = list(range(len(rows)))
+        for i, p in enumerate(parent):
+            if p is not None:
+                session[i] = session[p]
+        if self.sessions:
+            roots = sorted(set(session))
+            rng = random.Random(f"trace:{self.seed}")
+            chosen = set(rng.sample(roots, min(self.sessions, len(roots))))
+            keep = [i for i in range(len(rows)) if session[i] in chosen]
+        else:
+            keep = list(range(self.start, min(len(rows), self.start + (self.requests or 200))))
+        keep = [i for i in keep if rows[i].input_length <= self.max_input_tokens]
+        kept = set(keep)
+        if not keep:
+            raise ValueError(f"{self.path}: the subset is empty")
+        t0 = rows[keep[0]].timestamp_ms
+        span = max(rows[keep[-1]].timestamp_ms - t0, 1.0) / 1000
+        scale = (len(keep) / self.rate) / span  # trace seconds -> run seconds
+        index = {row: n for n, row in enumerate(keep)}
+        kept_parent: dict[int, int | None] = {}
+        depth: dict[int, int] = {}
+        for i in keep:  # ascending, so a parent is placed before its children
+            p = parent[i]
+            while p is not None and p not in kept:  # a dropped parent: take its parent
+                p = parent[p]
+            kept_parent[i] = p
+            depth[i] = 0 if p is None else depth[p] + 1
+        requests = []
+        for i in keep:
+            row = rows[i]
+            text, ids = vocab.blocks_prompt(list(row.hash_ids), row.input_length, self.seed)
+            p = kept_parent[i]
+            requests.append(
+                Request(
+                    index[i],
+                    f"trace{session[i]}",
+                    depth[i],
+                    (row.timestamp_ms - t0) / 1000 * scale,
+                    max(1, min(row.output_length, self.max_output_tokens)),
+                    COMPLETION,
+                    None if p is None else index[p],
+                    prompt=text,
+                    prompt_ids=ids,
+                )
+            )
+        params: dict[str, Any] = {
+            "trace": str(self.path),
+            "trace_rows": len(rows),
+            "subset": f"{self.sessions} sampled sessions (seed {self.seed})"
+            if self.sessions
+            else f"rows {self.start}..{self.start + len(keep)}",
+            "requests": len(requests),
+            "sessions": len({r.session for r in requests}),
+            "rate": self.rate,
+            "time_scale": scale,
+            "trace_span_s": span,
+            "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
+            "max_input_tokens": self.max_input_tokens,
+            "max_output_tokens": self.max_output_tokens,
+            "block_tokens": 512,
+        }
+        name = "trace" if self.path == DEFAULT_TRACE else f"trace:{Path(self.path).stem}"
+        return Workload(name, f"trace replay ({Path(self.path).name})", requests, params)
