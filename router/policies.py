@@ -64,7 +64,7 @@ class CostModel:
     # (6.8 ms) shared by a typical batch puts roughly this much in front of it per request.
     busy_s_per_request: float = 2.0e-3
 
-    def ttft(self, worker: Worker, tokens: int, cached: int, best: int) -> tuple[float, bool]:
+    def ttft(self, worker: Worker, tokens: int, cached: int, best: int = 0) -> tuple[float, bool]:
         """(expected seconds, whether pulling the longer prefix `best` is the better plan)."""
         queue = worker.queued_tokens * self.prefill_s_per_token
         queue += worker.load * self.busy_s_per_request
@@ -171,7 +171,14 @@ class CacheAware(Policy):
 
 
 class PromptTree(Policy):
-    """MemServe: longest cached token prefix, guarded against overload."""
+    """MemServe: longest cached token prefix, guarded against overload.
+
+    The holder of the longest prefix wins unless another worker is expected to start the
+    request sooner (Mooncake's TTFT estimate: queued work plus the uncached prefill, no pull
+    assumed), or unless loads are imbalanced by sglang-router's thresholds. Without the
+    estimate a prefix every request shares (a system prompt, a trace's first block) would pull
+    all traffic to whichever worker saw it first.
+    """
 
     name = "prompt_tree"
     uses_tokens = True
@@ -188,18 +195,19 @@ class PromptTree(Policy):
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tokens or []
+        n = len(tokens)
         view = self.trees.match(request.type, tokens)
-        held = {w.url: view.held.get(w.url, 0) for w in workers}
-        longest = max(held.values())
+        held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
+        soonest = min(workers, key=lambda w: (self.cost.ttft(w, n, held[w.url])[0], w.load))
+        if max(held.values()) == 0:
+            return self._decide(soonest, "cache_miss", tokens, view)
         best = max(workers, key=lambda w: (held[w.url], -w.load))
         low = min(w.load for w in workers)
-        if longest == 0:
-            choice, reason = least_loaded(workers), "cache_miss"
-        elif self.thresholds.imbalanced(best.load, low):
-            choice, reason = cheapest(self.cost, workers, len(tokens), held), "overload"
-        else:
-            choice, reason = best, "cache_hit"
-        return self._decide(choice, reason, tokens, view)
+        own = self.cost.ttft(best, n, held[best.url])[0]
+        other = self.cost.ttft(soonest, n, held[soonest.url])[0]
+        if soonest is not best and (other < own or self.thresholds.imbalanced(best.load, low)):
+            return self._decide(soonest, "overload", tokens, view)
+        return self._decide(best, "cache_hit", tokens, view)
 
     def _decide(
         self, choice: Worker, reason: str, tokens: Sequence[int], view: PrefixView

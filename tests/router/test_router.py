@@ -121,13 +121,21 @@ def test_sessions_share_a_system_prompt_across_instances(
         assert (reused > 200) if shares else (reused == 0), reused
 
 
-@pytest.mark.parametrize(("abs_threshold", "spreads"), [("2", True), ("100000", False)])
+@pytest.mark.parametrize(
+    ("policy", "abs_threshold", "spreads"),
+    [
+        ("prompt_tree", "2", True),  # sglang-router's load thresholds
+        ("prompt_tree", "100000", True),  # the expected-TTFT guard alone
+        ("cache_aware", "100000", False),  # sglang-router's rule piles on the holder
+    ],
+)
 def test_overload_guard_moves_traffic(
-    model_dir: Path, tmp_path: Path, abs_threshold: str, spreads: bool
+    model_dir: Path, tmp_path: Path, policy: str, abs_threshold: str, spreads: bool
 ) -> None:
     """Eight long requests share one prefix: with the guard they do not all pile on its holder."""
     extra = ("--balance-abs-threshold", abs_threshold, "--balance-rel-threshold", "1.5")
-    with cluster(model_dir, tmp_path, worker_args=("--time-scale", "1"), extra=extra) as (r, _):
+    slow = ("--time-scale", "1")
+    with cluster(model_dir, tmp_path, worker_args=slow, extra=extra, policy=policy) as (r, _):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "warm"}]
         chat(r.url, messages, max_tokens=2)  # the prefix now lives on one worker
         holder = max(served_by(r), key=served_by(r).get)

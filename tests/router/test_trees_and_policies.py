@@ -88,6 +88,23 @@ def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
     assert d.holders[0] == (ws[1].url, 32)  # the longer prefix's holder, for a MemPool pull
 
 
+def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None:
+    """A system prompt every request shares must not pile every request on one worker."""
+    trees = PromptTrees(page_size=16)
+    ws = workers(4)
+    system = list(range(512))
+    history = system + list(range(100_000, 108_000))
+    trees.record(C, ws[0].url, history)
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    ws[0].in_flight, ws[0].in_flight_tokens = 4, 2_000  # ~90 ms of work queued; others idle
+    new_user = RouteRequest(system + list(range(200_000, 200_300)), "", None)
+    d = policy.select(new_user, ws)
+    assert d.worker is not ws[0] and d.reason == "overload"  # 512 cached tokens save ~20 ms
+    turn = RouteRequest(history + list(range(300_000, 300_050)), "", None)
+    d = policy.select(turn, ws)
+    assert d.worker is ws[0] and d.reason == "cache_hit"  # 8.5K cached tokens save ~0.3 s
+
+
 def test_prompt_tree_without_any_hit_goes_to_the_least_loaded() -> None:
     trees = PromptTrees(page_size=4)
     ws = workers(3)
