@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from connector.chat_skeleton import SkeletonRenderer
 from connector.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class CachedEncoder:
         verify_every: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.renderer = SkeletonRenderer(tokenizer)  # the template once per chat shape
         self._tok = tokenizer._tok  # the very tokenizers.Tokenizer the engine encodes with
         self.max_cached_tokens = max_cached_tokens
         self.verify_every = verify_every
@@ -110,10 +112,50 @@ class CachedEncoder:
         add_generation_prompt: bool = True,
     ) -> array:
         """`encode_chat` as an array('I') of uint32 ids (what radix keys are made of)."""
-        text = self.tokenizer.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
-        )
+        text = self.renderer.render(messages, add_generation_prompt, tools)
         return self._encode(text, add_special_tokens=False)
+
+    def encode_chat_known(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[array, list[str]]:
+        """The chat's ids as far as its pieces are cached, and the rest still to encode.
+
+        A router matches prompt trees with the known part only: text it has never encoded
+        cannot be on any path it recorded, so the decision is the same, and the new text (a
+        turn's question, a new conversation's history) is encoded after the request has gone
+        (`complete`). The rest is alternating [piece, added token, ...], [] when all is known.
+        """
+        text = self.renderer.render(messages, add_generation_prompt, tools)
+        self._calls += 1
+        if self._pattern is None:
+            return _token_ids_array(self._full(text, False)), []
+        parts = self._split(text)
+        cache, added, out = self._cache, self._added_arrays, array("I")
+        for i, s in enumerate(parts):
+            if i & 1:
+                out.extend(added[s])
+            elif s:
+                ids = cache.get(s)
+                if ids is None:
+                    return out, parts[i:]
+                cache.move_to_end(s)
+                self._hits += 1
+                out.extend(ids)
+        return out, []
+
+    def complete(self, known: array, rest: list[str]) -> array:
+        """`known` followed by the ids of `rest` (its new pieces encoded and cached)."""
+        if not rest:
+            return known
+        return self._encode_parts(rest, array("I", known))
+
+    @staticmethod
+    def estimate_tokens(rest: list[str]) -> int:
+        """About how many tokens `rest` holds (4 characters a token), before encoding it."""
+        return sum(len(s) for s in rest[0::2]) // 4 + len(rest) // 2
 
     def prime(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -122,8 +164,7 @@ class CachedEncoder:
         a finished answer appended, so the next turn finds its history already encoded."""
         if self._pattern is None:
             return
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=False, tools=tools)
-        self._encode_pieces(text)
+        self._encode_pieces(self.renderer.render(messages, False, tools))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
@@ -133,6 +174,9 @@ class CachedEncoder:
         """Counters: piece hits (served from cache) and misses (pieces encoded), cache size."""
         return {
             "mode": self.mode,
+            "render": self.renderer.reason or "by substitution",
+            "render_hits": self.renderer.hits,
+            "render_builds": self.renderer.builds,
             "text_prompts": "full encode" if self._prefix is None else self.mode,
             "calls": self._calls,
             "hits": self._hits,
@@ -192,7 +236,10 @@ class CachedEncoder:
         return out
 
     def _encode_pieces(self, text: str) -> array:
-        parts = self._split(text)
+        return self._encode_parts(self._split(text))
+
+    def _encode_parts(self, parts: list[str], out: array | None = None) -> array:
+        """Ids of alternating [piece, added token, piece, ...], appended to `out`."""
         pieces = parts[0::2]
         cache = self._cache
         missing = [p for p in dict.fromkeys(pieces) if p and p not in cache]
@@ -201,7 +248,7 @@ class CachedEncoder:
             fresh.update(zip(missing, self._encode_many(missing), strict=True))
             self._misses += len(missing)
         added = self._added_arrays
-        out = array("I")
+        out = array("I") if out is None else out
         extend = out.extend
         touch = cache.move_to_end
         hits = 0

@@ -32,6 +32,15 @@ class RouteRequest:
     session: str | None
     type: WorkerType = WorkerType.COLOCATED
     chat: list[dict[str, Any]] | None = None  # a chat's messages (the router's, not policies')
+    # Text the router has never encoded, left for after the dispatch (it cannot be on any
+    # tree path): its pieces, and about how many tokens it holds.
+    rest: list[str] | None = None
+    rest_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's length in tokens (the part not yet encoded estimated)."""
+        return len(self.tokens or ()) + self.rest_tokens
 
 
 @dataclass(slots=True)
@@ -195,26 +204,24 @@ class PromptTree(Policy):
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tokens or []
-        n = len(tokens)
+        n = request.num_tokens
         view = self.trees.match(request.type, tokens)
         held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
         soonest = min(workers, key=lambda w: (self.cost.ttft(w, n, held[w.url])[0], w.load))
         if max(held.values()) == 0:
-            return self._decide(soonest, "cache_miss", tokens, view)
+            return self._decide(soonest, "cache_miss", n, view)
         best = max(workers, key=lambda w: (held[w.url], -w.load))
         low = min(w.load for w in workers)
         own = self.cost.ttft(best, n, held[best.url])[0]
         other = self.cost.ttft(soonest, n, held[soonest.url])[0]
         if soonest is not best and (other < own or self.thresholds.imbalanced(best.load, low)):
-            return self._decide(soonest, "overload", tokens, view)
-        return self._decide(best, "cache_hit", tokens, view)
+            return self._decide(soonest, "overload", n, view)
+        return self._decide(best, "cache_hit", n, view)
 
-    def _decide(
-        self, choice: Worker, reason: str, tokens: Sequence[int], view: PrefixView
-    ) -> Decision:
+    def _decide(self, choice: Worker, reason: str, n: int, view: PrefixView) -> Decision:
         mine = view.held.get(choice.url, 0)
-        holders = sorted(((u, n) for u, n in view.held.items() if n > mine), key=lambda x: -x[1])
-        return Decision(choice, self._predicted(mine, len(tokens)), holders, reason)
+        holders = sorted(((u, k) for u, k in view.held.items() if k > mine), key=lambda x: -x[1])
+        return Decision(choice, self._predicted(mine, n), holders, reason)
 
 
 class Cost(PromptTree):
@@ -223,10 +230,10 @@ class Cost(PromptTree):
     name = "cost"
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        tokens = request.tokens or []
-        view = self.trees.match(request.type, tokens)
+        n = request.num_tokens
+        view = self.trees.match(request.type, request.tokens or [])
         held = {w.url: view.held.get(w.url, 0) for w in workers}
-        return self._decide(cheapest(self.cost, workers, len(tokens), held), "cost", tokens, view)
+        return self._decide(cheapest(self.cost, workers, n, held), "cost", n, view)
 
 
 def cheapest(cost: CostModel, workers: list[Worker], n: int, held: dict[str, int]) -> Worker:

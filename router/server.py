@@ -42,6 +42,7 @@ from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
 log = logging.getLogger(__name__)
 _json_decode = msgspec.json.Decoder().decode
 INFERENCE_ROUTES = ("/generate", "/v1/chat/completions", "/v1/completions")
+PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
 LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics"}
 
@@ -95,6 +96,7 @@ class Router:
             else None
         )
         self._queued = 0
+        self._active = 0  # inference requests inside the router now
         registry.on_unhealthy.append(lambda w: trees.forget(w.url))
         self.session: aiohttp.ClientSession | None = None  # management calls
         self.upstream = UpstreamPool()  # the inference hot path
@@ -195,18 +197,26 @@ class Router:
         requests, duration = self.metrics.for_route(route)
         requests.inc()
         started = time.perf_counter()
+        self._active += 1
+        try:
+            return await self._inference(request, route, duration, started)
+        finally:
+            self._active -= 1
+
+    async def _inference(
+        self, request: web.Request, route: str, duration: Any, started: float
+    ) -> web.StreamResponse:
         async with self._admission():
             raw = await request.read()
             body = self._parse(raw)
             self._check_model(body)
-            tokens, text, chat = self._tokenize(route, body, self.uses_tokens, self.uses_text)
-            if not text and tokens is not None and self.uses_text:
-                text = " ".join(map(str, tokens))  # sglang-router's tree sees the raw ids
-            session = request.headers.get("X-Session-Id") or (
+            route_request = self._tokenize(route, body, self.uses_tokens, self.uses_text)
+            if not route_request.text and route_request.tokens is not None and self.uses_text:
+                # sglang-router's tree sees the raw ids
+                route_request.text = " ".join(map(str, route_request.tokens))
+            route_request.session = request.headers.get("X-Session-Id") or (
                 body.get("user") if isinstance(body.get("user"), str) else None
             )
-            route_request = RouteRequest(tokens, text, session)
-            route_request.chat = chat
             try:
                 if self.pd is not None:
                     return await self._dispatch_pd(request, route, body, route_request)
@@ -262,9 +272,10 @@ class Router:
 
     def _tokenize(
         self, route: str, body: dict[str, Any], want_tokens: bool, want_text: bool = True
-    ) -> tuple[array | None, str, list[dict[str, Any]] | None]:
+    ) -> RouteRequest:
         """Token ids as the engine will see them (uint32, only if wanted), the raw text, and
-        a chat's normalized messages (None for text prompts).
+        a chat's normalized messages (None for text prompts). A chat's text that the router
+        never encoded is left in `rest`, to be encoded once the request has gone.
 
         Malformed prompts are 400 whatever the policy; tokenizing costs milliseconds on long
         prompts, so only token-routing policies pay for it. Chat text is joined only when
@@ -289,11 +300,14 @@ class Router:
                 )
             text = "".join(p["content"] for p in parts) if want_text else ""
             if enc is None:
-                return None, text, parts
+                return RouteRequest(None, text, None, chat=parts)
             try:
-                return enc.encode_chat_array(parts, tools=body.get("tools")), text, parts
+                known, rest = enc.encode_chat_known(parts, tools=body.get("tools"))
             except ValueError as exc:
                 raise RequestError(400, f"cannot apply the chat template: {exc}") from None
+            request = RouteRequest(known, text, None, chat=parts, rest=rest or None)
+            request.rest_tokens = enc.estimate_tokens(rest)
+            return request
         if route == "/v1/completions":
             prompt = body.get("prompt")
             if (
@@ -301,10 +315,10 @@ class Router:
                 and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
             ):
-                return prompt, " ".join(map(str, prompt)), None
+                return RouteRequest(array("I", prompt), " ".join(map(str, prompt)), None)
             if not isinstance(prompt, str):
                 raise RequestError(400, "'prompt' must be a string or a list of token ids")
-            return (enc.encode(prompt) if enc else None), prompt, None
+            return RouteRequest(array("I", enc.encode(prompt)) if enc else None, prompt, None)
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
@@ -316,10 +330,10 @@ class Router:
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             ids = ids[0]
         if ids is not None:
-            return self._ids("input_ids", ids), "", None
+            return RouteRequest(self._ids("input_ids", ids), "", None)
         if not isinstance(text, str):
             raise RequestError(400, "'text' must be a string")
-        return (array("I", enc.encode(text)) if enc else None), text, None
+        return RouteRequest(array("I", enc.encode(text)) if enc else None, text, None)
 
     @staticmethod
     def _ids(name: str, ids: Any) -> array:
@@ -355,7 +369,7 @@ class Router:
             outcome = Outcome()
             try:
                 response = await self._send(
-                    request, route, payload, decision, outcome, route_request.tokens or []
+                    request, route, payload, decision, outcome, route_request
                 )
             except WorkerUnavailable as exc:
                 last_error = str(exc)
@@ -391,13 +405,13 @@ class Router:
         payload: bytes,
         decision: Decision,
         outcome: Outcome,
-        tokens: list[int],
+        route_request: RouteRequest,
         tree: WorkerType | None = WorkerType.COLOCATED,
     ) -> web.StreamResponse:
         """Forward to `decision.worker`, counting it in flight; `tree`: the prompt tree that
         learns (optimistically) that the worker is about to hold the prompt."""
         worker = decision.worker
-        pending = max(len(tokens) - decision.predicted_cached, 0)
+        pending = max(route_request.num_tokens - decision.predicted_cached, 0)
         worker.in_flight += 1
         worker.in_flight_tokens += pending
         released = False
@@ -410,8 +424,9 @@ class Router:
 
         self.metrics.event(decision.reason).inc()
         (self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses).inc()
-        if tokens and tree is not None and self.uses_tokens:  # optimistic; after the send
-            asyncio.get_running_loop().call_soon(self.trees.record, tree, worker.url, tokens)
+        if route_request.tokens is not None and tree is not None and self.uses_tokens:
+            # optimistic, right after the send (the new text encoded first)
+            asyncio.get_running_loop().call_soon(self._record, tree, worker.url, route_request)
         try:
             return await forward(
                 self.upstream,
@@ -439,7 +454,7 @@ class Router:
             self.metrics.errors.labels(route, "mid_stream").inc()
             return
         self.registry.record_success(worker)
-        tokens = route_request.tokens
+        tokens = self._full_tokens(route_request)
         if not tokens or not self.uses_tokens or outcome.status != 200:
             return
         if outcome.cached_tokens is not None:
@@ -453,6 +468,19 @@ class Router:
         prefix = self._next_prefix(route_request, outcome)
         self.trees.record(WorkerType.COLOCATED, worker.url, prefix)
 
+    def _full_tokens(self, route_request: RouteRequest) -> Any:
+        """The prompt's ids, encoding the text left for after the dispatch if not done yet."""
+        if route_request.rest and self.encoder is not None:
+            route_request.tokens = self.encoder.complete(route_request.tokens, route_request.rest)
+            route_request.rest, route_request.rest_tokens = None, 0
+        return route_request.tokens
+
+    def _record(self, tree: WorkerType, url: str, route_request: RouteRequest) -> None:
+        """`url` is about to hold this prompt (its whole text encoded first)."""
+        tokens = self._full_tokens(route_request)
+        if tokens:
+            self.trees.record(tree, url, tokens)
+
     def _next_prefix(self, route_request: RouteRequest, outcome: Outcome) -> array:
         """The prompt plus what was generated: the next turn's prefix.
 
@@ -461,7 +489,8 @@ class Router:
         so the next turn only has its new user message left to tokenize.
         """
         chat, enc = route_request.chat, self.encoder
-        if chat is not None and enc is not None and outcome.output_text:
+        idle = self._active <= PRIME_WHEN_ACTIVE_AT_MOST  # under load the CPU serves requests
+        if idle and chat is not None and enc is not None and outcome.output_text:
             with contextlib.suppress(ValueError):
                 enc.prime([*chat, {"role": "assistant", "content": outcome.output_text}])
         prefix = array("I", route_request.tokens)
@@ -485,7 +514,6 @@ class Router:
         attempts = 1 + (retry.max_retries if retry.enabled else 0)
         tried: set[str] = set()
         last_error = "no healthy prefill and decode pair"
-        tokens = route_request.tokens or []
         keep_prefill = bool(body.get("return_logprob")) and not body.get("stream")
         for attempt in range(attempts):
             pairs = []
@@ -498,13 +526,16 @@ class Router:
             prefill, decode = p_dec.worker, d_dec.worker
             payload, _room = bootstrap_payload(body, prefill)
             self.metrics.pd_requests.inc()
-            if tokens and self.uses_tokens and pd.caching.prefill_caches:
-                self.trees.record(WorkerType.PREFILL, prefill.url, tokens)
-            p_task = asyncio.create_task(self._prefill(route, payload, p_dec, tokens, keep_prefill))
+            p_task = asyncio.create_task(
+                self._prefill(route, payload, p_dec, route_request, keep_prefill)
+            )
+            if route_request.tokens is not None and self.uses_tokens and pd.caching.prefill_caches:
+                loop = asyncio.get_running_loop()
+                loop.call_soon(self._record, WorkerType.PREFILL, prefill.url, route_request)
             outcome = Outcome()
             d_tree = WorkerType.DECODE if pd.caching.decode_caches else None
             d_task = asyncio.create_task(
-                self._send(request, route, payload, d_dec, outcome, tokens, d_tree)
+                self._send(request, route, payload, d_dec, outcome, route_request, d_tree)
             )
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if d_task not in done and p_task.result().error and not outcome.first_byte:
@@ -546,10 +577,10 @@ class Router:
         )
 
     async def _prefill(
-        self, route: str, payload: bytes, decision: Decision, tokens: Any, keep: bool
+        self, route: str, payload: bytes, decision: Decision, request: RouteRequest, keep: bool
     ) -> PrefillResult:
         worker = decision.worker
-        pending = max(len(tokens) - decision.predicted_cached, 0)
+        pending = max(request.num_tokens - decision.predicted_cached, 0)
         worker.in_flight += 1
         worker.in_flight_tokens += pending
         try:
@@ -583,7 +614,7 @@ class Router:
         else:
             self.registry.record_failure(decode)
             self.metrics.pd_errors.labels("decode").inc()
-        tokens = route_request.tokens
+        tokens = self._full_tokens(route_request)
         if not tokens or not self.uses_tokens or outcome.status != 200 or outcome.error:
             return
         if result.cached_tokens is not None:

@@ -72,6 +72,22 @@ def test_encode_chat_equals_engine(
     assert shared.encode_chat(messages, add_generation_prompt=gen) == expected  # all cached
 
 
+@SETTINGS
+@given(messages=st.lists(message, min_size=1, max_size=6), gen=st.booleans())
+def test_known_part_then_the_rest_equals_engine(
+    chat: ChatTokenizer, shared: CachedEncoder, messages: list[dict[str, str]], gen: bool
+) -> None:
+    """What a router matches before dispatch, then completes after: the engine's ids."""
+    expected = chat.encode_chat(messages, add_generation_prompt=gen)
+    known, rest = shared.encode_chat_known(messages, add_generation_prompt=gen)
+    assert known.tolist() == expected[: len(known)]  # a true prefix of the prompt
+    assert shared.complete(known, rest).tolist() == expected
+    if rest:
+        assert shared.estimate_tokens(rest) > 0
+    known, rest = shared.encode_chat_known(messages, add_generation_prompt=gen)
+    assert rest == [] and known.tolist() == expected  # everything is known now
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     first=st.lists(message, min_size=1, max_size=3),
