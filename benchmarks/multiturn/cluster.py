@@ -39,6 +39,7 @@ class ClusterSpec:
     caching: str | None = None  # PD: basic | caching-1 | caching-2 | caching-3
     radix_cache: bool = True
     label: str = ""  # MemServe's name for it: PD, PD-CC, 1P1D, 1P1D-CC
+    time_scale: float = 1.0  # the sim's --time-scale: >1 is a slower GPU (more load per rate)
 
     @property
     def pd(self) -> bool:
@@ -72,7 +73,6 @@ class Cluster:
         spec: ClusterSpec,
         model_dir: Path,
         log_dir: Path,
-        time_scale: float,
         max_total_tokens: int | None,
         first_id: int = 1,
     ) -> Cluster:
@@ -83,7 +83,7 @@ class Cluster:
         for i, role in enumerate(roles):
             port = free_port()
             args = [sys.executable, "-m", "connector.worker", "--backend", "sim"]
-            args += ["--time-scale", str(time_scale), "--model-path", str(model_dir)]
+            args += ["--time-scale", f"{spec.time_scale:g}", "--model-path", str(model_dir)]
             args += ["--host", "127.0.0.1", "--port", str(port), "--tokenizer-cache"]
             args += ["--instance-id", str(first_id + i), "--log-level", "warning"]
             if max_total_tokens:
@@ -111,6 +111,10 @@ class Cluster:
     def stop(self) -> None:
         for w in self.workers:
             w.proc.stop()
+
+    @property
+    def time_scale(self) -> float:
+        return self.spec.time_scale
 
     def by_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
@@ -151,6 +155,13 @@ class Cluster:
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(w.proc.proc.pid if w.proc.proc else None) for w in self.workers)
 
+    def busy_seconds(self) -> list[float]:
+        """Per worker: modelled GPU seconds so far (the sim's busy time, unscaled)."""
+        return [
+            float((info.get("backend") or {}).get("simulated_busy_s") or 0.0)
+            for info in self.server_info()
+        ]
+
     def kv_moved(self) -> tuple[int, int]:
         """(pages, modelled bytes) moved between instances so far (PD transfers and
         write-backs, as the senders count them)."""
@@ -174,6 +185,7 @@ class Cluster:
             "decodes": self.spec.decodes,
             "pd_caching": self.spec.caching,
             "radix_cache": self.spec.radix_cache,
+            "time_scale": self.spec.time_scale,
         }
 
 

@@ -43,6 +43,7 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
         {
             "req": run.get("completed"),
             "err": run.get("errors"),
+            "sent/s": _r(run.get("offered_rps"), 2),
             "TTFT mean": _r(run.get("ttft_mean_s")),
             "p50": _r(run.get("ttft_p50_s")),
             "p90": _r(run.get("ttft_p90_s")),
@@ -55,6 +56,7 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
             "tok/s": _r(run.get("output_tokens_per_s"), 0),
             "hit": _pct(run.get("hit_ratio")),
             "oracle": _pct(run.get("oracle_hit_ratio")),
+            "GPU busy": _pct(run.get("gpu_utilization")),
         }
     )
     if run.get("kv_bytes_moved"):
@@ -153,8 +155,7 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         "/ (completion tokens - 1). `hit`: cached_tokens / prompt_tokens as the workers "
         "report them; `oracle`: the same requests replayed in send order into one infinite "
         "prefix cache (16-token pages, last prompt token always computed): the upper bound.",
-        "Workers: `python -m connector.worker --backend sim --time-scale "
-        f"{plan.time_scale:g} --tokenizer-cache` (the sim models "
+        "Workers: `python -m connector.worker --backend sim --tokenizer-cache` (the sim models "
         f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
         f"µs/token + {model['prefill_per_token_pair_s'] * 1e12:g} ps per (new, context) pair, "
         f"decode step {model['decode_weights_s'] * 1e3:g} ms + "
@@ -169,7 +170,11 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
             else " (90 % of an 80 GB H100 minus the 16 GB of weights, at 128 KiB per token)"
         )
         + ". The same workers serve every system of a cluster; caches are flushed before "
-        "each run and each run starts a fresh router.",
+        "each run and each run starts a fresh router. `--time-scale` 1 (modelled H100 time) "
+        "except where a cluster's name says otherwise: "
+        + "; ".join(f"{name}: {spec.time_scale:g}" for name, spec in plan.clusters.items())
+        + " (a time scale of k makes the sim GPU k times slower, so the same request rate "
+        "is k times the load; its latencies are wall-clock, k times H100 time).",
         "Clients: one aiohttp session (uvloop), streaming, `temperature` 0, "
         "`ignore_eos`; chat workloads send /v1/chat/completions with the session as the "
         "OpenAI `user` field (our `session` policy sticks by it), the trace sends "

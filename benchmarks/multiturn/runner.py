@@ -66,9 +66,7 @@ def execute(ctx: Context) -> list[dict[str, Any]]:
             continue
         boot = ctx.progress.add_task(f"start {cluster_name} ({spec.instances} workers)", total=1)
         ctx.progress.refresh()
-        cluster = Cluster.create(
-            spec, ctx.model_dir, ctx.log_dir, plan.time_scale, plan.max_total_tokens
-        )
+        cluster = Cluster.create(spec, ctx.model_dir, ctx.log_dir, plan.max_total_tokens)
         try:
             cluster.start()
             advance(ctx.progress, boot)
@@ -103,6 +101,7 @@ def base_record(
         "instances": cluster.spec.instances,
         "pd_caching": cluster.spec.caching,
         "radix_cache": cluster.spec.radix_cache,
+        "time_scale": cluster.spec.time_scale,
         "workload": workload.name,
         "workload_title": workload.title,
         "group": step.group,
@@ -143,6 +142,7 @@ def run_one(
     pages_before, bytes_before = cluster.kv_moved()
     counters_before = cluster.worker_counters()
     workers_cpu = cluster.cpu_seconds()
+    busy_before = cluster.busy_seconds()
     client_cpu = time.process_time()
     last_refresh = [0.0]
 
@@ -165,6 +165,7 @@ def run_one(
         router.proc.stop()
     pages_after, bytes_after = cluster.kv_moved()
     counters_after = cluster.worker_counters()
+    busy = [b - a for a, b in zip(busy_before, cluster.busy_seconds(), strict=True)]
     ctx.progress.remove_task(task)
     ctx.progress.refresh()
     hits, lengths = oracle_hits(ctx.encoder, workload.requests, result.outcomes)
@@ -177,6 +178,11 @@ def run_one(
         for before, after in zip(counters_before, counters_after, strict=True)
     ]
     record["router_decisions"] = decisions(router_metrics)
+    span = record.get("duration_s") or 0.0
+    record["gpu_busy_s"] = busy
+    record["gpu_utilization"] = (
+        sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None
+    )
     record["cpu_s"] = {"client": client_cpu, "router": router_cpu, "workers": workers_cpu}
     with contextlib.suppress(KeyError):
         record["workload_params"] = dict(workload.params)

@@ -8,7 +8,6 @@ from typing import Any
 
 from benchmarks.multiturn.metrics import finite
 
-MAIN_CLUSTER = "4 colocated"
 HIT_FRACTION = 0.9  # prompt_tree's hit ratio >= this x the oracle's
 P99_VS_CACHE_AWARE = 0.6  # prompt_tree p99 TTFT <= this x sglang-router cache_aware's
 P99_VS_ROUND_ROBIN = 0.4  # ... and <= this x round_robin's
@@ -58,7 +57,7 @@ def _reasons(run: dict[str, Any]) -> str:
 
 
 def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str, Any]:
-    base = {"cluster": MAIN_CLUSTER, "workload": workload, "group": "main"}
+    base = {"workload": workload, "group": "main"}
     pt = find(runs, system="ours prompt_tree", **base)
     ca = find(runs, system="sglang-router cache_aware", **base)
     rr = find(runs, system="sglang-router round_robin", **base)
@@ -74,7 +73,7 @@ def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str
     )
     if t["met"] is False:
         t["why"] = _why_hit(pt)
-    out[f"{workload}_hit_vs_oracle"] = t
+    out[f"{workload}_hit_vs_oracle"] = with_errors(t, [pt])
     for name, peer, limit in (
         ("cache_aware", ca, P99_VS_CACHE_AWARE),
         ("round_robin", rr, P99_VS_ROUND_ROBIN),
@@ -94,7 +93,7 @@ def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str
             )
             if t["met"] is False:
                 t["why"] = _why_p99(pt, peer)
-        out[f"{workload}_p99_vs_{name}"] = t
+        out[f"{workload}_p99_vs_{name}"] = with_errors(t, [pt, peer])
     if ours_rr is not None:
         t = check(
             _ratio(pt.get("ttft_p99_s"), ours_rr.get("ttft_p99_s")),
@@ -104,7 +103,7 @@ def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str
         )
         if t["met"] is False:
             t["why"] = _why_p99(pt, ours_rr)
-        out[f"{workload}_p99_vs_ours_round_robin"] = t
+        out[f"{workload}_p99_vs_ours_round_robin"] = with_errors(t, [pt, ours_rr])
     return out
 
 
@@ -164,11 +163,12 @@ def pd_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             f"caching-3 reused {_pct(c3.get('hit_ratio'))} of prompt tokens; what is left of "
             f"basic's TTFT ({_s(basic.get('ttft_mean_s'))}) is queueing and the first turns"
         )
-    return {"pd_caching3_ttft_cut": t}
+    return {"pd_caching3_ttft_cut": with_errors(t, [basic, c3])}
 
 
 def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rows = []
+    involved: list[dict[str, Any]] = []
     for run in runs:
         if run.get("group") == "share_ratio" and run.get("system") == "ours prompt_tree":
             ratio = (run.get("workload_params") or {}).get("share_ratio")
@@ -178,6 +178,7 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if session is not None and ratio is not None:
                 cut = _ratio(run.get("ttft_p99_s"), session.get("ttft_p99_s"))
                 rows.append((ratio, None if cut is None else 1 - cut))
+                involved += [run, session]
     rows.sort()
     about = (
         "MemServe fig. 14 direction: p99 TTFT improvement of prompt_tree over session "
@@ -198,7 +199,23 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     if not grows:
         t["why"] = "prompt_tree's p99 advantage over session did not grow with the share ratio"
-    return {"share_ratio_direction": t}
+    return {"share_ratio_direction": with_errors(t, involved)}
+
+
+def with_errors(t: dict[str, Any], involved: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """A figure from runs with failed requests is not a measurement of the target: its
+    `met` becomes None and `why` names the failures."""
+    failed = [r for r in involved if r is not None and r.get("errors")]
+    if not failed:
+        return t
+    t = dict(t)
+    t["met"] = None
+    t["why"] = "not measurable: " + "; ".join(
+        f"{r['system']} on {r['cluster']} failed {r['errors']} of {r['requests']} requests "
+        f"({(r.get('error_samples') or ['?'])[0][:160]})"
+        for r in failed
+    )
+    return t
 
 
 def all_targets(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -133,55 +133,62 @@ def _lognormal_int(rng: random.Random, mean: float, sigma: float, lo: int, hi: i
 
 @dataclass(frozen=True)
 class MultiRoundQA:
-    """production-stack's multi-round QA: U users, R rounds, a shared system prompt of S
-    tokens, a per-user history of H tokens, answers of A tokens, Q requests/s overall (each
-    user every U/Q s on average, Poisson; the next round waits for the previous answer)."""
+    """production-stack's multi-round QA: U concurrent users, R rounds each, a shared system
+    prompt of S tokens, a per-user history of H tokens, answers of A tokens, Q requests/s
+    overall. As in production-stack, a user who has asked its R questions is replaced by a
+    new one, so U users stay active and the load is steady; each user asks every U/Q s on
+    average (exponential gaps: Poisson), never before the previous answer arrived. The run
+    ends after `requests` requests."""
 
-    users: int = 40
-    rounds: int = 6
+    users: int = 16
+    rounds: int = 5
     system_tokens: int = 1000
-    history_tokens: int = 4000
+    history_tokens: int = 20000
     answer_tokens: int = 100
     question_tokens: int = 20
     qps: float = 4.0
+    requests: int = 160
     seed: int = 1
 
     def build(self, vocab: Vocab) -> Workload:
         rng = random.Random(f"mrqa:{self.seed}")
         system, _ = vocab.words_text(random.Random(f"mrqa-system:{self.seed}"), self.system_tokens)
+        base = [{"role": "system", "content": system}]
         gap = self.users / self.qps  # each user sends every users/qps seconds on average
-        starts = poisson_times(rng, self.users, self.qps)  # users join at the overall rate
+        horizon = self.requests / self.qps
+        starts = poisson_times(rng, self.users, self.qps)  # the first users join at Q/s
         requests: list[Request] = []
-        for u in range(self.users):
-            history, _ = vocab.words_text(rng, self.history_tokens)
-            base = [{"role": "system", "content": system}]
-            parent = None
-            at = starts[u]
-            for k in range(self.rounds):
-                question, _ = vocab.words_text(rng, self.question_tokens)
-                user = f"Question #{k}:{question}?"
-                if k == 0:
-                    user = f"My history:{history}\n{user}"
-                rid = len(requests)
-                requests.append(
-                    Request(
-                        rid,
-                        f"user{u}",
-                        k,
-                        at,
-                        self.answer_tokens,
-                        CHAT,
-                        parent,
-                        base=base if k == 0 else None,
-                        user=user,
+        for slot, at in enumerate(starts):
+            user = 0
+            while at < horizon:
+                history, _ = vocab.words_text(rng, self.history_tokens)
+                parent = None
+                for k in range(self.rounds):
+                    question, _ = vocab.words_text(rng, self.question_tokens)
+                    text = f"Question #{k}:{question}?"
+                    if k == 0:
+                        text = f"My history:{history}\n{text}"
+                    requests.append(
+                        Request(
+                            len(requests),
+                            f"user{slot}.{user}",
+                            k,
+                            at,
+                            self.answer_tokens,
+                            CHAT,
+                            parent,
+                            base=base if k == 0 else None,
+                            user=text,
+                        )
                     )
-                )
-                parent = rid
-                # Exponential gaps: Poisson per user, so Q/s overall, and no fixed period
-                # that would make round-robin sticky by accident (production-stack's fixed
-                # interval with users a multiple of the instances does exactly that).
-                at += rng.expovariate(1 / gap)
+                    parent = len(requests) - 1
+                    # Exponential gaps: no fixed period that would make round-robin sticky
+                    # by accident (a fixed interval, with users a multiple of the instances,
+                    # sends each user to the same instance every round).
+                    at += rng.expovariate(1 / gap)
+                user += 1
         requests.sort(key=lambda r: r.at_s)
+        requests = requests[: self.requests]  # a parent is always earlier than its child
         return Workload(
             "multi_round_qa",
             "multi-round QA (production-stack)",
@@ -195,6 +202,7 @@ class MultiRoundQA:
                 "question_tokens": self.question_tokens,
                 "qps": self.qps,
                 "per_user_interval_s": gap,
+                "requests": len(requests),
             },
         )
 
