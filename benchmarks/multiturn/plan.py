@@ -142,8 +142,8 @@ def quick_preset(trace: Path) -> Preset:
         extra={},
         main_systems=QUICK_SYSTEMS,
         extra_systems=(),
-        sweep_rates=(),
-        sweep_systems=(),
+        sweep_rates=(8.0,),
+        sweep_systems=(RouterSpec(OURS, "prompt_tree"), RouterSpec(SGLANG_ROUTER, "round_robin")),
         share=LooGLELike(documents=5, questions=3, doc_tokens=3000, rate=4.0),
         share_ratios=(1, 3),
         pd_workload=ShareGPTLike(sessions=10, mean_turns=4, max_turns=5, rate=4.0),
@@ -215,7 +215,8 @@ def make_plan(
             steps.append(Step(cluster, builder, specs, "main", rate_of(builder)))
     if wanted("multi_round_qa"):
         for rate in p.sweep_rates:
-            builder = replace(p.mrqa, qps=rate, requests=max(120, round(30 * rate)))
+            requests = max(p.mrqa.requests, round(p.mrqa.requests / p.mrqa.qps * rate))
+            builder = replace(p.mrqa, qps=rate, requests=requests)
             specs = chosen(p.sweep_systems)
             if specs:
                 steps.append(Step("4 colocated", builder, specs, "rate_sweep", rate))

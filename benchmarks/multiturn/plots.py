@@ -19,6 +19,16 @@ def _plt():
     return plt
 
 
+_COLORS: dict[str, str] = {}
+
+
+def color(system: str) -> str:
+    """One colour per system in every plot (in the order systems are first seen)."""
+    if system not in _COLORS:
+        _COLORS[system] = f"C{len(_COLORS) % 10}"
+    return _COLORS[system]
+
+
 def _ok(run: dict[str, Any]) -> bool:
     return bool(run.get("available")) and finite(run.get("ttft_mean_s"))
 
@@ -26,6 +36,8 @@ def _ok(run: dict[str, Any]) -> bool:
 def plot_all(out_dir: Path, runs: Sequence[dict[str, Any]]) -> list[str]:
     """Every plot the runs allow; returns the file names written."""
     written = []
+    for run in runs:
+        color(run["system"])
     for name, fn in (
         ("latency_vs_rate.png", plot_rate),
         ("per_turn_ttft.png", plot_per_turn),
@@ -45,14 +57,15 @@ def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         mrqa = run["workload"] == "multi_round_qa" and run["cluster"] == "4 colocated"
         if mrqa and run["group"] in ("main", "rate_sweep") and _ok(run):
             pts.setdefault(run["system"], []).append((run["rate"], run))
+    pts = {k: v for k, v in pts.items() if len(v) > 1}  # systems the sweep ran
     if not pts:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
-    for k, (system, items) in enumerate(sorted(pts.items())):
+    for system, items in sorted(pts.items()):
         items.sort(key=lambda x: x[0])
         xs = [x for x, _ in items]
-        style = dict(marker="o", color=f"C{k % 10}", label=system)
+        style = dict(marker="o", color=color(system), label=system)
         axes[0].plot(xs, [r["ttft_mean_s"] for _, r in items], **style)
         axes[1].plot(xs, [r["ttft_p99_s"] for _, r in items], **style)
         axes[2].plot(xs, [r["jct_mean_s"] for _, r in items], **style)
@@ -79,7 +92,6 @@ def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
     for ax, workload in zip(axes[0], panels, strict=True):
-        k = 0
         for run in runs:
             if run["workload"] != workload or run["group"] != "main" or not _ok(run):
                 continue
@@ -87,8 +99,8 @@ def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
             counts = run.get("per_turn_requests") or {}
             xs = [int(t) + 1 for t in turns if counts.get(t, 0) >= 3]
             ys = [turns[t] for t in turns if counts.get(t, 0) >= 3]
-            ax.plot(xs, ys, marker=".", color=f"C{k % 10}", label=run["system"])
-            k += 1
+            ax.plot(xs, ys, marker=".", color=color(run["system"]), label=run["system"])
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"{workload}: mean TTFT by turn")
         ax.set_xlabel("turn")
         ax.set_ylabel("s")
@@ -119,7 +131,7 @@ def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         names = [r["system"] + (" (no cache)" if not r["radix_cache"] else "") for r in subset]
         hits = [r.get("hit_ratio") or 0 for r in subset]
         oracle = max((r.get("oracle_hit_ratio") or 0 for r in subset), default=0)
-        ax.bar(range(len(subset)), hits, color=[f"C{k % 10}" for k in range(len(subset))])
+        ax.bar(range(len(subset)), hits, color=[color(r["system"]) for r in subset])
         ax.axhline(oracle, color="k", ls="--", lw=1, label=f"oracle {oracle:.0%}")
         ax.axhline(0.9 * oracle, color="k", ls=":", lw=1, label="90% of oracle")
         ax.set_xticks(range(len(subset)), names, rotation=70, fontsize=7, ha="right")
@@ -145,15 +157,12 @@ def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), constrained_layout=True)
-    for k, (system, items) in enumerate(sorted(pts.items())):
+    for system, items in sorted(pts.items()):
         items.sort(key=lambda x: x[0])
         xs = [x for x, _ in items]
-        axes[0].plot(
-            xs, [r["ttft_p99_s"] for _, r in items], marker="o", color=f"C{k}", label=system
-        )
-        axes[1].plot(
-            xs, [r.get("hit_ratio") or 0 for _, r in items], marker="o", color=f"C{k}", label=system
-        )
+        style = dict(marker="o", color=color(system), label=system)
+        axes[0].plot(xs, [r["ttft_p99_s"] for _, r in items], **style)
+        axes[1].plot(xs, [r.get("hit_ratio") or 0 for _, r in items], **style)
     axes[0].set_title("p99 TTFT (s)")
     axes[1].set_title("hit ratio")
     for ax in axes:

@@ -46,7 +46,7 @@ TARGETS = (
     "pd_caching3_ttft_cut",
     "share_ratio_direction",
 )
-PLOTS = ("per_turn_ttft.png", "hit_ratio.png", "share_ratio.png", "pd.png")
+PLOTS = ("latency_vs_rate.png", "per_turn_ttft.png", "hit_ratio.png", "share_ratio.png", "pd.png")
 
 
 def number(value: Any) -> bool:
