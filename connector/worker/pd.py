@@ -100,6 +100,9 @@ class PDLink:
         self.wire = wire
         self.time_scale = time_scale
         self.agent: TransferAgent | None = None
+        # Blocks for incoming KV: the engine's allocator, which evicts cache (set by the
+        # scheduler); without one, only free blocks.
+        self.allocate: Callable[[int, Any], list[int]] | None = None
         self.membership: ClusterManager | None = None
         self._rooms: dict[int, asyncio.Future[PeerInfo]] = {}
         self._claimed_at: dict[int, float] = {}
@@ -150,6 +153,7 @@ class PDLink:
             secret=self.config.secret,
             timeout_s=min(self.config.timeout_s, 10.0),
             on_received=self._on_received,
+            allocate=self.allocate,
         )
         await agent.start()  # closes itself when it fails
         self.agent = agent

@@ -64,6 +64,8 @@ class Scheduler:
     ) -> None:
         self.backend = backend
         self.pd = pd  # prefill/decode disaggregation, when this instance is one side of it
+        if pd is not None:
+            pd.allocate = self._alloc_for_peer
         self.pool = pool
         self.tokenizer = tokenizer
         self.config = config
@@ -284,6 +286,15 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
+    def _alloc_for_peer(self, count: int, mem_type: object = None) -> list[int]:
+        """Blocks for KV a peer sends: evicting cache like any request; OutOfBlocks if held."""
+        blocks = self._alloc(count)
+        if blocks is None:
+            raise OutOfBlocks(
+                f"{count} blocks for incoming KV: every block is held by running requests"
+            )
+        return blocks
+
     def _alloc(self, count: int) -> list[int] | None:
         """`count` blocks, evicting historical KV if needed; None if memory is held by requests."""
         if count <= 0:
@@ -416,6 +427,7 @@ class Scheduler:
             except Exception as exc:
                 seq.handoff_error = str(exc)
                 seq.finish_reason = {"type": "abort", "message": str(exc)}
+                self.pd.fail_room(seq.room, str(exc))  # type: ignore[union-attr,arg-type]
             finally:
                 self._done(seq, seq.blocks, lock)
 

@@ -185,7 +185,9 @@ class TransferAgent:
     longest wait for any reply or any data progress. `head_start`/`total_heads`: this
     instance's tensor-parallel share of the KV heads. `on_received`: called (or awaited) with
     every `Received`. `pending_timeout_s`: how long a peer may hold blocks allocated or locked
-    here for one transfer or pull before they are freed anyway. A transport with an
+    here for one transfer or pull before they are freed anyway. `allocate(count, tier)`: how
+    blocks for incoming KV are found (default: the pool's free list; an engine passes one
+    that evicts its cache). A transport with an
     `exchange` hook (RDMA) trades its connection offers over the control connection.
     """
 
@@ -203,6 +205,7 @@ class TransferAgent:
         total_heads: int = 0,
         on_received: OnReceived | None = None,
         pending_timeout_s: float = 60.0,
+        allocate: Callable[[int, MemType], list[int]] | None = None,
     ) -> None:
         self.pool = pool
         self.instance_id = pool.instance_id
@@ -225,7 +228,9 @@ class TransferAgent:
             self.transport.exchange = self._exchange  # type: ignore[attr-defined]
         self._own_membership = membership is None
         self.membership = membership or InProcessCluster(ttl_s=float("inf"), heartbeat_s=3600)
-        self.receiver = Receiver(pool, self.geometry, self.grants, on_received, pending_timeout_s)
+        self.receiver = Receiver(
+            pool, self.geometry, self.grants, on_received, pending_timeout_s, allocate=allocate
+        )
         self.info: PeerInfo | None = None
         self._server: asyncio.base_events.Server | None = None
         self._links: dict[int, ControlLink] = {}
@@ -472,7 +477,7 @@ class TransferAgent:
                     local if keep_local else None,
                 )
             pages = (target - have) // geo.page_size
-            fresh = sorted(self.pool.alloc_blocks(pages * geo.blocks_per_page, self._tier(flags)))
+            fresh = sorted(self.receiver.allocate(pages * geo.blocks_per_page, self._tier(flags)))
             segments = plan_segments(
                 link.geometry,
                 block_locations(remote.addrs, link.geometry.block_size),

@@ -110,8 +110,12 @@ class Receiver:
         pending_timeout_s: float = 60.0,
         backlog: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        allocate: Callable[[int, MemType], list[int]] | None = None,
     ) -> None:
         self.pool = pool
+        # How blocks for incoming KV are found: the pool's free list, or an engine's
+        # allocator that evicts its least recently used cache (and says so in its KV events).
+        self.allocate = allocate or pool.alloc_blocks
         self.geometry = geometry
         self.grants = grants
         self.on_received = on_received
@@ -191,9 +195,7 @@ class Receiver:
             try:
                 need = (pages - cached) * bpp
                 # ascending, so that runs of blocks are contiguous bytes and merge into one call
-                allocated = (
-                    sorted(self.pool.alloc_blocks(need, self._tier(msg.flags))) if need else []
-                )
+                allocated = sorted(self.allocate(need, self._tier(msg.flags))) if need else []
             except BaseException:
                 if match is not None:
                     self.pool.release(match)

@@ -380,6 +380,17 @@ def test_redis_membership_down_at_start_is_a_one_line_error(model_dir: Path) -> 
     assert "unreachable" in line and dead in line
 
 
+def test_a_full_decode_cache_makes_room_for_incoming_kv(model_dir: Path, tmp_path: Path) -> None:
+    """Caching-3 decodes keep every answer; incoming KV must evict that cache, not fail."""
+    with pd_pair(model_dir, tmp_path, "caching-3", "--max-total-tokens", "512") as (p, d, boot):
+        for seed in range(6):  # 6 x 13 pages through a 32-page decode cache
+            ids = [1000 + seed * 300 + i for i in range(200)]
+            pd_generate(p, d, boot, ids)
+        assert info(d)["disaggregation"]["received"] == 6
+        assert info(d)["mempool"]["tiers"]["host"]["blocks"] == 32
+        no_leak(d)
+
+
 def test_fake_backend_moves_no_kv_and_each_side_computes_alone(
     model_dir: Path, tmp_path: Path, colocated: Server
 ) -> None:
