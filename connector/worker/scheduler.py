@@ -407,6 +407,8 @@ class Scheduler:
             if cache and whole > cached_pages:  # whole pages become cache, pinned
                 lock = self._cache(seq, whole, own[: whole - cached_pages], lock=True)
                 engine, first_engine_page = own[whole - cached_pages :], whole
+                # The index's blocks: pages another request cached meanwhile replaced ours.
+                addrs = self.pool.match(seq.prompt_ids[: whole * self.page]).addrs + engine
             if engine:
                 self.backend.store_pages(seq, first_engine_page, engine, partial=True)
         except Exception as exc:
@@ -448,7 +450,7 @@ class Scheduler:
             self._done(seq, rest)
             return
         tokens = seq.all_ids[: full * self.page]
-        addrs = (seq.prefix.addrs if seq.prefix is not None else []) + adopt
+        addrs = self.pool.match(tokens).addrs  # the index's blocks (duplicates were freed)
         prefill_id = seq.prefill_id
         self._done(seq, rest)  # the client has its answer; the write-back runs after
 
