@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -13,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.procs import stop_process
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +61,7 @@ def start_redis(log_dir: Path, timeout: float = 10.0) -> RedisServer:
 
 
 def stop_redis(server: RedisServer) -> None:
-    if server.proc.poll() is None:
-        os.kill(server.proc.pid, signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+    stop_process(server.proc, 5)
 
 
 @pytest.fixture

@@ -53,13 +53,18 @@ def wait_healthy(server: Server, timeout: float) -> None:
 
 
 def stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        os.kill(server.proc.pid, signal.SIGTERM)
+    stop_process(server.proc, 10)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM by pid, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
         try:
-            server.proc.wait(timeout=10)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.kill(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @contextlib.contextmanager

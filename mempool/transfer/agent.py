@@ -32,7 +32,13 @@ from mempool.transfer.grants import Grants
 from mempool.transfer.local import LocalTransport
 from mempool.transfer.membership import ClusterManager, InProcessCluster
 from mempool.transfer.plan import KVGeometry, block_locations, check_compatible, plan_segments
-from mempool.transfer.receiver import OnReceived, Received, Receiver, TransferFlags
+from mempool.transfer.receiver import (
+    OnReceived,
+    Received,
+    Receiver,
+    TransferFlags,
+    destination_tier,
+)
 from mempool.transfer.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
@@ -519,11 +525,7 @@ class TransferAgent:
             log.info("unlock %d at %s failed: %s", lock_id, link.where, exc)
 
     def _tier(self, flags: int) -> MemType:
-        if flags & TransferFlags.DST_DEVICE:
-            return MemType.DEVICE
-        if flags & TransferFlags.DST_HOST or MemType.DEVICE not in self.pool.allocators:
-            return MemType.HOST
-        return MemType.DEVICE
+        return destination_tier(self.pool, flags)
 
     # ----------------------------------------------------------------- receiving
 

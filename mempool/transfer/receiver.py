@@ -66,6 +66,15 @@ class Received:
 OnReceived = Callable[[Received], Awaitable[None] | None]
 
 
+def destination_tier(pool: MemPool, flags: int) -> MemType:
+    """Where incoming KV goes: the tier the flags name, else device memory when there is some."""
+    if flags & TransferFlags.DST_DEVICE:
+        return MemType.DEVICE
+    if flags & TransferFlags.DST_HOST or MemType.DEVICE not in pool.allocators:
+        return MemType.HOST
+    return MemType.DEVICE
+
+
 @dataclass(eq=False)
 class _Pending:
     xfer: int
@@ -158,11 +167,7 @@ class Receiver:
     # ----------------------------------------------------------------- transfer steps
 
     def _tier(self, flags: int) -> MemType:
-        if flags & TransferFlags.DST_DEVICE:
-            return MemType.DEVICE
-        if flags & TransferFlags.DST_HOST or MemType.DEVICE not in self.pool.allocators:
-            return MemType.HOST
-        return MemType.DEVICE
+        return destination_tier(self.pool, flags)
 
     def _prepare(self, session: Session, msg: m.Prepare) -> m.Prepared:
         if msg.xfer in session.transfers:
