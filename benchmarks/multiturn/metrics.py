@@ -66,8 +66,25 @@ def summarize(
         "oracle_prompt_tokens": oracle_prompt,
         "per_turn_ttft_mean_s": {str(t): statistics.fmean(v) for t, v in sorted(per_turn.items())},
         "per_turn_requests": {str(t): len(v) for t, v in sorted(per_turn.items())},
+        "ttft_tail": tail(ok),
     }
     return out
+
+
+def tail(ok: Sequence[Outcome], fraction: float = 0.05) -> list[dict[str, Any]]:
+    """The slowest `fraction` of requests by TTFT (at least 2): what the p99 is made of."""
+    timed = sorted((o for o in ok if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0))
+    n = max(2, math.ceil(len(timed) * fraction))
+    return [
+        {
+            "rid": o.rid,
+            "turn": o.turn,
+            "ttft_s": o.ttft_s,
+            "prompt_tokens": o.prompt_tokens,
+            "cached_tokens": o.cached_tokens,
+        }
+        for o in timed[:n]
+    ]
 
 
 def finite(value: Any) -> bool:

@@ -158,17 +158,21 @@ def full_preset(trace: Path) -> Preset:
     return Preset(
         # The trace runs on sim GPUs 2.5x slower than the modelled H100: the only way two
         # CPU cores can offer it at a load where the instances queue (about 80 % busy).
-        trace=TraceReplay(trace, sessions=90, rate=8.0, max_output_tokens=128),
+        trace=TraceReplay(trace, sessions=70, rate=8.0, max_output_tokens=128),
         trace_time_scale=2.5,
         mrqa=MultiRoundQA(qps=6.0, requests=180),
-        extra={"sharegpt": ShareGPTLike(), "loogle": LooGLELike(), "react": ReActLike()},
+        extra={
+            "sharegpt": ShareGPTLike(sessions=40),
+            "loogle": LooGLELike(),
+            "react": ReActLike(sessions=24),
+        },
         main_systems=ALL_SYSTEMS,
         extra_systems=EXTRA_SYSTEMS,
         sweep_rates=(3.0, 9.0),
         sweep_systems=SWEEP_SYSTEMS,
-        share=LooGLELike(),
+        share=LooGLELike(rate=6.0),
         share_ratios=(1, 2, 4),
-        pd_workload=ShareGPTLike(sessions=40),
+        pd_workload=ShareGPTLike(sessions=30),
         pd_clusters=(
             "2 colocated, no cache",
             "2 colocated",
@@ -215,7 +219,8 @@ def make_plan(
             steps.append(Step(cluster, builder, specs, "main", rate_of(builder)))
     if wanted("multi_round_qa"):
         for rate in p.sweep_rates:
-            requests = max(p.mrqa.requests, round(p.mrqa.requests / p.mrqa.qps * rate))
+            floor = min(120, p.mrqa.requests)  # enough requests for a p99
+            requests = max(floor, round(p.mrqa.requests / p.mrqa.qps * rate))
             builder = replace(p.mrqa, qps=rate, requests=requests)
             specs = chosen(p.sweep_systems)
             if specs:

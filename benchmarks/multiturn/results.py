@@ -186,6 +186,13 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         f"Machine: {os.cpu_count()} cores run the client, the router and every worker; the "
         "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
     ]
+    loads = [r["loadavg_1m"] for r in runs if finite(r.get("loadavg_1m"))]
+    if loads:
+        out.append(
+            f"Machine load at the end of each run (1-minute load average, {os.cpu_count()} "
+            f"cores): {min(loads):.1f} to {max(loads):.1f}; a load well above the core count "
+            "means something else competed for the CPU during that run."
+        )
     for name, params in workloads.items():
         text = ", ".join(
             f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,9 @@ def run_one(
         sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None
     )
     record["cpu_s"] = {"client": client_cpu, "router": router_cpu, "workers": workers_cpu}
+    # The machine's 1-minute load at the end: above its core count, something else (another
+    # benchmark, a test suite) competed for the CPU during this run.
+    record["loadavg_1m"] = os.getloadavg()[0]
     with contextlib.suppress(KeyError):
         record["workload_params"] = dict(workload.params)
     return record

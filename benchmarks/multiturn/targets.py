@@ -131,15 +131,37 @@ def _why_hit(pt: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _why_p99(pt: dict[str, Any], peer: dict[str, Any]) -> str:
-    cold = (pt.get("per_turn_ttft_mean_s") or {}).get("0")
+def tail_summary(run: dict[str, Any]) -> str:
+    """What the slowest 5 % of a run's requests were: first turns or not, how much cached."""
+    rows = run.get("ttft_tail") or []
+    if not rows:
+        return "?"
+    first = sum(1 for r in rows if r["turn"] == 0)
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
     return (
-        f"p99 TTFT {_s(pt.get('ttft_p99_s'))} vs {_s(peer.get('ttft_p99_s'))}: the tail is "
-        f"first turns, cold for every policy (prompt_tree's turn-0 mean {_s(cold)}), so "
-        f"routing can only cut queueing there; hit {_pct(pt.get('hit_ratio'))} vs "
-        f"{_pct(peer.get('hit_ratio'))}, mean TTFT {_s(pt.get('ttft_mean_s'))} vs "
-        f"{_s(peer.get('ttft_mean_s'))}"
+        f"{first}/{len(rows)} first turns, {prompt / len(rows):,.0f} prompt tokens on "
+        f"average, {cached / prompt if prompt else 0:.0%} cached"
     )
+
+
+def _why_p99(pt: dict[str, Any], peer: dict[str, Any]) -> str:
+    parts = [
+        f"p99 TTFT {_s(pt.get('ttft_p99_s'))} vs {_s(peer.get('ttft_p99_s'))}",
+        f"prompt_tree's slowest 5%: {tail_summary(pt)}; {peer['system']}'s: {tail_summary(peer)}",
+        f"hit {_pct(pt.get('hit_ratio'))} vs {_pct(peer.get('hit_ratio'))} (oracle "
+        f"{_pct(pt.get('oracle_hit_ratio'))})",
+        f"prompt_tree's decisions: {_reasons(pt)}",
+    ]
+    sent, peer_sent = pt.get("offered_rps"), peer.get("offered_rps")
+    if finite(sent) and finite(peer_sent) and peer_sent < 0.9 * sent:
+        parts.append(
+            f"{peer['system']} fell behind: its users, who wait for each answer, sent "
+            f"{peer_sent:.2f} req/s against prompt_tree's {sent:.2f}, which caps its queue "
+            f"and so its TTFT (its mean JCT {_s(peer.get('jct_mean_s'))} vs "
+            f"{_s(pt.get('jct_mean_s'))})"
+        )
+    return "; ".join(parts)
 
 
 def pd_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
