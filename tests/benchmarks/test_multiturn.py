@@ -187,3 +187,28 @@ def test_trace_sessions_are_causal_chains() -> None:
         TraceRow(3, 2048, 10, (0, 1, 2, 4)),
     ]
     assert parents(rows) == [None, 0, None, 1]
+
+
+def test_any_mooncake_format_trace_replays(tmp_path: Path, model_dir: Path) -> None:
+    """--trace FILE: sessions rebuilt, timestamps scaled to the rate, prompts of the
+    stated lengths, a turn depending on its previous one."""
+    from benchmarks.multiturn.text import Vocab
+    from benchmarks.multiturn.trace import TraceReplay
+    from connector.tokenizer import ChatTokenizer
+
+    rows = [
+        {"timestamp": 0, "input_length": 700, "output_length": 20, "hash_ids": [0, 1]},
+        {"timestamp": 1000, "input_length": 600, "output_length": 30, "hash_ids": [0, 2]},
+        {"timestamp": 9000, "input_length": 1300, "output_length": 10, "hash_ids": [0, 1, 3]},
+    ]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    vocab = Vocab.from_tokenizer(ChatTokenizer(model_dir))
+    workload = TraceReplay(path, sessions=0, requests=3, rate=1.0).build(vocab)
+    assert workload.name == "trace:mine"
+    reqs = workload.requests
+    assert [len(r.prompt_ids or []) for r in reqs] == [700, 600, 1300]
+    assert [r.max_tokens for r in reqs] == [20, 30, 10]
+    assert reqs[2].parent == 0 and reqs[2].turn == 1 and reqs[1].parent is None
+    assert reqs[2].at_s == pytest.approx(3.0)  # 3 requests at 1/s: 9 s of trace -> 3 s
+    assert reqs[2].prompt_ids[:512] == reqs[0].prompt_ids[:512]  # the shared block
