@@ -184,7 +184,8 @@ class PromptTree(Policy):
 
     The holder of the longest prefix wins unless another worker is expected to start the
     request sooner (Mooncake's TTFT estimate: queued work plus the uncached prefill, no pull
-    assumed), or unless loads are imbalanced by sglang-router's thresholds. Without the
+    assumed) by more than the recomputed prefix costs the requests queued behind it, or
+    unless loads are imbalanced by sglang-router's thresholds. Without the
     estimate a prefix every request shares (a system prompt, a trace's first block) would pull
     all traffic to whichever worker saw it first.
     """
@@ -207,14 +208,24 @@ class PromptTree(Policy):
         n = request.num_tokens
         view = self.trees.match(request.type, tokens)
         held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
-        soonest = min(workers, key=lambda w: (self.cost.ttft(w, n, held[w.url])[0], w.load))
-        if max(held.values()) == 0:
+        most = max(held.values())
+
+        def placement(w: Worker) -> float:
+            # Expected TTFT there, plus the cached prefix it would recompute once more: that
+            # work also delays every request queued behind it, so leaving a holder must win
+            # by more than this request's own TTFT.
+            ttft = self.cost.ttft(w, n, held[w.url])[0]
+            return ttft + (most - held[w.url]) * self.cost.prefill_s_per_token
+
+        soonest = min(workers, key=lambda w: (placement(w), w.load))
+        if most == 0:
             return self._decide(soonest, "cache_miss", n, view)
         best = max(workers, key=lambda w: (held[w.url], -w.load))
         low = min(w.load for w in workers)
-        own = self.cost.ttft(best, n, held[best.url])[0]
-        other = self.cost.ttft(soonest, n, held[soonest.url])[0]
-        if soonest is not best and (other < own or self.thresholds.imbalanced(best.load, low)):
+        if self.thresholds.imbalanced(best.load, low):  # sglang-router's rule: the lightest
+            lightest = min((w for w in workers if w.load == low), key=placement)
+            return self._decide(lightest, "overload", n, view)
+        if soonest is not best and placement(soonest) < placement(best):
             return self._decide(soonest, "overload", n, view)
         return self._decide(best, "cache_hit", n, view)
 

@@ -105,6 +105,24 @@ def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None
     assert d.worker is ws[0] and d.reason == "cache_hit"  # 8.5K cached tokens save ~0.3 s
 
 
+def test_leaving_a_holder_must_also_pay_for_the_recomputed_prefix() -> None:
+    """A long history stays with its holder behind one queued cold prompt: moving it would
+    save this turn ~50 ms but put 0.8 s of recompute in front of whoever queues there next.
+    Behind three cold prompts it moves."""
+    trees = PromptTrees(page_size=16)
+    ws = workers(4)
+    history = list(range(20_000))
+    trees.record(C, ws[0].url, history)
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    turn = RouteRequest(history + list(range(900_000, 900_120)), "", None)
+    ws[0].in_flight, ws[0].in_flight_tokens = 1, 21_000  # one cold 21K prompt queued (0.84 s)
+    d = policy.select(turn, ws)
+    assert d.worker is ws[0] and d.reason == "cache_hit"
+    ws[0].in_flight, ws[0].in_flight_tokens = 3, 63_000  # three of them (2.5 s)
+    d = policy.select(turn, ws)
+    assert d.worker is not ws[0] and d.reason == "overload"
+
+
 def test_prompt_tree_without_any_hit_goes_to_the_least_loaded() -> None:
     trees = PromptTrees(page_size=4)
     ws = workers(3)
