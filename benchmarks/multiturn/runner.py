@@ -170,7 +170,13 @@ def run_one(
     ctx.progress.remove_task(task)
     ctx.progress.refresh()
     hits, lengths = oracle_hits(ctx.encoder, workload.requests, result.outcomes)
-    record.update(summarize(result.outcomes, hits, lengths, result.wall_s))
+    warmups = [o for o in result.outcomes if workload.requests[o.rid].warmup]
+    measured = [o for o in result.outcomes if not workload.requests[o.rid].warmup]
+    record.update(summarize(measured, hits, lengths, result.wall_s))
+    if warmups:  # a failed warm-up is a failure like any other (the targets say so)
+        failed = [o.error for o in warmups if not o.ok]
+        record["warmup_requests"], record["warmup_errors"] = len(warmups), len(failed)
+        record["error_samples"] = sorted({*record["error_samples"], *failed})[:5]
     record["kv_pages_moved"] = pages_after - pages_before
     record["kv_bytes_moved"] = bytes_after - bytes_before
     record["wall_s"] = result.wall_s

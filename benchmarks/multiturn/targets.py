@@ -227,13 +227,14 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def with_errors(t: dict[str, Any], involved: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     """A figure from runs with failed requests is not a measurement of the target: its
     `met` becomes None and `why` names the failures."""
-    failed = [r for r in involved if r is not None and r.get("errors")]
+    failed = [r for r in involved if r is not None and (r.get("errors") or r.get("warmup_errors"))]
     if not failed:
         return t
     t = dict(t)
     t["met"] = None
     t["why"] = "not measurable: " + "; ".join(
         f"{r['system']} on {r['cluster']} failed {r['errors']} of {r['requests']} requests "
+        f"and {r.get('warmup_errors', 0)} warm-ups "
         f"({(r.get('error_samples') or ['?'])[0][:160]})"
         for r in failed
     )

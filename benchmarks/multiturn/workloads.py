@@ -41,6 +41,7 @@ class Request:
     carry: bool = True  # chat: resend the parent's history and answer
     prompt: str | None = None  # completion: the whole prompt
     prompt_ids: list[int] | None = None  # completion: its exact token ids
+    warmup: bool = False  # sent through the system under test, left out of the figures
 
 
 @dataclass
@@ -138,7 +139,14 @@ class MultiRoundQA:
     overall. As in production-stack, a user who has asked its R questions is replaced by a
     new one, so U users stay active and the load is steady; each user asks every U/Q s on
     average (exponential gaps: Poisson), never before the previous answer arrived. The run
-    ends after `requests` requests."""
+    ends after `requests` requests.
+
+    The start follows production-stack too. Its ramp-up places the first U users at
+    different rounds of their sessions, so users are later replaced one at a time and not in
+    waves of U. Its warm-up run preloads those users' contexts before the measured run. Here
+    each first user's first request is that warm-up: sent through the system under test and
+    not measured. Its next question comes once every warm-up has been sent. Users who join
+    later start cold at round 0 and are measured."""
 
     users: int = 16
     rounds: int = 5
@@ -155,19 +163,22 @@ class MultiRoundQA:
         system, _ = vocab.words_text(random.Random(f"mrqa-system:{self.seed}"), self.system_tokens)
         base = [{"role": "system", "content": system}]
         gap = self.users / self.qps  # each user sends every users/qps seconds on average
-        horizon = self.requests / self.qps
-        starts = poisson_times(rng, self.users, self.qps)  # the first users join at Q/s
+        starts = poisson_times(rng, self.users, self.qps)  # the warm-ups, at Q/s
+        warmed = starts[-1]  # the measured run begins once every warm-up has been sent
+        horizon = warmed + self.requests / self.qps
         requests: list[Request] = []
         for slot, at in enumerate(starts):
             user = 0
+            first = (slot * self.rounds) // self.users  # the ramp-up: slots spread over rounds
             while at < horizon:
                 history, _ = vocab.words_text(rng, self.history_tokens)
                 parent = None
-                for k in range(self.rounds):
+                for k in range(first, self.rounds):
                     question, _ = vocab.words_text(rng, self.question_tokens)
                     text = f"Question #{k}:{question}?"
-                    if k == 0:
+                    if parent is None:
                         text = f"My history:{history}\n{text}"
+                    warmup = user == 0 and parent is None
                     requests.append(
                         Request(
                             len(requests),
@@ -177,18 +188,22 @@ class MultiRoundQA:
                             self.answer_tokens,
                             CHAT,
                             parent,
-                            base=base if k == 0 else None,
+                            base=base if parent is None else None,
                             user=text,
+                            warmup=warmup,
                         )
                     )
                     parent = len(requests) - 1
                     # Exponential gaps: no fixed period that would make round-robin sticky
                     # by accident (a fixed interval, with users a multiple of the instances,
                     # sends each user to the same instance every round).
-                    at += rng.expovariate(1 / gap)
-                user += 1
+                    at = max(at, warmed) + rng.expovariate(1 / gap)
+                user, first = user + 1, 0
         requests.sort(key=lambda r: r.at_s)
-        requests = requests[: self.requests]  # a parent is always earlier than its child
+        # `requests` measured ones; a parent is always earlier than its child
+        measured = [r for r in requests if not r.warmup][: self.requests]
+        cut = measured[-1].at_s if measured else 0.0
+        requests = [r for r in requests if r.warmup or r.at_s <= cut]
         return Workload(
             "multi_round_qa",
             "multi-round QA (production-stack)",
@@ -202,7 +217,8 @@ class MultiRoundQA:
                 "question_tokens": self.question_tokens,
                 "qps": self.qps,
                 "per_user_interval_s": gap,
-                "requests": len(requests),
+                "requests": len(measured),
+                "warmup_requests": self.users,
             },
         )
 

@@ -120,9 +120,11 @@ def test_a_healthy_cluster_answers_every_request(results: dict[str, Any]) -> Non
     failed = [
         f"{r['system']} on {r['cluster']} / {r['workload']}: {r['errors']} ({r['error_samples']})"
         for r in available(results)
-        if r["errors"]
+        if r["errors"] or r.get("warmup_errors")
     ]
     assert not failed, "\n".join(failed)
+    warmed = [r for r in available(results) if r["workload"] == "multi_round_qa"]
+    assert warmed and all(r["warmup_requests"] > 0 for r in warmed)  # production-stack's
 
 
 def test_caching_shows_where_it_should(results: dict[str, Any]) -> None:
@@ -212,3 +214,30 @@ def test_any_mooncake_format_trace_replays(tmp_path: Path, model_dir: Path) -> N
     assert reqs[2].parent == 0 and reqs[2].turn == 1 and reqs[1].parent is None
     assert reqs[2].at_s == pytest.approx(3.0)  # 3 requests at 1/s: 9 s of trace -> 3 s
     assert reqs[2].prompt_ids[:512] == reqs[0].prompt_ids[:512]  # the shared block
+
+
+def test_multi_round_qa_follows_production_stacks_schedule() -> None:
+    """The first users are spread over their rounds and warm up first, unmeasured; a user
+    never has two requests in flight; later users start cold at round 0 with their history."""
+    from benchmarks.multiturn.workloads import MultiRoundQA
+
+    class Words:
+        def words_text(self, rng: Any, n: int) -> tuple[str, int]:
+            return " w" * n, n
+
+    qa = MultiRoundQA(users=8, rounds=4, qps=4.0, requests=60)
+    requests = qa.build(Words()).requests  # type: ignore[arg-type]
+    warmups = [r for r in requests if r.warmup]
+    measured = [r for r in requests if not r.warmup]
+    assert len(warmups) == 8 and len(measured) == 60
+    assert sorted(r.turn for r in warmups) == [0, 0, 1, 1, 2, 2, 3, 3]  # the ramp-up
+    assert all(r.parent is None and "My history:" in (r.user or "") for r in warmups)
+    assert min(r.at_s for r in measured) >= max(r.at_s for r in warmups)
+    by_rid = {r.rid: r for r in requests}
+    for r in measured:
+        if r.parent is None:  # a user who joined later: cold, from round 0
+            assert r.turn == 0 and "My history:" in (r.user or "") and r.base
+        else:  # the previous round of the same user, sent earlier
+            parent = by_rid[r.parent]
+            assert parent.session == r.session and parent.turn == r.turn - 1
+            assert parent.at_s <= r.at_s and r.base is None
