@@ -40,8 +40,7 @@ def summarize(
     oracle_cached = sum(oracle[o.rid] or 0 for o in ok)
     oracle_prompt = sum(oracle_lengths[o.rid] or 0 for o in ok)
     sent = [o.sent_s for o in outcomes if o.sent_s is not None]
-    ends = [o.sent_s + o.jct_s for o in ok if o.sent_s is not None and o.jct_s is not None]
-    span = (max(ends) - min(sent)) if ends and sent else wall_s
+    span = active_span(outcomes, wall_s)
     per_turn: dict[int, list[float]] = {}
     for o in ok:
         if o.ttft_s is not None:
@@ -69,6 +68,13 @@ def summarize(
         "ttft_tail": tail(ok),
     }
     return out
+
+
+def active_span(outcomes: Sequence[Outcome], wall_s: float) -> float:
+    """From the first send to the last answer's end (`wall_s` if nothing was answered)."""
+    sent = [o.sent_s for o in outcomes if o.sent_s is not None]
+    ends = [o.sent_s + o.jct_s for o in outcomes if o.sent_s is not None and o.jct_s is not None]
+    return (max(ends) - min(sent)) if ends and sent else wall_s
 
 
 def tail(ok: Sequence[Outcome], fraction: float = 0.05) -> list[dict[str, Any]]:

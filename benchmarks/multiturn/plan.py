@@ -160,7 +160,7 @@ def full_preset(trace: Path) -> Preset:
         # CPU cores can offer it at a load where the instances queue (about 80 % busy).
         trace=TraceReplay(trace, sessions=70, rate=8.0, max_output_tokens=128),
         trace_time_scale=2.5,
-        mrqa=MultiRoundQA(qps=6.0, requests=180),
+        mrqa=MultiRoundQA(qps=6.0, requests=240),
         extra={
             "sharegpt": ShareGPTLike(sessions=40),
             "loogle": LooGLELike(),

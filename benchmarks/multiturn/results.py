@@ -180,7 +180,11 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         "OpenAI `user` field (our `session` policy sticks by it), the trace sends "
         "/v1/completions text: every router sees text it can route on (sglang-router and "
         "smg match characters, ours tokenizes). Each session is causal: a turn is sent after "
-        "the previous answer arrived and carries it.",
+        "the previous answer arrived and carries it. Multi-round QA starts as "
+        "production-stack's does: its ramp-up spreads the first users over their rounds, "
+        "and their contexts are a warm-up (production-stack's warm-up run), sent through "
+        "the system under test and left out of the figures; users who join later start "
+        "cold and are measured.",
         f"Peers: {peer_text}. smg runs with --disable-tokenizer-autoload (no downloads); "
         "peers keep their default thresholds.",
         f"Machine: {os.cpu_count()} cores run the client, the router and every worker; the "

@@ -23,7 +23,7 @@ from benchmarks.multiturn.cluster import (
     scrape,
     start_router,
 )
-from benchmarks.multiturn.metrics import summarize
+from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import oracle_hits
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.text import Vocab
@@ -185,7 +185,7 @@ def run_one(
         for before, after in zip(counters_before, counters_after, strict=True)
     ]
     record["router_decisions"] = decisions(router_metrics)
-    span = record.get("duration_s") or 0.0
+    span = active_span(result.outcomes, result.wall_s)  # warm-ups kept the GPUs busy too
     record["gpu_busy_s"] = busy
     record["gpu_utilization"] = (
         sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None

@@ -104,6 +104,8 @@ def test_latencies_and_ratios_are_sane(results: dict[str, Any]) -> None:
         assert number(run["tpot_mean_s"]) and run["tpot_mean_s"] > 0, where
         assert 0 <= run["hit_ratio"] <= 1, where
         assert 0 <= run["oracle_hit_ratio"] <= 1, where
+        if run.get("gpu_utilization") is not None:  # modelled GPU time within the run's span
+            assert 0 < run["gpu_utilization"] <= 1.02, f"{where}: {run['gpu_utilization']}"
         # The workers' prompt token counts equal the benchmark's own (the oracle's input).
         assert run["oracle_prompt_tokens"] == run["prompt_tokens"], where
 
