@@ -107,14 +107,16 @@ def write_results(
     table_rows: list[dict[str, Any]],
     title: str,
     notes: list[str],
+    machine: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """Write `{name}.json` (the figures plus a `machine` entry) and `{name}.md`; return both.
+    """Write `{name}.json` (the figures plus a `machine` entry: this one's, unless the figures
+    were measured elsewhere) and `{name}.md`; return both.
 
     JSON uses sorted keys and indentation so that two runs diff line by line.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    facts = machine_facts()
+    facts = machine or machine_facts()
     payload = jsonable({**figures, "machine": facts})
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

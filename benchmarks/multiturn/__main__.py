@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.multiturn.cluster import SGLANG_ROUTER, SMG, peer_status
+from benchmarks.multiturn.cluster import SGLANG_ROUTER, SMG, PeerStatus, peer_status
 from benchmarks.multiturn.plan import make_plan
 from benchmarks.multiturn.results import write_all
 from benchmarks.multiturn.runner import Context, execute
@@ -45,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-pd", action="store_true", help="skip the PD clusters")
     parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite results.md, the targets and the plots from OUT/results.json",
+    )
+    parser.add_argument(
         "--max-total-tokens",
         type=int,
         default=None,
@@ -59,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
+    if args.report_only:
+        return report_only(parser, args.out, args.trace)
     started = time.perf_counter()
     plan = make_plan(
         args.quick,
@@ -104,6 +112,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"multiturn: {plan.preset} run, {len(records)} runs in {elapsed:.0f} s -> {args.out}")
     print((args.out / "results.md").read_text().split("\n## Notes")[0])
+    return 0
+
+
+def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
+    """The report of an earlier run, made again from its measurements (say, after the report
+    code changed); the runs themselves are kept as they were."""
+    source = out / "results.json"
+    try:
+        figures = json.loads(source.read_text())
+        runs, preset = figures["runs"], figures["preset"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
+    plan = make_plan(preset == "quick", trace)
+    plan.max_total_tokens = figures.get("kv_capacity_tokens") if plan.max_total_tokens else None
+    peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
+    machine = figures.get("machine") or None  # where the runs were measured
+    elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
+    write_all(out, plan, runs, peers, elapsed, command, machine)
+    print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
     return 0
 
 

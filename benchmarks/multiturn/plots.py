@@ -20,12 +20,14 @@ def _plt():
 
 
 _COLORS: dict[str, str] = {}
+# matplotlib's ten, then five darker ones: the full preset compares twelve systems
+_PALETTE = [f"C{i}" for i in range(10)] + ["black", "#843c39", "#393b79", "#637939", "#e7ba52"]
 
 
 def color(system: str) -> str:
     """One colour per system in every plot (in the order systems are first seen)."""
     if system not in _COLORS:
-        _COLORS[system] = f"C{len(_COLORS) % 10}"
+        _COLORS[system] = _PALETTE[len(_COLORS) % len(_PALETTE)]
     return _COLORS[system]
 
 

@@ -212,6 +212,7 @@ def write_all(
     peers: dict[str, PeerStatus],
     elapsed_s: float,
     command: str,
+    machine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,6 +242,7 @@ def write_all(
         headline,
         "Multi-turn cache benchmarks: policies, peers and PD caching modes",
         notes(plan, runs, peers),
+        machine,
     )
     text = md.read_text()
     head, sep, tail = text.partition("\n## Notes")

@@ -190,6 +190,7 @@ def pd_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rows = []
+    context: list[tuple[Any, float | None, float]] = []  # ratio, mean TTFT cut, hit lead
     involved: list[dict[str, Any]] = []
     for run in runs:
         if run.get("group") == "share_ratio" and run.get("system") == "ours prompt_tree":
@@ -200,6 +201,9 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if session is not None and ratio is not None:
                 cut = _ratio(run.get("ttft_p99_s"), session.get("ttft_p99_s"))
                 rows.append((ratio, None if cut is None else 1 - cut))
+                mean = _ratio(run.get("ttft_mean_s"), session.get("ttft_mean_s"))
+                hit = (run.get("hit_ratio") or 0) - (session.get("hit_ratio") or 0)
+                context.append((ratio, None if mean is None else 1 - mean, hit))
                 involved += [run, session]
     rows.sort()
     about = (
@@ -217,7 +221,11 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "limit": 0.0,
         "met": grows,
         "about": about,
-        "detail": ", ".join(f"ratio {r}: {c:+.0%}" for r, c in rows),
+        "detail": ", ".join(f"ratio {r}: {c:+.0%}" for r, c in rows)
+        + "; mean TTFT: "
+        + ", ".join(f"{m:+.0%}" if m is not None else "?" for _, m, _ in sorted(context))
+        + "; hit ratio lead: "
+        + ", ".join(f"{h * 100:+.1f} points" for _, _, h in sorted(context)),
     }
     if not grows:
         t["why"] = "prompt_tree's p99 advantage over session did not grow with the share ratio"

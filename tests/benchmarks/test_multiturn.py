@@ -243,3 +243,36 @@ def test_multi_round_qa_follows_production_stacks_schedule() -> None:
             parent = by_rid[r.parent]
             assert parent.session == r.session and parent.turn == r.turn - 1
             assert parent.at_s <= r.at_s and r.base is None
+
+
+def test_report_only_rewrites_the_report_from_the_same_runs(
+    out_dir: Path, results: dict[str, Any], tmp_path: Path
+) -> None:
+    """--report-only makes the report again from results.json: same runs, same machine."""
+    copy = tmp_path / "again"
+    copy.mkdir()
+    (copy / "results.json").write_text((out_dir / "results.json").read_text())
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.multiturn", "--out", str(copy), "--report-only"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads((copy / "results.json").read_text())
+    assert again["runs"] == results["runs"] and again["machine"] == results["machine"]
+    assert again["targets"].keys() == results["targets"].keys()
+    assert "## Targets" in (copy / "results.md").read_text()
+    assert all((copy / name).read_bytes().startswith(PNG_MAGIC) for name in again["plots"])
+
+
+def test_report_only_without_results_is_a_clear_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.multiturn", "--out", str(tmp_path), "--report-only"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "cannot read the runs from" in done.stderr, done.stderr
