@@ -12,7 +12,7 @@ from pathlib import Path
 
 from benchmarks.multiturn.cluster import SGLANG_ROUTER, SMG, PeerStatus, peer_status
 from benchmarks.multiturn.plan import make_plan
-from benchmarks.multiturn.results import write_all
+from benchmarks.multiturn.results import sim_model, write_all
 from benchmarks.multiturn.runner import Context, execute
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
@@ -125,7 +125,10 @@ def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
     plan = make_plan(preset == "quick", trace)
-    plan.max_total_tokens = figures.get("kv_capacity_tokens") if plan.max_total_tokens else None
+    capacity = figures.get("kv_capacity_tokens")  # the preset's, or --max-total-tokens
+    plan.max_total_tokens = (
+        None if capacity == sim_model()["kv_capacity_tokens_default"] else capacity
+    )
     peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
     machine = figures.get("machine") or None  # where the runs were measured
     elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")

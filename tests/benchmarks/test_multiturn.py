@@ -53,16 +53,16 @@ def number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def multiturn(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.multiturn --out OUT ARGS` from the repository root."""
+    command = [sys.executable, "-m", "benchmarks.multiturn", "--out", str(out), *args]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("multiturn")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.multiturn", "--out", str(out), "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
+    done = multiturn(out, "--quick", timeout=420)
     assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     return out
 
@@ -252,13 +252,7 @@ def test_report_only_rewrites_the_report_from_the_same_runs(
     copy = tmp_path / "again"
     copy.mkdir()
     (copy / "results.json").write_text((out_dir / "results.json").read_text())
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.multiturn", "--out", str(copy), "--report-only"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = multiturn(copy, "--report-only", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     again = json.loads((copy / "results.json").read_text())
     assert again["runs"] == results["runs"] and again["machine"] == results["machine"]
@@ -268,11 +262,5 @@ def test_report_only_rewrites_the_report_from_the_same_runs(
 
 
 def test_report_only_without_results_is_a_clear_error(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.multiturn", "--out", str(tmp_path), "--report-only"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = multiturn(tmp_path, "--report-only", timeout=60)
     assert done.returncode == 2 and "cannot read the runs from" in done.stderr, done.stderr
