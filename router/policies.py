@@ -209,23 +209,23 @@ class PromptTree(Policy):
         view = self.trees.match(request.type, tokens)
         held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
         most = max(held.values())
-
-        def placement(w: Worker) -> float:
-            # Expected TTFT there, plus the cached prefix it would recompute once more: that
-            # work also delays every request queued behind it, so leaving a holder must win
-            # by more than this request's own TTFT.
-            ttft = self.cost.ttft(w, n, held[w.url])[0]
-            return ttft + (most - held[w.url]) * self.cost.prefill_s_per_token
-
-        soonest = min(workers, key=lambda w: (placement(w), w.load))
+        # Expected TTFT on each worker, plus the cached prefix it would recompute once more:
+        # that work also delays every request queued behind it, so leaving a holder must win
+        # by more than this request's own TTFT.
+        per_token = self.cost.prefill_s_per_token
+        placement = {
+            w.url: self.cost.ttft(w, n, held[w.url])[0] + (most - held[w.url]) * per_token
+            for w in workers
+        }
+        soonest = min(workers, key=lambda w: (placement[w.url], w.load))
         if most == 0:
             return self._decide(soonest, "cache_miss", n, view)
         best = max(workers, key=lambda w: (held[w.url], -w.load))
         low = min(w.load for w in workers)
         if self.thresholds.imbalanced(best.load, low):  # sglang-router's rule: the lightest
-            lightest = min((w for w in workers if w.load == low), key=placement)
+            lightest = min((w for w in workers if w.load == low), key=lambda w: placement[w.url])
             return self._decide(lightest, "overload", n, view)
-        if soonest is not best and placement(soonest) < placement(best):
+        if soonest is not best and placement[soonest.url] < placement[best.url]:
             return self._decide(soonest, "overload", n, view)
         return self._decide(best, "cache_hit", n, view)
 
