@@ -79,12 +79,17 @@ class SkeletonRenderer:
         self.hits = self.builds = 0
         self.reason: str | None = None
         try:
-            template = tokenizer._template  # compiles it; raises without a chat template
+            template = tokenizer.compiled_template  # raises without a chat template
             self.reason = opaque_content(tokenizer.chat_template or "", template.environment)
         except Exception as exc:  # no template, or one jinja cannot parse: full renders
             self.reason = f"template not analysable: {exc}"
         if self.reason is not None:
             log.info("chat rendering by substitution is off: %s", self.reason)
+
+    @property
+    def num_shapes(self) -> int:
+        """Chat shapes cached now (at most `max_shapes`)."""
+        return len(self._shapes)
 
     def render(
         self,
@@ -99,8 +104,9 @@ class SkeletonRenderer:
         key = _shape(messages, add_generation_prompt)
         if key is None:
             return full(messages, add_generation_prompt=add_generation_prompt)
-        fixed = self._shapes.get(key, False)
-        if fixed is False:
+        try:
+            fixed = self._shapes[key]
+        except KeyError:
             return self._build(key, messages, add_generation_prompt)
         self._shapes.move_to_end(key)
         if fixed is None:  # this shape does not substitute: always render

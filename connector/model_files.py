@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
@@ -67,8 +67,12 @@ def is_complete(path: Path) -> bool:
     return isinstance(marker, dict) and marker.get("format") == FORMAT_VERSION
 
 
-def ensure_hf_model(cache_dir: Path | None = None) -> Path:
+def ensure_hf_model(
+    cache_dir: Path | None = None, convert: Callable[[Path], None] | None = None
+) -> Path:
     """The converted HF directory, converting it first if no finished one exists.
+
+    `convert(out)` fills an empty directory with the model (default: `convert_gguf`).
 
     The conversion is built in a temp dir beside the target and renamed into place with its
     marker already inside, so a crash never leaves a directory that looks complete. An
@@ -87,7 +91,7 @@ def ensure_hf_model(cache_dir: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it 0700; other users' workers may share the cache
-            _convert(tmp)
+            (convert or convert_gguf)(tmp)
             (tmp / MARKER).write_text(
                 json.dumps(
                     {
@@ -111,7 +115,7 @@ def ensure_hf_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def _convert(out: Path) -> None:
+def convert_gguf(out: Path) -> None:
     """Dequantize the GGUF into `out`: config, fp32 safetensors, tokenizer, chat template.
 
     Weights are stored as float32, not bfloat16: the source is 4-bit (Q4_1, embeddings Q8_0)

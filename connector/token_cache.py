@@ -48,6 +48,10 @@ _PROBES = (
 )
 
 
+# add_special_tokens=False: nothing goes around a text (never mutated)
+_NO_SPECIAL = (array("I"), array("I"))
+
+
 def _token_ids_array(ids: Sequence[int]) -> array:
     return array("I", ids)
 
@@ -69,16 +73,16 @@ class CachedEncoder:
     ) -> None:
         self.tokenizer = tokenizer
         self.renderer = SkeletonRenderer(tokenizer)  # the template once per chat shape
-        self._tok = tokenizer._tok  # the very tokenizers.Tokenizer the engine encodes with
+        self._tok = tokenizer.hf_tokenizer  # the very Tokenizer the engine encodes with
         self.max_cached_tokens = max_cached_tokens
         self.verify_every = verify_every
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._cached_tokens = 0
         self._calls = self._hits = self._misses = self._evictions = 0
         self._encoded_tokens = self._verified = self._mismatches = 0
-        # Ids the post-processor puts around a text when add_special_tokens=True.
-        self._prefix: array | None = None
-        self._suffix: array | None = None
+        # Ids the post-processor puts around a text when add_special_tokens=True (prefix,
+        # suffix); None when they are not fixed (text prompts then get full encodes).
+        self._special: tuple[array, array] | None = None
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
         self._added_arrays: dict[str, array] = {}
@@ -177,7 +181,7 @@ class CachedEncoder:
             "render": self.renderer.reason or "by substitution",
             "render_hits": self.renderer.hits,
             "render_builds": self.renderer.builds,
-            "text_prompts": "full encode" if self._prefix is None else self.mode,
+            "text_prompts": "full encode" if self._special is None else self.mode,
             "calls": self._calls,
             "hits": self._hits,
             "misses": self._misses,
@@ -190,6 +194,14 @@ class CachedEncoder:
             "mismatches": self._mismatches,
         }
 
+    @property
+    def special_ids(self) -> tuple[list[int], list[int]] | None:
+        """The ids add_special_tokens=True puts before and after a text, None when the
+        post-processor adds no fixed prefix and suffix."""
+        if self._special is None:
+            return None
+        return self._special[0].tolist(), self._special[1].tolist()
+
     def clear(self) -> None:
         self._cache.clear()
         self._cached_tokens = 0
@@ -198,11 +210,13 @@ class CachedEncoder:
 
     def _encode(self, text: str, add_special_tokens: bool) -> array:
         self._calls += 1
-        if self._pattern is None or (add_special_tokens and self._prefix is None):
+        special = self._special if add_special_tokens else _NO_SPECIAL
+        if self._pattern is None or special is None:
             return _token_ids_array(self._full(text, add_special_tokens))
         ids = self._encode_pieces(text)
-        if add_special_tokens and (self._prefix or self._suffix):
-            ids = self._prefix + ids + self._suffix
+        prefix, suffix = special
+        if prefix or suffix:
+            ids = prefix + ids + suffix
         if self.verify_every > 0 and self._calls % self.verify_every == 0:
             self._verified += 1
             full = self._full(text, add_special_tokens)
@@ -223,7 +237,9 @@ class CachedEncoder:
 
     def _split(self, text: str) -> list[str]:
         """Alternating [piece, added token, piece, ..., piece]; pieces may be empty."""
-        parts = self._pattern.split(text)  # type: ignore[union-attr]
+        if self._pattern is None:  # no added tokens to split at
+            return [text]
+        parts = self._pattern.split(text)
         npattern = self._npattern
         if npattern is None:
             return parts
@@ -360,7 +376,7 @@ class CachedEncoder:
                     == prefix + tok.encode(p, add_special_tokens=False).ids + suffix
                     for p in probes
                 ):
-                    self._prefix, self._suffix = array("I", prefix), array("I", suffix)
+                    self._special = array("I", prefix), array("I", suffix)
                     return
         log.warning(
             "CachedEncoder: the post-processor is no fixed prefix/suffix: text prompts "

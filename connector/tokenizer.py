@@ -58,7 +58,13 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
 class PromptEncoder(Protocol):
     """What turns a request's prompt into ids: `ChatTokenizer`, or its exact cache."""
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]: ...
+    def encode_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -83,8 +89,14 @@ class ChatTokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
+    @property
+    def hf_tokenizer(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` itself: what the engine encodes with."""
+        return self._tok
+
     @cached_property
-    def _template(self) -> jinja2.Template:
+    def compiled_template(self) -> jinja2.Template:
+        """The chat template, compiled once; ChatTemplateError if the model has none."""
         if not self.chat_template:
             raise ChatTemplateError(f"the model at {self.path} has no chat template")
         env = _TemplateSandbox(
@@ -109,7 +121,7 @@ class ChatTokenizer:
     ) -> str:
         """The prompt text the chat template makes of these messages."""
         try:
-            return self._template.render(
+            return self.compiled_template.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,10 @@ from connector.kv_events import KVEventPublisher, KVEventsConfig
 from connector.pd_caching import Caching
 from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
+from connector.worker.hooks import RequestHooks
+from connector.worker.kv_cache import KVCache
 from connector.worker.pd import PDConfig, PDLink, PDMode
+from connector.worker.pd_hooks import PDHooks
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
@@ -218,10 +220,9 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         backend.context_length = args.context_length
     if args.max_total_tokens is not None:
         capacity = args.max_total_tokens
-    elif args.backend == "sim":
-        capacity = backend.latency.kv_capacity_tokens(args.page_size)  # type: ignore[attr-defined]
     else:
-        capacity = 16384
+        default = backend.default_kv_tokens()
+        capacity = 16384 if default is None else default
     blocks = max(capacity // args.page_size, 1)
     simulated = args.backend == "sim"
     pool = MemPool(
@@ -240,7 +241,8 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             raise SystemExit(str(exc)) from None
         if config.publisher == "zmq":
             events = KVEventPublisher(config, args.page_size)
-    pd = None
+    kv = KVCache(pool, backend, events)
+    hooks = RequestHooks()
     enable_cache = not args.disable_radix_cache
     if mode is not PDMode.NULL:
         pd_config = PDConfig(
@@ -256,22 +258,21 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.cluster_redis,
             transport=args.mempool_transport,
         )
-        wire = getattr(backend, "wire_s", None)  # sim: modelled time of stand-in transfers
-        pd = PDLink(pd_config, pool, wire, args.time_scale)
+        link = PDLink(pd_config, pool, kv.alloc_for_peer, backend.wire_model(), args.time_scale)
+        hooks = PDHooks(link)
         if args.disaggregation_transfer_backend == "mempool":
             side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches
             enable_cache = enable_cache and side
     scheduler = Scheduler(
         backend,
-        pool,
+        kv,
         tokenizer,
         SchedulerConfig(
             max_running_requests=args.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
             enable_cache=enable_cache,
         ),
-        events,
-        pd,
+        hooks,
     )
     server_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     server_args["model_path"] = str(model_dir)
@@ -306,4 +307,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -8,6 +8,7 @@ sequence, appending the next token id to `seq.output_ids`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from connector.worker.sequence import Sequence
@@ -45,6 +46,15 @@ class Backend(ABC):
         A decode instance's sequence with `seq.preloaded` tokens has their KV in
         `seq.kv_addrs` before its first decode step: load it instead of computing.
         """
+
+    def default_kv_tokens(self) -> int | None:
+        """KV cache capacity in tokens when the operator names none (None: the worker's)."""
+        return None
+
+    def wire_model(self) -> Callable[[int], float] | None:
+        """Modelled seconds for one PD transfer of so many pages, when the KV bytes moved are
+        a stand-in for bigger ones (None: the transfer's own time is the real one)."""
+        return None
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished or aborted)."""

@@ -38,6 +38,15 @@ class HFState:
     generator: torch.Generator | None  # None for greedy sequences
 
 
+def _layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers cache layer's keys and values; ValueError if it holds none."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise ValueError(f"cache layer {layer!r} holds no attention keys and values")
+    return layer.keys, layer.values
+
+
 def default_threads() -> int:
     """Torch threads for one worker: its CPU share, at most MAX_DEFAULT_THREADS."""
     return max(1, min(MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
@@ -237,10 +246,10 @@ class HFBackend(Backend):
         with torch.inference_mode():
             per_layer = [
                 torch.nn.functional.pad(
-                    torch.stack((lay.keys[0, :, start:stop], lay.values[0, :, start:stop])),
+                    torch.stack((keys[0, :, start:stop], values[0, :, start:stop])),
                     (0, 0, 0, end - stop),
                 )
-                for lay in state.cache.layers[:layers]
+                for keys, values in map(_layer_kv, state.cache.layers[:layers])
             ]
             # [L, 2, H, n*P, D] -> [n, 2L, H, P, D]: each page's block, layer-major, K first.
             pages = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -79,6 +80,13 @@ class SimBackend(Backend):
     def wire_s(self, pages: int) -> float:
         """Modelled seconds (unscaled) for one transfer of `pages` real-size pages."""
         return self.latency.transfer_s(pages, self.spec.page_size)
+
+    def wire_model(self) -> Callable[[int], float]:
+        return self.wire_s
+
+    def default_kv_tokens(self) -> int:
+        """What the modelled GPU holds."""
+        return self.latency.kv_capacity_tokens(self.spec.page_size)
 
     def _next_token(self, seq: Sequence) -> int:
         tail = seq.prompt_ids[-self.spec.page_size :]

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import msgspec
@@ -32,7 +32,7 @@ from aiohttp import web
 
 from connector.http_errors import json_error
 from connector.pd_caching import Caching
-from mempool import MemPool
+from mempool import MemPool, MemType
 from mempool.transfer.agent import TransferAgent, TransferResult
 from mempool.transfer.base import DataTransport, PeerInfo, TransferFailed
 from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
@@ -77,32 +77,35 @@ class Arrival:
 
 
 WireModel = Callable[[int], float]  # pages of one transfer -> modelled seconds (unscaled)
+Allocate = Callable[[int, MemType], list[int]]  # blocks for incoming KV (count, tier)
+T = TypeVar("T")
 
 
 class PDLink:
     """One worker's side of disaggregation: its MemPool agent, rooms and bootstrap server.
 
-    `wire`, when given (sim backend), models the seconds a transfer of so many real-size
-    pages takes on the modelled interconnect; each push sleeps that long, times
-    `time_scale`, after the receiver allocated and before the data moves.
+    `allocate` gives blocks for incoming KV: the engine's allocator, which evicts its
+    cache (without one, only free blocks are used). `wire`, when given (sim backend),
+    models the seconds a transfer of so many real-size pages takes on the modelled
+    interconnect; each push sleeps that long, times `time_scale`, after the receiver
+    allocated and before the data moves.
     """
 
     def __init__(
         self,
         config: PDConfig,
         pool: MemPool,
+        allocate: Allocate | None = None,
         wire: WireModel | None = None,
         time_scale: float = 1.0,
     ) -> None:
         self.config = config
         self.pool = pool
         self.fake = config.transfer_backend == "fake"
+        self.allocate = allocate
         self.wire = wire
         self.time_scale = time_scale
         self.agent: TransferAgent | None = None
-        # Blocks for incoming KV: the engine's allocator, which evicts cache (set by the
-        # scheduler); without one, only free blocks.
-        self.allocate: Callable[[int, Any], list[int]] | None = None
         self.membership: ClusterManager | None = None
         self._rooms: dict[int, asyncio.Future[PeerInfo]] = {}
         self._claimed_at: dict[int, float] = {}
@@ -110,7 +113,7 @@ class PDLink:
         self._waiting: dict[int, tuple[asyncio.Future[Received], int | None]] = {}
         self._bootstrap: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.stats: dict[str, float] = {
             "sent": 0,
             "received": 0,
@@ -204,12 +207,24 @@ class PDLink:
         if session is not None:
             await session.close()
 
-    def spawn(self, coro: Any) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run PD work beside the scheduler, kept referenced until it ends."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _live_agent(self) -> TransferAgent:
+        """The MemPool agent; TransferFailed when it is not running (fake backend, closed)."""
+        if self.agent is None:
+            raise TransferFailed("this instance's MemPool agent is not running")
+        return self.agent
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session for bootstrap calls; TransferFailed when the link is closed."""
+        if self._session is None:
+            raise TransferFailed("this instance's PD link is closed")
+        return self._session
 
     def info(self) -> dict[str, Any]:
         agent = self.agent.info if self.agent is not None else None
@@ -242,7 +257,7 @@ class PDLink:
 
     async def _route(self, request: web.Request) -> web.Response:
         """This prefill instance's MemPool agent (SGLang's GET /route: where to get KV)."""
-        return web.Response(body=_encode(self.agent.info), content_type="application/json")
+        return web.Response(body=_encode(self._live_agent().info), content_type="application/json")
 
     async def _claim(self, request: web.Request) -> web.Response:
         """A decode instance says where the KV of a room goes."""
@@ -260,7 +275,7 @@ class PDLink:
             return json_error(409, f"bootstrap_room {room} is already claimed")
         future.set_result(peer)
         self._claimed_at[room] = time.monotonic()
-        body = b'{"room":%d,"prefill":%s}' % (room, _encode(self.agent.info))
+        body = b'{"room":%d,"prefill":%s}' % (room, _encode(self._live_agent().info))
         return web.Response(body=body, content_type="application/json")
 
     async def _room_state(self, request: web.Request) -> web.Response:
@@ -311,7 +326,7 @@ class PDLink:
     async def _know(self, peer: PeerInfo) -> None:
         """Without shared membership, a peer is known from its claim (or claim answer)."""
         if self.membership is None:
-            await self.agent.add_peer(peer)  # type: ignore[union-attr]
+            await self._live_agent().add_peer(peer)
 
     async def _push(
         self,
@@ -326,7 +341,7 @@ class PDLink:
         """One transfer (with insert when `tokens` are given): allocation at the receiver,
         the modelled wire time of the pages it lacks (when modelled), data, commit."""
         started = time.perf_counter()
-        stream = await self.agent.open_stream(  # type: ignore[union-attr]
+        stream = await self._live_agent().open_stream(
             peer_id, addrs, tokens=tokens, num_tokens=num_tokens, flags=flags, private=private
         )
         async with stream:
@@ -434,7 +449,7 @@ class PDLink:
                     )
                 )
 
-    async def _watch_prefill(self, base: str, room: int, future: asyncio.Future) -> None:
+    async def _watch_prefill(self, base: str, room: int, future: asyncio.Future[Received]) -> None:
         """Fail the wait when the prefill instance says it failed the room, or when its
         bootstrap server refuses connections (its process is gone, so the KV never comes);
         a busy or slow prefill is left alone until the timeout."""
@@ -442,7 +457,7 @@ class PDLink:
         while not future.done():
             await asyncio.sleep(self.config.watch_interval_s)
             try:
-                async with self._session.get(f"{base}/rooms/{room}", timeout=timeout) as resp:  # type: ignore[union-attr]
+                async with self._http().get(f"{base}/rooms/{room}", timeout=timeout) as resp:
                     state = await resp.json(content_type=None) if resp.status == 200 else {}
             except aiohttp.ClientConnectorError as exc:
                 why = (
@@ -502,9 +517,9 @@ class PDLink:
         """POST our agent to the prefill's bootstrap server; its agent, as it answers."""
         url = f"{base}/rooms/{room}"
         try:
-            async with self._session.post(  # type: ignore[union-attr]
+            async with self._http().post(
                 url,
-                data=_encode(self.agent.info),  # type: ignore[union-attr]
+                data=_encode(self._live_agent().info),
                 headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=min(self.config.timeout_s, 10.0)),
             ) as resp:
@@ -537,8 +552,16 @@ class PDLink:
         self.stats["written_back"] += 1
 
 
-def bootstrap_fields(extras: dict[str, Any]) -> tuple[int, str, int | None] | None:
-    """(room, host, port) from a request's SGLang bootstrap fields, or None without them."""
+class Bootstrap(NamedTuple):
+    """A request's SGLang bootstrap fields: its room, and the prefill's bootstrap server."""
+
+    room: int
+    host: str
+    port: int | None
+
+
+def bootstrap_fields(extras: dict[str, Any]) -> Bootstrap | None:
+    """The request's SGLang bootstrap fields, or None without them; ValueError if malformed."""
     room = extras.get("bootstrap_room")
     if room is None:
         return None
@@ -550,7 +573,7 @@ def bootstrap_fields(extras: dict[str, Any]) -> tuple[int, str, int | None] | No
     port = extras.get("bootstrap_port")
     if not isinstance(host, str) or (port is not None and not isinstance(port, int)):
         raise ValueError("'bootstrap_host' must be a string and 'bootstrap_port' an int or null")
-    return room, host, port
+    return Bootstrap(room, host, port)
 
 
 def make_transport(kind: str, pool: MemPool) -> str | DataTransport:

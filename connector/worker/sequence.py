@@ -9,6 +9,10 @@ from typing import Any
 
 from mempool import PrefixMatch
 
+# What `Sequence.events` carries to the request's HTTP handler: a step appended a token, or the
+# request ended (finish_reason says how).
+TOKEN, DONE = "token", "done"
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -46,7 +50,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     backend_state: Any = None  # owned by the backend (e.g. a transformers DynamicCache)
     finish_reason: dict[str, Any] | None = None
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     prefilled: bool = False

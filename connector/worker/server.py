@@ -29,8 +29,8 @@ from connector.worker.protocol import (
     parse_generate,
     parse_sampling,
 )
-from connector.worker.scheduler import DONE, Scheduler
-from connector.worker.sequence import Sequence
+from connector.worker.scheduler import Scheduler
+from connector.worker.sequence import DONE, Sequence
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -128,9 +128,7 @@ class WorkerMetrics:
             family.add_metric(labels, value)
             return family
 
-        tiers = s.pool.stats()["tiers"].values()
-        used = sum(t["used"] for t in tiers)
-        total = sum(t["blocks"] for t in tiers)
+        used, total = s.kv.used_tokens, s.kv.capacity_tokens
         yield counter("sglang:num_requests", "Requests admitted", stats.requests)
         yield counter("sglang:prompt_tokens", "Prompt tokens", stats.prompt_tokens)
         yield counter("sglang:generation_tokens", "Generated tokens", stats.generation_tokens)
@@ -138,7 +136,7 @@ class WorkerMetrics:
             "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
         )
         yield counter("sglang:num_aborted_requests", "Aborted requests", stats.aborted)
-        yield counter("memserve:evicted_blocks", "KV blocks evicted", stats.evicted_blocks)
+        yield counter("memserve:evicted_blocks", "KV blocks evicted", s.kv.evicted_blocks)
         yield gauge("sglang:num_running_reqs", "Running requests", len(s.running))
         yield gauge("sglang:num_queue_reqs", "Waiting requests", len(s.waiting))
         yield gauge("sglang:token_usage", "Fraction of KV blocks in use", used / max(total, 1))
@@ -184,16 +182,10 @@ class WorkerServer:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        if self.scheduler.pd is not None:
-            await self.scheduler.pd.start()
-        self.scheduler.start()
+        await self.scheduler.start()
 
     async def _stop(self, app: web.Application) -> None:
-        if self.scheduler.pd is not None:
-            await self.scheduler.pd.close()
         await self.scheduler.stop()
-        if self.scheduler.events is not None:
-            self.scheduler.events.close()
 
     # ----------------------------------------------------------------- generation
 
@@ -288,8 +280,8 @@ class WorkerServer:
 
     @staticmethod
     def _openai_finish(seq: Sequence) -> str | None:
-        reason = (seq.finish_reason or {}).get("type")
-        return {"stop": "stop", "length": "length"}.get(reason, reason)
+        reason = (seq.finish_reason or {}).get("type")  # stop, length, abort: OpenAI's names
+        return None if reason is None else str(reason)
 
     def _usage(self, seq: Sequence) -> dict[str, Any]:
         prompt, completion = len(seq.prompt_ids), len(seq.output_ids)
@@ -434,18 +426,17 @@ class WorkerServer:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        pool = self.scheduler.pool
+        kv = self.scheduler.kv
         return web.json_response(
             {
                 **self.info.server_args,
                 "version": f"memserve-worker {VERSION}",
                 "context_length": self.scheduler.backend.context_length,
-                "page_size": pool.spec.page_size,
-                "max_total_num_tokens": sum(a.num_blocks for a in pool.allocators.values())
-                * pool.spec.page_size,
+                "page_size": kv.page,
+                "max_total_num_tokens": kv.capacity_tokens,
                 "backend": self.scheduler.backend.info(),
-                "mempool": pool.stats(),
-                "disaggregation": None if self.scheduler.pd is None else self.scheduler.pd.info(),
+                "mempool": kv.stats(),
+                "disaggregation": self.scheduler.hooks.info(),
                 "internal_states": [self.scheduler.load()],
             }
         )

@@ -193,9 +193,11 @@ def test_store_pages_refuses_kv_that_does_not_exist_yet(backend, tokenizer, pool
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(backend, tokenizer):
     prompt = chat(tokenizer, "Write one sentence about the sea.")
-    opts = {"temperature": 0.9, "top_p": 0.95, "top_k": 50}
-    a, b = seq(prompt, 12, seed=7, **opts), seq(prompt, 12, seed=7, **opts)
-    other = seq(prompt, 12, seed=8, **opts)
+
+    def sampled(seed: int) -> Sequence:
+        return seq(prompt, 12, seed=seed, temperature=0.9, top_p=0.95, top_k=50)
+
+    a, b, other = sampled(7), sampled(7), sampled(8)
     run(backend, a)
     run(backend, b, other)  # b shares its steps with another sampled sequence
     assert a.output_ids == b.output_ids

@@ -48,7 +48,7 @@ def test_shapes_are_rendered_once_and_bounded(model_dir: Path) -> None:
     assert renderer.builds == 1 and renderer.hits == 2
     for n in range(1, 5):  # four more shapes through a cache of two
         renderer.render([{"role": "user", "content": "x"}] * n)
-    assert len(renderer._shapes) == 2
+    assert renderer.num_shapes == 2
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert renderer.render(chat, tools=tools) == renderer.tokenizer.render_chat(chat, tools=tools)
 

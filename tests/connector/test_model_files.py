@@ -62,11 +62,10 @@ def test_plain_tokenizers_and_jinja2_reader_matches_transformers(model_dir: Path
     assert ids == list(expected)
 
 
-def test_second_call_returns_without_reconverting(model_dir: Path, monkeypatch):
+def test_second_call_returns_without_reconverting(model_dir: Path) -> None:
     marker_mtime = (model_dir / MARKER).stat().st_mtime_ns
-    monkeypatch.setattr(model_files, "_convert", _refuse)
     started = time.perf_counter()
-    assert ensure_hf_model() == model_dir
+    assert ensure_hf_model(convert=_refuse) == model_dir
     assert time.perf_counter() - started < 1.0
     assert (model_dir / MARKER).stat().st_mtime_ns == marker_mtime
 
@@ -87,7 +86,7 @@ def _fake_convert(out: Path) -> None:
     (out / "config.json").write_text("{}")
 
 
-def test_half_finished_directories_are_not_taken_for_finished(tmp_path: Path, monkeypatch):
+def test_half_finished_directories_are_not_taken_for_finished(tmp_path: Path) -> None:
     target = tmp_path / "model"
     target.mkdir()
     (target / "config.json").write_text("{}")  # looks like a model, but no marker
@@ -101,40 +100,36 @@ def test_half_finished_directories_are_not_taken_for_finished(tmp_path: Path, mo
         calls.append(out)
         _fake_convert(out)
 
-    monkeypatch.setattr(model_files, "_convert", convert)
-    assert ensure_hf_model(target) == target
+    assert ensure_hf_model(target, convert) == target
     assert len(calls) == 1 and is_complete(target)
     assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.lock"]
 
 
-def test_old_format_version_is_rebuilt(tmp_path: Path, monkeypatch):
+def test_old_format_version_is_rebuilt(tmp_path: Path) -> None:
     target = tmp_path / "model"
     target.mkdir()
     (target / MARKER).write_text(json.dumps({"format": model_files.FORMAT_VERSION - 1}))
     (target / "old-weights").write_text("x")
-    monkeypatch.setattr(model_files, "_convert", _fake_convert)
-    ensure_hf_model(target)
+    ensure_hf_model(target, _fake_convert)
     assert is_complete(target) and not (target / "old-weights").exists()
 
 
-def test_crash_mid_conversion_leaves_nothing_that_looks_complete(tmp_path: Path, monkeypatch):
+def test_crash_mid_conversion_leaves_nothing_that_looks_complete(tmp_path: Path) -> None:
     target = tmp_path / "model"
 
     def crash(out: Path) -> None:
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt  # e.g. the worker is killed halfway
 
-    monkeypatch.setattr(model_files, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
-        ensure_hf_model(target)
+        ensure_hf_model(target, crash)
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model.lock"]
-    monkeypatch.setattr(model_files, "_convert", _fake_convert)
-    assert ensure_hf_model(target) == target and is_complete(target)
+    assert ensure_hf_model(target, _fake_convert) == target and is_complete(target)
 
 
-def test_concurrent_callers_convert_once(tmp_path: Path, monkeypatch):
+def test_concurrent_callers_convert_once(tmp_path: Path) -> None:
     target = tmp_path / "model"
     calls: list[Path] = []
 
@@ -143,10 +138,10 @@ def test_concurrent_callers_convert_once(tmp_path: Path, monkeypatch):
         time.sleep(0.3)
         _fake_convert(out)
 
-    monkeypatch.setattr(model_files, "_convert", slow)
     results: list[Path] = []
     threads = [
-        threading.Thread(target=lambda: results.append(ensure_hf_model(target))) for _ in range(4)
+        threading.Thread(target=lambda: results.append(ensure_hf_model(target, slow)))
+        for _ in range(4)
     ]  # flock excludes separate open files even within one process, as across workers
     for t in threads:
         t.start()
@@ -171,6 +166,6 @@ def test_gguf_is_found_in_the_installed_package():
 
 
 def test_cli_prints_the_path(tmp_path: Path, monkeypatch, capsys):
-    monkeypatch.setattr(model_files, "_convert", _fake_convert)
+    monkeypatch.setattr(model_files, "convert_gguf", _fake_convert)
     model_files.main(["--cache-dir", str(tmp_path / "cli")])
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")

@@ -59,7 +59,7 @@ def test_premise_holds_for_smollm2(shared: CachedEncoder) -> None:
     stats = shared.stats()
     assert stats["mode"] == "piecewise", stats["mode"]
     # SmolLM2's post-processor adds nothing: add_special_tokens=True changes no ids.
-    assert len(shared._prefix) == len(shared._suffix) == 0  # type: ignore[arg-type]
+    assert shared.special_ids == ([], [])
 
 
 @SETTINGS
@@ -156,16 +156,18 @@ def test_primed_answer_leaves_only_the_new_question_to_encode(chat: ChatTokenize
         assert encoder.stats()["misses"] - before["misses"] == 1  # the new question only
 
 
-def test_verify_every_catches_a_wrong_cache_entry(chat: ChatTokenizer) -> None:
+def test_verify_every_catches_a_wrong_cache_entry(model_dir: Path) -> None:
+    chat = ChatTokenizer(model_dir)  # its own: the test changes its vocabulary
     encoder = CachedEncoder(chat, verify_every=2)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
+    cached = encoder.encode_chat(messages)
+    assert cached == chat.encode_chat(messages)
+    chat.hf_tokenizer.add_tokens(["France"])  # the cached piece's ids are wrong from now on
     expected = chat.encode_chat(messages)
-    assert encoder.encode_chat(messages) == expected
-    piece = "user\nWhat is the capital of France?"
-    encoder._cache[piece][0] += 1  # corrupt the cache
+    assert expected != cached
     assert encoder.encode_chat(messages) == expected  # 2nd call verified: full encode wins
     assert encoder.stats()["mismatches"] == 1
-    assert encoder.encode_chat(messages) != expected  # 3rd call not verified
+    assert encoder.encode_chat(messages) == cached  # 3rd call not verified: the wrong entry
 
 
 @pytest.mark.parametrize("flag", [{"lstrip": True}, {"rstrip": True}, {"single_word": True}, None])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -90,7 +91,7 @@ def test_text_prompt_and_streaming_generate(worker) -> None:
 
 
 def test_chat_applies_the_template_and_streams(worker, model_dir: Path) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
     ]
@@ -188,7 +189,7 @@ def test_flush_cache_empties_the_cache(worker) -> None:
 
 def test_kv_events_reach_a_zmq_subscriber(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")  # the worker connects to a concrete address

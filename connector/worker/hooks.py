@@ -1,0 +1,56 @@
+"""Where a deployment changes a request's path through the scheduler, and what it may do there.
+
+The scheduler runs every request the same way: submit, admission, steps, finish. A hook
+object is called at the two points where one side of a disaggregated pair (or, later, a pull
+of a remote prefix before prefill) takes a request over: on submit, before it is queued, and
+on finish, before its KV becomes cache. What a hook may do to the scheduler in return is the
+`Engine` protocol, so hooks never reach into the scheduler's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from connector.worker.kv_cache import KVCache
+from connector.worker.sequence import Sequence
+from mempool import InsertResult
+
+
+class Engine(Protocol):
+    """The scheduler as a hook sees it."""
+
+    @property
+    def kv(self) -> KVCache: ...
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a request for admission (after a hook's work before prefill)."""
+
+    def join_prefilled(self, seq: Sequence) -> None:
+        """A request whose prompt KV and first token are in place joins the running batch."""
+
+    def retire(self, seq: Sequence, free: list[int], pinned: InsertResult | None = None) -> None:
+        """Free `free` and what the request pins, unpin `pinned`, tell the client it ended."""
+
+
+class RequestHooks:
+    """A colocated instance: the scheduler's own path, nothing taken over."""
+
+    def on_submit(self, seq: Sequence, extras: dict[str, Any], engine: Engine) -> bool:
+        """Before `seq` is queued: True when the hook took it (it hands it back through
+        `engine`); BadRequest when `extras` ask for what this instance cannot do."""
+        return False
+
+    def on_finish(self, seq: Sequence, cache: bool, engine: Engine) -> bool:
+        """Before a finished request's KV becomes cache (`cache`: caching is on): True when
+        the hook took it (it retires it through `engine`)."""
+        return False
+
+    async def start(self) -> None:
+        """Before the first request."""
+
+    async def close(self) -> None:
+        """After the last request."""
+
+    def info(self) -> dict[str, Any] | None:
+        """What /get_server_info reports under `disaggregation`."""
+        return None
