@@ -18,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from connector.pd_caching import Caching
+from connector.token_cache import CachedEncoder
 from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
@@ -75,6 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="bind a ZMQ SUB socket here (e.g. tcp://127.0.0.1:5557) for workers' KV events; "
         "each worker publishes to it with its own URL as the topic",
     )
+    cost = CostModel()
+    a(
+        "--prefill-secs-per-token",
+        type=float,
+        default=cost.prefill_s_per_token,
+        help="cost model: seconds a worker takes to prefill one uncached prompt token "
+        "(default: a Llama-3.1-8B on an H100, as the sim models it)",
+    )
+    a(
+        "--transfer-secs-per-token",
+        type=float,
+        default=cost.transfer_s_per_token,
+        help="cost model: seconds to move one token's KV between instances",
+    )
+    a(
+        "--busy-secs-per-request",
+        type=float,
+        default=cost.busy_s_per_request,
+        help="cost model: delay each running request adds in front of a new prefill",
+    )
     a("--tree-ttl-secs", type=float, default=300)
     a("--max-tree-size", type=int, default=1 << 20, help="pages per prompt tree")
     a("--page-size", type=int, default=16, help="must equal the workers' page size")
@@ -129,7 +150,7 @@ def pd_workers(args: argparse.Namespace) -> tuple[list[tuple[str, int | None]], 
 def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
     """--tokenizer-path, else the first worker's tokenizer_path if it is on this machine."""
     if args.tokenizer_path is not None:
-        return args.tokenizer_path
+        return Path(args.tokenizer_path)
     for url in urls:
         try:
             with urllib.request.urlopen(url + "/get_model_info", timeout=10) as resp:
@@ -141,10 +162,9 @@ def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
     return None
 
 
-def load_encoder(path: Path | None):
+def load_encoder(path: Path | None) -> CachedEncoder | None:
     if path is None:
         return None
-    from connector.token_cache import CachedEncoder
     from connector.tokenizer import ChatTokenizer
 
     return CachedEncoder(ChatTokenizer(path))
@@ -184,14 +204,15 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
     thresholds = Thresholds(
         args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
     )
-    policy = make_policy(name, trees, thresholds, CostModel())
+    cost = cost_model(args)
+    policy = make_policy(name, trees, thresholds, cost)
     pd = None
     if prefills:
         try:
             pd = PDSettings(
                 Caching.parse(args.pd_caching),
-                make_policy(args.prefill_policy or name, trees, thresholds, CostModel()),
-                make_policy(args.decode_policy or name, trees, thresholds, CostModel()),
+                make_policy(args.prefill_policy or name, trees, thresholds, cost),
+                make_policy(args.decode_policy or name, trees, thresholds, cost),
             )
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
@@ -218,10 +239,25 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             args.retry_jitter_factor,
             not args.disable_retries,
         ),
+        kv_events_endpoint=args.kv_events_bind,
+        cost=cost,
     )
-    router = Router(config, registry, trees, policy, encoder, pd)
-    router.kv_events_endpoint = args.kv_events_bind
-    return router
+    return Router(config, registry, trees, policy, encoder, pd)
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """The policies' expected-TTFT terms from the flags; SystemExit for non-positive ones."""
+    values = {
+        "--prefill-secs-per-token": args.prefill_secs_per_token,
+        "--transfer-secs-per-token": args.transfer_secs_per_token,
+        "--busy-secs-per-request": args.busy_secs_per_request,
+    }
+    for flag, value in values.items():
+        if not value >= 0:
+            raise SystemExit(f"{flag} must be a number >= 0, got {value}")
+    return CostModel(
+        args.prefill_secs_per_token, args.transfer_secs_per_token, args.busy_secs_per_request
+    )
 
 
 async def serve(router: Router, args: argparse.Namespace) -> None:

@@ -59,7 +59,7 @@ class KVEventListener:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.bind(endpoint)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -100,7 +100,7 @@ class KVEventListener:
                     tokens = pages.prefix(block_hash)
                     if tokens is not None:
                         keep = len(tokens) - len(pages.tokens[block_hash])
-                        self.trees.trees[worker.type].remove_holder(url, tokens, keep_tokens=keep)
+                        self.trees.drop(worker.type, url, tokens, keep)
                     pages.tokens.pop(block_hash, None)
                     pages.parent.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):

@@ -3,22 +3,22 @@ trees' quality figure (predicted versus reported cached tokens)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.workers import WorkerType
-
-if TYPE_CHECKING:
-    from router.server import Router
+from router.trees import PromptTrees
+from router.workers import WorkerRegistry, WorkerType
 
 
 class RouterMetrics:
     """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, workers: WorkerRegistry, trees: PromptTrees) -> None:
+        self.workers = workers
+        self.trees = trees
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("sgl_router_requests", "Requests", ["route"], registry=r)
@@ -53,7 +53,7 @@ class RouterMetrics:
         r.register(self)
         self._children: dict[tuple[str, str], Any] = {}
 
-    def _child(self, kind: str, label: str, make) -> Any:
+    def _child(self, kind: str, label: str, make: Callable[[str], Any]) -> Any:
         """Labelled children, looked up once: .labels() costs microseconds per call."""
         key = (kind, label)
         child = self._children.get(key)
@@ -73,14 +73,13 @@ class RouterMetrics:
     def for_worker(self, url: str) -> Any:
         return self._child("processed", url, self.processed.labels)
 
-    def collect(self):
-        router = self.router
+    def collect(self) -> Iterator[Metric]:
         health = GaugeMetricFamily("sgl_router_worker_health", "1 healthy", labels=["worker"])
         load = GaugeMetricFamily("sgl_router_worker_load", "Requests in flight", labels=["worker"])
         breaker = GaugeMetricFamily(
             "sgl_router_cb_state", "0 closed, 1 open, 2 half-open", labels=["worker"]
         )
-        for w in router.registry.workers.values():
+        for w in self.workers.workers.values():
             health.add_metric([w.url], 1.0 if w.healthy else 0.0)
             load.add_metric([w.url], w.load)
             breaker.add_metric([w.url], w.breaker.value)
@@ -89,9 +88,9 @@ class RouterMetrics:
             "sgl_router_tree_size", "Pages in the prompt tree", labels=["type"]
         )
         for t in WorkerType:
-            size.add_metric([t.value], router.trees.size(t))
+            size.add_metric([t.value], self.trees.size(t))
         yield size
-        stats = router.trees.stats
+        stats = self.trees.stats
         for name, doc, value in (
             (
                 "memserve_router_predicted_cached_tokens",

@@ -18,12 +18,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
+from aiohttp import web
 
 from connector.pd_caching import Caching
+from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy
+from router.learning import Served
 from router.policies import Decision, Policy, RouteRequest
-from router.proxy import Outcome, read_result
+from router.proxy import Outcome, end_stream, read_result
+from router.request import RequestError
 from router.upstream import UpstreamError, UpstreamPool
-from router.workers import Worker, WorkerType
+from router.workers import Worker, WorkerRegistry, WorkerType
 
 _decode = msgspec.json.Decoder().decode
 
@@ -60,9 +64,13 @@ def bootstrap_payload(body: dict[str, Any], prefill: Worker) -> tuple[bytes, int
     host = urlsplit(prefill.url).hostname or "127.0.0.1"
     room = random.getrandbits(63)
     n = batch_size(body)
+    fields: dict[str, object]
     if n is None:
-        fields = {"bootstrap_host": host, "bootstrap_port": prefill.bootstrap_port}
-        fields["bootstrap_room"] = room
+        fields = {
+            "bootstrap_host": host,
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": room,
+        }
     else:
         fields = {
             "bootstrap_host": [host] * n,
@@ -122,15 +130,99 @@ def merge_input_logprobs(prefill: dict[str, Any], decode_raw: bytes) -> bytes:
     return msgspec.json.encode(decoded)
 
 
-def pick_pair(
-    settings: PDSettings,
-    request: RouteRequest,
-    prefills: list[Worker],
-    decodes: list[Worker],
-) -> tuple[Decision, Decision]:
-    """One prefill by the prefill tree, one decode by the decode tree."""
-    request.type = WorkerType.PREFILL
-    prefill = settings.prefill_policy.select(request, prefills)
-    request.type = WorkerType.DECODE
-    decode = settings.decode_policy.select(request, decodes)
-    return prefill, decode
+class PrefillDecode(Strategy):
+    """A prefill and a decode worker per request, with SGLang's bootstrap fields."""
+
+    unit = "prefill/decode pair"
+
+    def __init__(self, settings: PDSettings, registry: WorkerRegistry, sender: Sender) -> None:
+        self.settings = settings
+        self.policies = (settings.prefill_policy, settings.decode_policy)
+        self.registry = registry
+        self.sender = sender
+
+    def kinds(self) -> tuple[WorkerType, ...]:
+        return (WorkerType.PREFILL, WorkerType.DECODE)
+
+    def pick(self, prompt: RouteRequest, tried: set[str]) -> tuple[Decision, Decision] | None:
+        """One prefill by the prefill tree, one decode by the decode tree."""
+        sides = []
+        for kind in (WorkerType.PREFILL, WorkerType.DECODE):
+            live = self.registry.available(kind)
+            sides.append([w for w in live if w.url not in tried] or live)
+        if not sides[0] or not sides[1]:
+            return None
+        prompt.type = WorkerType.PREFILL
+        prefill = self.settings.prefill_policy.select(prompt, sides[0])
+        prompt.type = WorkerType.DECODE
+        decode = self.settings.decode_policy.select(prompt, sides[1])
+        return prefill, decode
+
+    async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
+        pair = self.pick(call.prompt, tried)
+        if pair is None:
+            return None
+        p_dec, d_dec = pair
+        prefill, decode = p_dec.worker, d_dec.worker
+        caching, sender = self.settings.caching, self.sender
+        keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
+        payload, _room = bootstrap_payload(call.body, prefill)
+        sender.metrics.pd_requests.inc()
+        p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
+        if caching.prefill_caches:
+            sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
+        outcome = Outcome()
+        d_tree = WorkerType.DECODE if caching.decode_caches else None
+        d_task = asyncio.create_task(
+            sender.relay(call, payload, d_dec, outcome, d_tree, side="decode")
+        )
+        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if d_task not in done and p_task.result().error and not outcome.first_byte:
+            # the decode would wait for KV that never comes: end it now, not at its timeout
+            d_task.cancel()
+            await asyncio.gather(d_task, return_exceptions=True)
+            error = p_task.result().error or "prefill failed"
+            sender.metrics.pd_errors.labels("prefill").inc()
+            self.registry.record_failure(prefill)
+            if outcome.client is not None:  # a stream had begun: end it with the error
+                response = await end_stream(outcome.client, error)
+                return Attempt(response, Outcome(status=502, error=error), [])
+            raise RequestError(502, error)
+        try:
+            response = await d_task
+        except AttemptFailed:
+            p_task.cancel()
+            await asyncio.gather(p_task, return_exceptions=True)
+            raise
+        result = await p_task
+        if keep_prefill and result.body is not None and isinstance(response, web.Response):
+            assert isinstance(response.body, bytes)  # set from bytes by the relay
+            response.body = merge_input_logprobs(result.body, response.body)
+        served = [
+            Served(prefill, WorkerType.PREFILL, p_dec.predicted_cached, result.cached_tokens),
+            Served(decode, WorkerType.DECODE, d_dec.predicted_cached, None),
+        ]
+        served[0].error, served[0].side = result.error, "prefill"
+        served[1].error, served[1].side = outcome.error, "decode"
+        holders = []
+        if caching.decode_caches:
+            holders.append((WorkerType.DECODE, decode))
+        if caching.writeback:
+            holders.append((WorkerType.PREFILL, prefill))
+        return Attempt(response, outcome, served, holders)
+
+    async def _prefill(
+        self, call: Call, payload: bytes, decision: Decision, keep: bool
+    ) -> PrefillResult:
+        worker = decision.worker
+        try:
+            with worker.request(self.sender.pending(call.prompt, decision)):
+                return await drain_prefill(
+                    self.sender.upstream,
+                    worker.url + call.route,
+                    payload,
+                    self.sender.timeout_s,
+                    keep,
+                )
+        finally:
+            self.sender.metrics.for_worker(worker.url).inc()

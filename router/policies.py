@@ -252,7 +252,7 @@ def cheapest(cost: CostModel, workers: list[Worker], n: int, held: dict[str, int
     return min(workers, key=lambda w: (cost.ttft(w, n, held[w.url], best)[0], w.load))
 
 
-POLICIES = {
+POLICIES: dict[str, type[Policy]] = {
     p.name: p
     for p in (RoundRobin, Random, LeastLoad, PowerOfTwo, Session, CacheAware, PromptTree, Cost)
 }
@@ -267,9 +267,12 @@ def policy_name(name: str) -> str:
 
 
 def make_policy(name: str, trees: PromptTrees, thresholds: Thresholds, cost: CostModel) -> Policy:
-    kind = POLICIES[policy_name(name)]
-    if kind is CacheAware:
+    """The policy named `name` (either spelling); ValueError for unknown names."""
+    canonical = policy_name(name)
+    if canonical == CacheAware.name:
         return CacheAware(thresholds)
-    if issubclass(kind, PromptTree):
-        return kind(trees, thresholds, cost)
-    return kind()
+    if canonical == PromptTree.name:
+        return PromptTree(trees, thresholds, cost)
+    if canonical == Cost.name:
+        return Cost(trees, thresholds, cost)
+    return POLICIES[canonical]()

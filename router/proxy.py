@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +141,7 @@ async def forward(
     payload: bytes,
     timeout_s: float,
     outcome: Outcome,
-    on_first_byte,
+    on_first_byte: Callable[[], None],
     inspect: bool = True,
 ) -> web.StreamResponse:
     """POST `payload` to `url` and relay the answer to the client of `request`.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from mempool.radix import RadixTree
 from router.workers import WorkerType
@@ -58,7 +59,8 @@ class PromptTrees:
         if len(tokens) < self.page_size:
             return PrefixView({})
         found = self.trees[type].match(tokens, ttl=self.ttl_s)
-        return PrefixView(found.holder_tokens)
+        # holders of these trees are worker URLs
+        return PrefixView(cast(dict[str, int], found.holder_tokens))
 
     def record(self, type: WorkerType, url: str, tokens: Sequence[int]) -> None:
         """`url` holds (or is about to hold) the whole pages of `tokens`."""
@@ -80,7 +82,12 @@ class PromptTrees:
         self.stats.reported_tokens += reported
         if reported < predicted and len(tokens) >= self.page_size:
             self.stats.corrections += 1
-            self.trees[type].remove_holder(url, tokens, keep_tokens=reported)
+            self.drop(type, url, tokens, reported)
+
+    def drop(self, type: WorkerType, url: str, tokens: Sequence[int], keep_tokens: int) -> None:
+        """`url` no longer holds `tokens` beyond their first `keep_tokens` (it evicted them)."""
+        if len(tokens) >= self.page_size:
+            self.trees[type].remove_holder(url, tokens, keep_tokens=keep_tokens)
 
     def forget(self, url: str) -> None:
         """A removed or dead worker holds nothing any more."""

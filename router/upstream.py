@@ -35,9 +35,10 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Ready to parse the next response on this connection."""
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -174,7 +175,7 @@ class UpstreamResponse:
         """Back to the pool if the response was read whole, else the connection is closed."""
         if not self._released:
             self._released = True
-            self._conn.pool._give_back(self._conn)
+            self._conn.pool.give_back(self._conn)
 
 
 class UpstreamPool:
@@ -233,7 +234,7 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
-                conn._reset()
+                conn.reset()
                 return conn, True
             self._live.discard(conn)
         loop = asyncio.get_running_loop()
@@ -244,7 +245,8 @@ class UpstreamPool:
         self._live.add(conn)
         return conn, False
 
-    def _give_back(self, conn: _Connection) -> None:
+    def give_back(self, conn: _Connection) -> None:
+        """A finished response's connection: kept idle for reuse if it can be, else closed."""
         idle = self._idle.setdefault(conn.key, [])
         if conn.reusable() and len(idle) < self.max_idle_per_host:
             idle.append(conn)

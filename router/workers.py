@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
@@ -73,6 +74,49 @@ class Worker:
     def queued_tokens(self) -> int:
         return max(self.in_flight_tokens, self.reported_pending_tokens)
 
+    def request(self, prefill_tokens: int) -> InFlight:
+        """Count one request against this worker while it runs (`with worker.request(n):`)."""
+        return InFlight(self, prefill_tokens)
+
+    def apply_load(self, loads: object) -> None:
+        """The worker's own report (SGLang's /v1/loads or /get_load body)."""
+        if isinstance(loads, dict):
+            loads = loads.get("loads", [loads])
+        if not isinstance(loads, list):
+            return
+        entries = [x for x in loads if isinstance(x, dict)]
+        self.reported_reqs = sum(int(x.get("num_reqs", 0) or 0) for x in entries)
+        self.reported_waiting = sum(int(x.get("num_waiting_reqs", 0) or 0) for x in entries)
+        self.reported_pending_tokens = sum(
+            int(x.get("num_pending_tokens", 0) or 0) for x in entries
+        )
+
+
+class InFlight:
+    """One request in flight on a worker: counted until it ends, its prompt tokens still to
+    compute counted as queued prefill work until its first byte (`prefill_done`)."""
+
+    __slots__ = ("_tokens", "worker")
+
+    def __init__(self, worker: Worker, prefill_tokens: int) -> None:
+        self.worker = worker
+        self._tokens = max(prefill_tokens, 0)
+
+    def __enter__(self) -> InFlight:
+        self.worker.in_flight += 1
+        self.worker.in_flight_tokens += self._tokens
+        return self
+
+    def prefill_done(self) -> None:
+        """The worker has begun answering: its prompt is no longer queued work."""
+        self.worker.in_flight_tokens -= self._tokens
+        self._tokens = 0
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill_done()
+        self.worker.in_flight -= 1
+        self.worker.processed += 1
+
 
 def normalize_url(url: str) -> str:
     """`host:port` or `http://host:port/` -> `http://host:port`; ValueError if not a URL."""
@@ -102,8 +146,9 @@ class WorkerRegistry:
         self.success_threshold = health_success_threshold
         self.health_timeout_s = health_timeout_s
         self.workers: dict[str, Worker] = {}
-        self.on_unhealthy: list = []  # callbacks(worker): trees forget a dead worker
-        self._task: asyncio.Task | None = None
+        self._on_gone: list[Callable[[Worker], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def add(
         self, url: str, type: WorkerType = WorkerType.COLOCATED, bootstrap_port: int | None = None
@@ -121,9 +166,14 @@ class WorkerRegistry:
             worker = self.workers.pop(url)
         except KeyError:
             raise KeyError(f"no worker {url}") from None
-        for callback in self.on_unhealthy:
+        for callback in self._on_gone:
             callback(worker)
         return worker
+
+    def when_gone(self, callback: Callable[[Worker], None]) -> None:
+        """Call `callback(worker)` when a worker is removed or marked unhealthy (the trees
+        forget what it held)."""
+        self._on_gone.append(callback)
 
     def available(self, type: WorkerType | None = None) -> list[Worker]:
         """Workers a request may go to: healthy, breaker not open, of the wanted type."""
@@ -179,32 +229,22 @@ class WorkerRegistry:
     async def check(self, worker: Worker) -> None:
         """One probe: /health, then /get_load for the worker's own view of its queue."""
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        session = self._session
+        if session is None:
+            raise RuntimeError("WorkerRegistry.check before start(session)")
         try:
-            async with self._session.get(worker.url + "/health", timeout=timeout) as resp:
+            async with session.get(worker.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             ok = False
         if ok:  # the load report is best effort: a healthy worker without it stays healthy
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
-                    async with self._session.get(worker.url + path, timeout=timeout) as resp:
+                    async with session.get(worker.url + path, timeout=timeout) as resp:
                         if resp.status == 200:
-                            self._apply_load(worker, await resp.json(content_type=None))
+                            worker.apply_load(await resp.json(content_type=None))
                             break
         self._apply_health(worker, ok)
-
-    @staticmethod
-    def _apply_load(worker: Worker, loads: object) -> None:
-        if isinstance(loads, dict):
-            loads = loads.get("loads", [loads])
-        if not isinstance(loads, list):
-            return
-        entries = [x for x in loads if isinstance(x, dict)]
-        worker.reported_reqs = sum(int(x.get("num_reqs", 0) or 0) for x in entries)
-        worker.reported_waiting = sum(int(x.get("num_waiting_reqs", 0) or 0) for x in entries)
-        worker.reported_pending_tokens = sum(
-            int(x.get("num_pending_tokens", 0) or 0) for x in entries
-        )
 
     def _apply_health(self, worker: Worker, ok: bool) -> None:
         if ok:
@@ -219,7 +259,7 @@ class WorkerRegistry:
         if worker.healthy and worker.health_failures >= self.failure_threshold:
             worker.healthy = False
             log.warning("worker %s marked unhealthy", worker.url)
-            for callback in self.on_unhealthy:
+            for callback in self._on_gone:
                 callback(worker)
 
     def mark_dead(self, worker: Worker) -> None:

@@ -10,9 +10,11 @@ import os
 import signal
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -73,14 +75,15 @@ def chat(url: str, messages: list[dict], max_tokens: int = 8, headers: dict | No
 def test_openai_client_multi_turn_sticks_to_the_history(model_dir: Path, tmp_path: Path) -> None:
     with cluster(model_dir, tmp_path, n=3) as (r, _workers):
         client = openai.OpenAI(base_url=r.url + "/v1", api_key="none")
-        messages = [{"role": "system", "content": SYSTEM}]
-        cached = []
+        messages: list[Any] = [{"role": "system", "content": SYSTEM}]
+        cached: list[int] = []
         for turn in range(4):
             messages.append({"role": "user", "content": f"Question {turn}: where is box {turn}?"})
             reply = client.chat.completions.create(
                 model="default", messages=messages, max_tokens=12
             )
-            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+            assert reply.usage and reply.usage.prompt_tokens_details
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         assert cached[0] == 0
         assert all(b > a for a, b in itertools.pairwise(cached)), cached
@@ -139,7 +142,8 @@ def test_overload_guard_moves_traffic(
     with cluster(model_dir, tmp_path, worker_args=slow, extra=extra, policy=policy) as (r, _):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "warm"}]
         chat(r.url, messages, max_tokens=2)  # the prefix now lives on one worker
-        holder = max(served_by(r), key=served_by(r).get)
+        counts = served_by(r)
+        holder = max(counts, key=lambda url: counts[url])
         threads = [threading.Thread(target=chat, args=(r.url, messages, 150)) for _ in range(16)]
         for t in threads:
             t.start()
@@ -199,7 +203,7 @@ def test_workers_added_and_removed_at_run_time(model_dir: Path, tmp_path: Path) 
         assert call(r.url + "/workers", {"url": w2.url})[0] == 409
         assert call(r.url + "/workers", {"url": "not a url"})[0] == 400
         assert len(call(r.url + "/workers")[1]["workers"]) == 2
-        encoded = urllib.request.quote(w1.url, safe="")
+        encoded = urllib.parse.quote(w1.url, safe="")
         assert call(r.url + f"/workers/{encoded}", method="DELETE")[0] == 200
         assert call(r.url + f"/workers/{encoded}", method="DELETE")[0] == 404
         for i in range(3):

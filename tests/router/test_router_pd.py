@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -54,11 +55,11 @@ def test_multi_turn_chat_through_pd_equals_colocated_and_reuses_the_history(
     with pd_cluster(model_dir, tmp_path) as (r, p, d):
         via = openai.OpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0)
         ref = openai.OpenAI(base_url=colocated.url + "/v1", api_key="none", max_retries=0)
-        history = [{"role": "system", "content": SYSTEM}]
+        history: list[Any] = [{"role": "system", "content": SYSTEM}]
         cached = []
         for turn in range(3):
             history.append({"role": "user", "content": f"Question {turn}: name a colour."})
-            kwargs = {"model": "default", "max_tokens": 6, "temperature": 0}
+            kwargs: dict[str, Any] = {"model": "default", "max_tokens": 6, "temperature": 0}
             got = via.chat.completions.create(messages=history, **kwargs)
             want = ref.chat.completions.create(messages=history, **kwargs)
             assert got.choices[0].message.content == want.choices[0].message.content

@@ -1,0 +1,244 @@
+"""Sending a request to workers: one retry loop, one in-flight path, strategies plugged in.
+
+A `Strategy` decides where a request goes (one colocated worker, or a prefill/decode pair)
+and how it is sent; the `Dispatcher` runs it with sglang-router's retry rules (another worker
+after a failure before the first byte, with backoff) and hands what came back to the
+learning step, off this request's path. `Sender` is what every strategy sends with: the
+worker counted in flight, the optimistic tree record, the answer relayed to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from connector.token_cache import CachedEncoder
+from router.learning import Learner, Served
+from router.metrics import RouterMetrics
+from router.policies import Decision, Policy, RouteRequest
+from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
+from router.request import RequestError, full_tokens
+from router.trees import PromptTrees
+from router.upstream import UpstreamPool
+from router.workers import Worker, WorkerRegistry, WorkerType
+
+LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
+
+
+@dataclass(slots=True)
+class Call:
+    """One inference request on its way through the router."""
+
+    http: web.Request
+    route: str
+    body: dict[str, Any]
+    raw: bytes
+    prompt: RouteRequest
+
+
+@dataclass(slots=True)
+class Attempt:
+    """A request a strategy sent: the client's response, and what each worker did."""
+
+    response: web.StreamResponse
+    answer: Outcome  # the answering worker's (a PD pair's decode)
+    served: list[Served]
+    # the caches (tree, worker) that now hold the prompt plus its answer: the next prefix
+    holders: list[tuple[WorkerType, Worker]] = field(default_factory=list)
+
+
+class AttemptFailed(Exception):
+    """`worker` failed before anything reached the client: the request may go elsewhere."""
+
+    def __init__(self, worker: Worker, cause: WorkerUnavailable, side: str | None) -> None:
+        super().__init__(str(cause))
+        self.worker = worker
+        self.status = cause.status
+        self.side = side  # "decode" for a PD pair's decode, None for a colocated worker
+
+
+class Strategy(ABC):
+    """Where a request goes and how it is sent."""
+
+    policies: Sequence[Policy]
+    unit = "worker"  # what the strategy sends to, for error messages
+
+    @abstractmethod
+    def kinds(self) -> tuple[WorkerType, ...]:
+        """The worker types this strategy routes to (readiness needs one of each)."""
+
+    @abstractmethod
+    async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
+        """Send `call` once, preferring workers not in `tried`; None when no worker is
+        available; AttemptFailed when the chosen one failed before the first byte."""
+
+
+class Sender:
+    """Sends to one worker: in flight while it runs, the tree told it will hold the prompt."""
+
+    def __init__(
+        self,
+        upstream: UpstreamPool,
+        trees: PromptTrees,
+        metrics: RouterMetrics,
+        encoder: CachedEncoder | None,
+        timeout_s: float,
+        uses_tokens: bool,
+    ) -> None:
+        self.upstream = upstream
+        self.trees = trees
+        self.metrics = metrics
+        self.encoder = encoder
+        self.timeout_s = timeout_s
+        self.uses_tokens = uses_tokens
+
+    def record_soon(self, tree: WorkerType, worker: Worker, prompt: RouteRequest) -> None:
+        """Optimistic: `worker` is about to hold the prompt (its new text encoded first,
+        right after the send, off the request's path)."""
+        if prompt.tokens is not None and self.uses_tokens:
+            asyncio.get_running_loop().call_soon(self._record, tree, worker.url, prompt)
+
+    def _record(self, tree: WorkerType, url: str, prompt: RouteRequest) -> None:
+        tokens = full_tokens(prompt, self.encoder)
+        if tokens:
+            self.trees.record(tree, url, tokens)
+
+    def pending(self, prompt: RouteRequest, decision: Decision) -> int:
+        """Prompt tokens the worker is expected to compute."""
+        return max(prompt.num_tokens - decision.predicted_cached, 0)
+
+    async def relay(
+        self,
+        call: Call,
+        payload: bytes,
+        decision: Decision,
+        outcome: Outcome,
+        tree: WorkerType | None,
+        side: str | None = None,
+    ) -> web.StreamResponse:
+        """Forward to `decision.worker` and relay its answer; `tree`: the prompt tree that
+        learns the worker is about to hold the prompt. AttemptFailed before the first byte."""
+        worker = decision.worker
+        self.metrics.event(decision.reason).inc()
+        hit = self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses
+        hit.inc()
+        if tree is not None:
+            self.record_soon(tree, worker, call.prompt)
+        try:
+            with worker.request(self.pending(call.prompt, decision)) as flight:
+                return await forward(
+                    self.upstream,
+                    call.http,
+                    worker.url + call.route,
+                    payload,
+                    self.timeout_s,
+                    outcome,
+                    flight.prefill_done,
+                    inspect=self.uses_tokens,  # only token policies learn from answers
+                )
+        except WorkerUnavailable as exc:
+            raise AttemptFailed(worker, exc, side) from None
+        finally:
+            self.metrics.for_worker(worker.url).inc()
+
+
+class Colocated(Strategy):
+    """One worker per request, picked by the policy among colocated workers."""
+
+    def __init__(self, policy: Policy, registry: WorkerRegistry, sender: Sender) -> None:
+        self.policy = policy
+        self.policies = (policy,)
+        self.registry = registry
+        self.sender = sender
+
+    def kinds(self) -> tuple[WorkerType, ...]:
+        return (WorkerType.COLOCATED,)
+
+    async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
+        available = self.registry.available(call.prompt.type)
+        workers = [w for w in available if w.url not in tried] or available
+        if not workers:
+            return None
+        decision = self.policy.select(call.prompt, workers)
+        outcome = Outcome()
+        payload = with_prefix_holders(call.body, call.raw, decision)
+        response = await self.sender.relay(call, payload, decision, outcome, WorkerType.COLOCATED)
+        worker, tree = decision.worker, WorkerType.COLOCATED
+        served = Served(worker, tree, decision.predicted_cached, outcome.cached_tokens)
+        served.error = outcome.error
+        return Attempt(response, outcome, [served], [(tree, worker)])
+
+
+def with_prefix_holders(body: dict[str, Any], raw: bytes, decision: Decision) -> bytes:
+    """The client's body unchanged, unless longer prefixes elsewhere are worth naming (an
+    extra field a real SGLang server ignores; our workers may pull from those holders)."""
+    if not decision.holders:
+        return raw
+    hint = {"prefix_holders": [{"url": u, "cached_tokens": n} for u, n in decision.holders]}
+    return json.dumps({**body, "memserve": hint}).encode()
+
+
+class Dispatcher:
+    """Runs a strategy with retries, then schedules the learning step."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        learner: Learner,
+        retry: RetryConfig,
+    ) -> None:
+        self.strategy = strategy
+        self.registry = registry
+        self.metrics = metrics
+        self.learner = learner
+        self.retry = retry
+
+    async def dispatch(self, call: Call) -> web.StreamResponse:
+        """The first attempt that reaches the client; 503 when every one failed."""
+        retry = self.retry
+        attempts = 1 + (retry.max_retries if retry.enabled else 0)
+        tried: set[str] = set()
+        last_error = f"no healthy {self.strategy.unit}"
+        for attempt in range(attempts):
+            try:
+                sent = await self.strategy.attempt(call, tried)
+            except AttemptFailed as exc:
+                last_error = str(exc)
+                tried.add(exc.worker.url)
+                self.registry.record_failure(exc.worker)
+                if exc.status == 502:
+                    self.registry.mark_dead(exc.worker)
+                if exc.side is None:
+                    self.metrics.errors.labels(call.route, "worker").inc()
+                else:
+                    self.metrics.pd_errors.labels(exc.side).inc()
+                if attempt + 1 < attempts:
+                    self.metrics.retries.inc()
+                    await asyncio.sleep(retry.backoff(attempt))
+                continue
+            if sent is None:
+                break
+            # Learning is for later requests: off this one's path, and off the next one's
+            # (a multi-turn client sends its next turn the moment this answer lands).
+            asyncio.get_running_loop().call_later(
+                LEARN_DELAY_S,
+                self.learner.learn,
+                call.route,
+                call.prompt,
+                sent.answer,
+                sent.served,
+                sent.holders,
+            )
+            return sent.response
+        what = self.strategy.unit
+        raise RequestError(
+            503, f"no {what} could serve the request: {last_error}", {"Retry-After": "1"}
+        )

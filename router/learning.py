@@ -1,0 +1,104 @@
+"""Learning from an answer: circuit breakers, feedback on cached tokens, the next prefix.
+
+One step for every strategy: each worker that served the request (a colocated worker, or a
+PD pair's prefill and decode) is told to its breaker; the trees are corrected by what each
+reported as cached; and the trees that now hold the prompt plus its answer (the next turn's
+prefix) record it. It runs after the answer, off every request's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from connector.token_cache import CachedEncoder
+from router.metrics import RouterMetrics
+from router.policies import RouteRequest
+from router.proxy import Outcome
+from router.request import full_tokens
+from router.trees import PromptTrees
+from router.workers import Worker, WorkerRegistry, WorkerType
+
+
+@dataclass(slots=True)
+class Served:
+    """What one worker did for a request."""
+
+    worker: Worker
+    tree: WorkerType  # the prompt tree its cache is in
+    predicted: int  # cached tokens the trees predicted for it
+    reported: int | None  # cached tokens it reported (None: not reported, or not its role)
+    error: str | None = None
+    side: str | None = None  # metrics label: "prefill"/"decode" in a PD pair, None colocated
+
+
+class Learner:
+    """Applies what an answer taught to the breakers and the trees."""
+
+    def __init__(
+        self,
+        trees: PromptTrees,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        encoder: CachedEncoder | None,
+        uses_tokens: bool,
+        idle: Callable[[], bool],
+    ) -> None:
+        self.trees = trees
+        self.registry = registry
+        self.metrics = metrics
+        self.encoder = encoder
+        self.uses_tokens = uses_tokens
+        self.idle = idle  # True when the router has CPU to spare for pre-encoding
+
+    def learn(
+        self,
+        route: str,
+        prompt: RouteRequest,
+        answer: Outcome,
+        served: Sequence[Served],
+        holders: Sequence[tuple[WorkerType, Worker]],
+    ) -> None:
+        """`answer` came back from the workers in `served`; `holders` now hold the prompt
+        and its answer in their caches."""
+        for s in served:
+            if s.error is None:
+                self.registry.record_success(s.worker)
+                continue
+            self.registry.record_failure(s.worker)
+            if s.side is None:
+                self.metrics.errors.labels(route, "mid_stream").inc()
+            else:
+                self.metrics.pd_errors.labels(s.side).inc()
+        if answer.error is not None or answer.status != 200 or not self.uses_tokens:
+            return
+        tokens = full_tokens(prompt, self.encoder)
+        if not tokens:
+            return
+        for s in served:
+            if s.reported is not None:
+                self.trees.feedback(s.tree, s.worker.url, tokens, s.predicted, s.reported)
+        if holders:
+            prefix = self.next_prefix(prompt, answer)
+            for tree, worker in holders:
+                self.trees.record(tree, worker.url, prefix)
+
+    def next_prefix(self, prompt: RouteRequest, answer: Outcome) -> array[int]:
+        """The prompt plus what was generated: the next turn's prefix.
+
+        For a chat, the next turn's render of this answer is encoded now too (off every
+        request's path): the client sends the answer back verbatim as the assistant message,
+        so the next turn only has its new user message left to tokenize.
+        """
+        chat, enc = prompt.chat, self.encoder
+        if self.idle() and chat is not None and enc is not None and answer.output_text:
+            with contextlib.suppress(ValueError):
+                enc.prime([*chat, {"role": "assistant", "content": answer.output_text}])
+        prefix = array("I", prompt.tokens or ())
+        if answer.output_ids is not None:
+            prefix.extend(answer.output_ids)
+        elif answer.output_text and enc is not None:
+            prefix.extend(enc.tokenizer.encode(answer.output_text, add_special_tokens=False))
+        return prefix

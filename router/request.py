@@ -1,0 +1,162 @@
+"""Reading an inference request: the JSON body, the model, the prompt as the engine sees it.
+
+Plain functions that return a `RouteRequest` (what policies look at) or raise `RequestError`
+(a 4xx the router answers before any worker is touched), so they run and are tested without
+an app. Tokenizing costs milliseconds on long prompts, so only token-routing policies pay
+for it; a chat's text the router never encoded is left in `rest`, to be encoded once the
+request has gone (it cannot be on any tree path).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from connector.token_cache import CachedEncoder
+from router.policies import RouteRequest
+
+_json_decode = msgspec.json.Decoder().decode
+CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
+INFERENCE_ROUTES = (GENERATE, CHAT, COMPLETIONS)
+
+
+class RequestError(Exception):
+    """A request the router refuses; becomes a JSON error with this status."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else."""
+    try:
+        body = _json_decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_model(body: Mapping[str, Any], served: set[str]) -> None:
+    """404 for a model no worker serves ('default' and no model at all always pass)."""
+    model = body.get("model")
+    if model is None or not served or model in served or model == "default":
+        return
+    if not isinstance(model, str):
+        raise RequestError(400, "'model' must be a string")
+    raise RequestError(404, f"model {model!r} not found; served: {sorted(served)}")
+
+
+def session_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """`X-Session-Id`, else the OpenAI `user` field: what the session policy sticks to."""
+    user = body.get("user")
+    return headers.get("X-Session-Id") or (user if isinstance(user, str) else None)
+
+
+def route_request(
+    route: str,
+    body: Mapping[str, Any],
+    encoder: CachedEncoder | None,
+    want_text: bool = True,
+) -> RouteRequest:
+    """The prompt of `body` for the policies: uint32 token ids (when `encoder` is given),
+    the raw text (a chat's joined only when `want_text`: cache_aware's character tree), and
+    a chat's normalized messages. Malformed prompts are 400 whatever the policy."""
+    if route == CHAT:
+        return _chat(body, encoder, want_text)
+    if route == COMPLETIONS:
+        return _completion(body, encoder)
+    request = _generate(body, encoder)
+    if want_text and not request.text and request.tokens is not None:
+        request.text = " ".join(map(str, request.tokens))  # sglang-router's tree sees the ids
+    return request
+
+
+def _chat(body: Mapping[str, Any], encoder: CachedEncoder | None, want_text: bool) -> RouteRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list")
+    parts: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(400, f"messages[{i}] must be an object with a 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if content is not None and not isinstance(content, str):
+            raise RequestError(400, f"messages[{i}].content must be a string or parts")
+        parts.append(m if isinstance(m.get("content"), str) else {**m, "content": content or ""})
+    text = "".join(p["content"] for p in parts) if want_text else ""
+    if encoder is None:
+        return RouteRequest(None, text, None, chat=parts)
+    try:
+        known, rest = encoder.encode_chat_known(parts, tools=body.get("tools"))
+    except ValueError as exc:
+        raise RequestError(400, f"cannot apply the chat template: {exc}") from None
+    request = RouteRequest(known, text, None, chat=parts, rest=rest or None)
+    request.rest_tokens = encoder.estimate_tokens(rest)
+    return request
+
+
+def _completion(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRequest:
+    prompt = body.get("prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return RouteRequest(token_ids("prompt", prompt), " ".join(map(str, prompt)), None)
+    if not isinstance(prompt, str):
+        raise RequestError(400, "'prompt' must be a string or a list of token ids")
+    return RouteRequest(_encode(encoder, prompt), prompt, None)
+
+
+def _generate(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRequest:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError(400, "give exactly one of 'text' or 'input_ids'")
+    # A batch (SGLang accepts lists of prompts) routes by its first prompt.
+    if isinstance(text, list):
+        if not text or not all(isinstance(t, str) for t in text):
+            raise RequestError(400, "'text' must be a string or a non-empty list of strings")
+        text = text[0]
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        ids = ids[0]
+    if ids is not None:
+        return RouteRequest(token_ids("input_ids", ids), "", None)
+    if not isinstance(text, str):
+        raise RequestError(400, "'text' must be a string")
+    return RouteRequest(_encode(encoder, text), text, None)
+
+
+def _encode(encoder: CachedEncoder | None, text: str) -> array[int] | None:
+    return array("I", encoder.encode(text)) if encoder is not None else None
+
+
+def token_ids(name: str, ids: Any) -> array[int]:
+    """Client-given token ids as uint32; 400 unless a list of non-negative ints."""
+    if not isinstance(ids, list) or any(isinstance(t, bool) for t in ids):
+        raise RequestError(400, f"'{name}' must be a list of token ids")
+    try:
+        return array("I", ids)
+    except (TypeError, OverflowError):
+        raise RequestError(400, f"'{name}' must be a list of token ids") from None
+
+
+def full_tokens(prompt: RouteRequest, encoder: CachedEncoder | None) -> array[int] | None:
+    """The prompt's ids, encoding the text left for after the dispatch if not done yet."""
+    tokens = prompt.tokens
+    if tokens is None:
+        return None
+    known = tokens if isinstance(tokens, array) else array("I", tokens)
+    if prompt.rest and encoder is not None:
+        known = encoder.complete(known, prompt.rest)
+        prompt.rest, prompt.rest_tokens = None, 0
+    prompt.tokens = known
+    return known
