@@ -5,14 +5,13 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.procs import stop_process
+from router.procs import LOOPBACK, Launch, free_port, stop_process, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -28,36 +27,29 @@ class RedisServer:
 
     url: str
     port: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
 
 
 def start_redis(log_dir: Path, timeout: float = 10.0) -> RedisServer:
     """redis-server on a free loopback port without persistence, answering PING."""
-    from tests.procs import free_port
-
     binary = shutil.which("redis-server") or "/usr/bin/redis-server"
     if not Path(binary).exists():
         pytest.fail("redis-server is not installed (scripts/install.sh installs it)")
     port = free_port()
-    log = log_dir / f"redis-{port}.log"
-    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with log.open("w") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            [binary, *args, "--dir", str(log_dir)], stdout=out, stderr=subprocess.STDOUT
-        )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"redis-server exited with {proc.returncode}; see {log.name}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return RedisServer(f"redis://127.0.0.1:{port}/0", port, proc)
-        except OSError:
-            time.sleep(0.05)
-    stop_redis(RedisServer("", port, proc))
-    pytest.fail(f"redis-server did not answer on port {port} within {timeout}s")
+    args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
+    args += ["--dir", str(log_dir)]
+    server = Launch("redis-server", args, port, log_dir / f"redis-{port}.log").start()
+    why = wait_until(server, lambda: pong(port), timeout, poll_s=0.05)
+    if why is not None:
+        server.stop(5)
+        pytest.fail(why)
+    return RedisServer(f"redis://{LOOPBACK}:{port}/0", port, server.proc)
+
+
+def pong(port: int) -> bool:
+    with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
 
 
 def stop_redis(server: RedisServer) -> None:
