@@ -17,7 +17,7 @@ from typing import Any
 
 from mempool.address import MemType, block_of, decode, instance_of, mem_type_of
 from mempool.allocator import BlockAllocator
-from mempool.arena import Arena, HugePages, make_arena
+from mempool.arena import Arena, HostArena, HugePages, make_arena
 from mempool.errors import BlockInUse, InvalidAddress, InvalidRequest, MemPoolError
 from mempool.layout import KVBlockSpec, Layout
 from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode, token_array
@@ -126,16 +126,16 @@ class MemPool:
     def view_block(self, addr: int) -> memoryview:
         """Zero-copy view of a host (or emulated device) block."""
         arena, block = self._locate(addr)
-        if not hasattr(arena, "view"):
+        if not isinstance(arena, HostArena):
             raise InvalidRequest(f"block {addr:#x} lives in GPU memory; use read_block")
-        return arena.view(block)  # type: ignore[union-attr]
+        return arena.view(block)
 
     def region(self, mem_type: MemType | str) -> memoryview:
         """Zero-copy view of a whole host (or emulated device) tier, for transports."""
         arena = self.arenas[self._allocator(mem_type).mem_type]
-        if not hasattr(arena, "region"):
+        if not isinstance(arena, HostArena):
             raise InvalidRequest(f"the {arena.mem_type.name.lower()} tier lives in GPU memory")
-        return arena.region()  # type: ignore[union-attr]
+        return arena.region()
 
     def region_base(self, mem_type: MemType | str) -> int:
         """Virtual address of a tier's first byte (for RDMA / Mooncake registration)."""
@@ -224,17 +224,19 @@ class MemPool:
         """
         if MemType.DEVICE not in self.allocators or MemType.HOST not in self.allocators:
             raise InvalidRequest("swap needs both a device and a host tier")
-        nodes = sorted(
-            (n for n in self.index._nodes() if n.lock_ref == 0 and n.value is not None),
-            key=lambda n: n.last_access,
-        )
         victims: list[int] = []
+        sources: list[TreeNode] = []
         device = int(MemType.DEVICE)
-        for node in nodes:
-            victims.extend(a for a in node.value if mem_type_of(a) == device)  # type: ignore[union-attr]
-            if len(victims) >= num_blocks:
-                break
-        return self._move(victims[:num_blocks], MemType.HOST)
+        for node in self.index.lru_unlocked():  # eviction's order: LRU, suffixes first
+            if node.value is None:
+                continue
+            found = [a for a in node.value if mem_type_of(a) == device]
+            if found:
+                victims.extend(found)
+                sources.append(node)
+                if len(victims) >= num_blocks:
+                    break
+        return self._move(victims[:num_blocks], MemType.HOST, sources)
 
     def swap_in(self, addrs: Sequence[int]) -> list[int]:
         """Move these host blocks to the device tier; returns new addresses in the same order."""
@@ -363,8 +365,14 @@ class MemPool:
             raise InvalidAddress(f"address {addr!r} is not an allocated block of this pool")
         return self.arenas[tier.mem_type], block_of(addr)
 
-    def _move(self, addrs: list[int], to: MemType) -> list[int]:
-        """Copy blocks to tier `to`, repoint the index, free the old blocks."""
+    def _move(
+        self, addrs: list[int], to: MemType, nodes: Sequence[TreeNode] | None = None
+    ) -> list[int]:
+        """Copy blocks to tier `to`, repoint the index, free the old blocks.
+
+        `nodes`: the index nodes holding the indexed ones among `addrs`, when the caller
+        knows them (swap_out); otherwise the index searches every node.
+        """
         if not addrs:
             return []
         new = self.allocators[to].alloc(len(addrs))
@@ -372,15 +380,10 @@ class MemPool:
         for old, fresh in mapping.items():
             src, sblock = self._locate(old)
             dst, dblock = self._locate(fresh)
-            dst.write(dblock, src.view(sblock) if hasattr(src, "view") else src.read(sblock))  # type: ignore[union-attr]
+            dst.write(dblock, src.view(sblock) if isinstance(src, HostArena) else src.read(sblock))
         moved_indexed = self._indexed.intersection(addrs)
         if moved_indexed:
-            for node in self.index._nodes():
-                value = node.value
-                if value is not None and not moved_indexed.isdisjoint(value):
-                    for i, addr in enumerate(value):
-                        if addr in mapping:
-                            value[i] = mapping[addr]
+            self.index.repoint({a: mapping[a] for a in moved_indexed}, nodes)
             self._indexed.difference_update(moved_indexed)
             self._indexed.update(mapping[a] for a in moved_indexed)
         self._free_blocks(addrs)

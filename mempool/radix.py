@@ -6,7 +6,20 @@ its pages' KV blocks (the local index; an address names its tier and instance), 
 global trees, whose entries expire). Keys are whole pages of token ids, stored as uint32 bytes
 so that comparing and slicing run at C speed; a partial page never matches.
 
-Public API: `match`, `insert`, `delete`, `evict`, `lock`/`unlock`, `remove_holder`, `expire`.
+Eviction and expiry run on every allocation that falls short and on every router tick, so
+their cost must follow what they remove, not the size of the tree. The tree therefore keeps,
+incrementally, what a whole-tree walk would otherwise recompute on every call:
+
+- the evictable leaves (unlocked, childless) in a lazy min-heap by `last_access`, as SGLang's
+  radix cache keeps its evictable leaves. An entry is current while its stamp equals the
+  node's `lru_stamp`; touching, locking, growing or detaching a leaf just moves or clears the
+  stamp, and stale entries are skipped when popped and dropped when they outnumber the rest;
+- every (node, holder, last confirmed) in a lazy min-heap by time, as NVIDIA Dynamo's expiry
+  queue; an entry is current while the node is attached and still maps the holder to that time;
+- per holder, the set of nodes it holds, so forgetting an instance touches only its nodes.
+
+Public API: `match`, `insert`, `delete`, `evict`, `lock`/`unlock`, `remove_holder`, `expire`,
+`lru_unlocked` and `repoint` (swapping between tiers), `reset`, `nodes`, `pretty`, `sequences`.
 """
 
 from __future__ import annotations
@@ -14,16 +27,21 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
 
 TOKEN_BYTES = 4  # token ids are stored as uint32
-Tokens = Sequence[int] | array
+Tokens: TypeAlias = "Sequence[int] | array[int]"
+# A heap is compacted when its stale entries outnumber the current ones by this factor
+# (plus a floor), so the work of dropping them is paid for by the pushes that made them.
+STALE_FACTOR = 2
+STALE_FLOOR = 64
 
 
-def token_array(tokens: Tokens) -> array:
+def token_array(tokens: Tokens) -> array[int]:
     """Token ids as a uint32 array (converted once per call); clear errors for bad input."""
     if isinstance(tokens, array) and tokens.typecode == "I":
         data = tokens
@@ -53,15 +71,14 @@ class TreeNode:
     """One edge of the tree: a run of whole pages, what holds them and who may evict them."""
 
     key: bytes = b""
-    value: array | None = None  # slots_per_page block addresses per page (local index)
+    value: array[int] | None = None  # slots_per_page block addresses per page (local index)
     parent: TreeNode | None = None
     children: dict[bytes, TreeNode] = field(default_factory=dict)
     holders: dict[Hashable, float] | None = None  # instance -> last confirmed (global trees)
     lock_ref: int = 0
     last_access: float = 0.0
-
-    def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap
-        return self.last_access < other.last_access
+    attached: bool = True  # False once evicted, deleted, pruned or reset out of the tree
+    lru_stamp: int = 0  # stamp of its current entry in the evictable-leaf heap; 0: none
 
 
 @dataclass(slots=True)
@@ -69,7 +86,7 @@ class Match:
     """Result of `match`: the longest cached prefix and, per holder, how much of it each holds."""
 
     num_tokens: int
-    value: array
+    value: array[int]
     node: TreeNode
     holder_tokens: dict[Hashable, int]
 
@@ -82,6 +99,12 @@ class InsertResult:
     new_tokens: int
     duplicates: list[int]
     node: TreeNode
+
+
+# (last_access when queued, stamp, leaf): the stamp is unique, so nodes are never compared.
+LeafEntry: TypeAlias = tuple[float, int, TreeNode]
+# (last confirmed, sequence number, node, holder)
+ExpiryEntry: TypeAlias = tuple[float, int, TreeNode, Hashable]
 
 
 class RadixTree:
@@ -104,6 +127,12 @@ class RadixTree:
         self.root = TreeNode(lock_ref=1)
         self.evictable_pages = 0
         self.protected_pages = 0
+        self._seq = 0  # stamps and expiry sequence numbers; 0 means "none"
+        self._leaves: list[LeafEntry] = []
+        self._queued_leaves = 0  # nodes with a current entry in _leaves
+        self._expiry: list[ExpiryEntry] = []
+        self._holder_entries = 0  # (attached node, holder) pairs: the current expiry entries
+        self._by_holder: dict[Hashable, set[TreeNode]] = {}
 
     # ----------------------------------------------------------------- public API
 
@@ -125,9 +154,9 @@ class RadixTree:
         end, pos = self._descend(key, split=split, now=now)
         path = []
         walk = end
-        while walk is not self.root:
+        while walk.parent is not None:  # only the root has none
             path.append(walk)
-            walk = walk.parent  # type: ignore[assignment]
+            walk = walk.parent
         path.reverse()
         value = array("Q")
         holder_tokens: dict[Hashable, int] = {}
@@ -147,7 +176,7 @@ class RadixTree:
     def insert(
         self,
         tokens: Tokens,
-        value: Sequence[int] | array | None = None,
+        value: Sequence[int] | array[int] | None = None,
         holder: Hashable | None = None,
     ) -> InsertResult:
         """Add the whole pages of `tokens`; existing pages keep their value.
@@ -166,12 +195,15 @@ class RadixTree:
         while pos < len(key):
             child = node.children.get(key[pos : pos + pb])
             if child is None:
+                self._unqueue_leaf(node)  # a leaf until now, it gets a child
                 leaf_value = None if values is None else values[pos // pb * stride :]
                 leaf = TreeNode(key[pos:], leaf_value, node, last_access=now)
-                if holder is not None:
-                    leaf.holders = {holder: now}
                 node.children[key[pos : pos + pb]] = leaf
                 self.evictable_pages += (len(key) - pos) // pb
+                self._queue_leaf(leaf)
+                if holder is not None:
+                    leaf.holders = {}
+                    self._confirm(leaf, holder, now)
                 node = leaf
                 break
             if not key.startswith(child.key, pos):
@@ -185,14 +217,18 @@ class RadixTree:
             if holder is not None:
                 if child.holders is None:
                     child.holders = {}
-                child.holders[holder] = now
+                self._confirm(child, holder, now)
             existing += span
             pos += len(child.key)
             node = child
+        else:  # the path ends at a node that was there: a leaf moves up the LRU order
+            self._requeue_if_leaf(node)
+        if holder is not None:
+            self._compact_expiry_if_stale()
         ps = self.page_size
         return InsertResult(existing * ps, pages * ps - existing * ps, duplicates, node)
 
-    def delete(self, tokens: Tokens) -> array:
+    def delete(self, tokens: Tokens) -> array[int]:
         """Drop the cached pages of `tokens` that no other cached sequence shares.
 
         Pages still shared with another cached sequence, including a longer one that extends
@@ -201,59 +237,60 @@ class RadixTree:
         """
         key = self._page_key(tokens)
         node, pos = self._descend(key, split=False, now=None)
-        removed = array("Q")
+        removed: array[int] = array("Q")
         if node is self.root or node.children or self._ends_inside(node, pos):
             return removed
         chain = [node]
-        while (parent := chain[-1].parent) is not self.root and len(parent.children) == 1:  # type: ignore[union-attr]
-            chain.append(parent)  # type: ignore[arg-type]
+        while (parent := self._parent(chain[-1])) is not self.root and len(parent.children) == 1:
+            chain.append(parent)
         if any(n.lock_ref for n in chain):
             raise BlockInUse("cannot delete: part of this prompt's cache is locked by a request")
-        for n in chain:
+        for n in chain:  # the leaf first: values come back deepest page first
             self._detach(n, removed)
         return removed
 
-    def evict(self, num_pages: int) -> tuple[int, array]:
+    def evict(self, num_pages: int) -> tuple[int, array[int]]:
         """Remove least-recently-used unlocked leaves until `num_pages` pages are gone.
 
-        Returns (pages removed, their values). Locked nodes and their ancestors stay.
+        Returns (pages removed, their values). Locked nodes and their ancestors stay. A parent
+        left childless joins the evictable leaves, so a long idle branch goes leaf by leaf.
         """
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
         removed_pages, removed = 0, array("Q")
-        while heap and removed_pages < num_pages:
-            leaf = heapq.heappop(heap)
-            removed_pages += len(leaf.key) // self.page_bytes
-            parent = leaf.parent
-            self._detach(leaf, removed)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:  # type: ignore[union-attr]
-                heapq.heappush(heap, parent)  # type: ignore[arg-type]
+        while removed_pages < num_pages:
+            leaf = self._pop_lru_leaf()
+            if leaf is None:
+                break
+            removed_pages += self._detach(leaf, removed)
         return removed_pages, removed
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction and deletion (a running request)."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
-                pages = len(node.key) // self.page_bytes
-                self.evictable_pages -= pages
-                self.protected_pages += pages
+                self._unqueue_leaf(node)
+                if node.attached:
+                    pages = len(node.key) // self.page_bytes
+                    self.evictable_pages -= pages
+                    self.protected_pages += pages
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock`; ValueError if the node is not locked."""
         walk = node
-        while walk is not self.root:
+        while walk.parent is not None:
             if walk.lock_ref <= 0:
                 raise InvalidRequest("unlock of a node that is not locked")
-            walk = walk.parent  # type: ignore[assignment]
-        while node is not self.root:
+            walk = walk.parent
+        while node.parent is not None:
             node.lock_ref -= 1
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.attached:
                 pages = len(node.key) // self.page_bytes
                 self.evictable_pages += pages
                 self.protected_pages -= pages
-            node = node.parent  # type: ignore[assignment]
+                if not node.children:
+                    self._queue_leaf(node)
+            node = node.parent
 
     def remove_holder(
         self, holder: Hashable, tokens: Tokens | None = None, keep_tokens: int = 0
@@ -262,13 +299,20 @@ class RadixTree:
 
         Without `tokens`: everywhere (a removed or dead instance). With `tokens`: on that
         prompt's path beyond its first `keep_tokens` tokens and below (the instance reported
-        holding only that much). Nodes left with no holder are pruned.
+        holding only that much). Nodes left with no holder are pruned, with their subtrees.
         """
+        emptied: list[TreeNode] = []
         if tokens is None:
-            for node in list(self._nodes()):
-                if node.holders:
-                    node.holders.pop(holder, None)
-            return self._prune_unheld()
+            held = self._by_holder.pop(holder, set())
+            for node in held:
+                holders = node.holders
+                assert holders is not None  # indexed because it has holders
+                del holders[holder]
+                if not holders:
+                    emptied.append(node)
+            self._holder_entries -= len(held)
+            self._compact_expiry_if_stale()
+            return self._prune(emptied)
         key = self._page_key(tokens)
         keep = max(keep_tokens, 0) // self.page_size * self.page_bytes
         node, pos = self._descend(key[:keep], split=True, now=None)
@@ -277,28 +321,100 @@ class RadixTree:
         if nxt is None:
             return 0
         for sub in self._nodes(nxt):
-            if sub.holders:
-                sub.holders.pop(holder, None)
-        return self._prune_unheld()
+            if sub.holders and holder in sub.holders:
+                self._drop_holder(sub, holder)
+                if not sub.holders:
+                    emptied.append(sub)
+        self._compact_expiry_if_stale()
+        return self._prune(emptied)
 
     def expire(self, older_than: float) -> int:
         """Drop holder entries last confirmed before `older_than`; returns pages pruned."""
-        for node in self._nodes():
-            if node.holders:
-                stale = [h for h, seen in node.holders.items() if seen < older_than]
-                for h in stale:
-                    del node.holders[h]
-        return self._prune_unheld()
+        heap, emptied = self._expiry, []
+        while heap and heap[0][0] < older_than:
+            seen, _, node, holder = heapq.heappop(heap)
+            holders = node.holders
+            if not node.attached or holders is None or holders.get(holder) != seen:
+                continue  # stale: pruned, forgotten or confirmed again since
+            self._drop_holder(node, holder)
+            if not holders:
+                emptied.append(node)
+        return self._prune(emptied)
 
-    def reset(self) -> array:
+    def lru_unlocked(self) -> Iterator[TreeNode]:
+        """Every unlocked node, least recently used first; a node only after all its children.
+
+        This is the order `evict` would take them in. It reads the eviction heap without
+        changing it, so the first k nodes cost O(k log k) plus stale entries passed; do not
+        change the tree while iterating.
+        """
+        heap = self._leaves
+        # (time, stamp, slot, node): slot >= 0 is an index into `heap`, whose children in the
+        # heap's implicit binary tree come no earlier; slot < 0 is an inner node whose
+        # children have all been yielded. Slots are unique, so nodes are never compared.
+        frontier: list[tuple[float, int, int, TreeNode | None]] = []
+        if heap:
+            frontier.append((heap[0][0], heap[0][1], 0, None))
+        yielded_children: dict[int, int] = {}
+        inner = 0
+        while frontier:
+            _, stamp, slot, node = heapq.heappop(frontier)
+            if node is None:
+                for child_slot in (2 * slot + 1, 2 * slot + 2):
+                    if child_slot < len(heap):
+                        seen, child_stamp, _ = heap[child_slot]
+                        heapq.heappush(frontier, (seen, child_stamp, child_slot, None))
+                node = heap[slot][2]
+                if node.lru_stamp != stamp:
+                    continue  # stale entry
+            yield node
+            parent = self._parent(node)
+            if parent is self.root:
+                continue
+            done = yielded_children.get(id(parent), 0) + 1
+            yielded_children[id(parent)] = done
+            if done == len(parent.children) and parent.lock_ref == 0:
+                inner -= 1
+                heapq.heappush(frontier, (parent.last_access, 0, inner, parent))
+
+    def repoint(self, moved: Mapping[int, int], nodes: Iterable[TreeNode] | None = None) -> int:
+        """Replace block addresses after their bytes moved (old -> new); returns how many.
+
+        `nodes` limits the search to where the caller knows the addresses are (swap_out takes
+        them from `lru_unlocked`); without it every node is searched.
+        """
+        count = 0
+        for node in self._nodes() if nodes is None else nodes:
+            value = node.value
+            if value is None or moved.keys().isdisjoint(value):
+                continue
+            for i, addr in enumerate(value):
+                fresh = moved.get(addr)
+                if fresh is not None:
+                    value[i] = fresh
+                    count += 1
+        return count
+
+    def reset(self) -> array[int]:
         """Empty the tree (locked entries included); returns every value it held."""
-        removed = array("Q")
+        removed: array[int] = array("Q")
         for node in self._nodes():
             if node.value is not None:
                 removed.extend(node.value)
+            node.attached = False
+            node.lru_stamp = 0
         self.root.children.clear()
         self.evictable_pages = self.protected_pages = 0
+        self._leaves.clear()
+        self._queued_leaves = 0
+        self._expiry.clear()
+        self._holder_entries = 0
+        self._by_holder.clear()
         return removed
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before their children (tests and reporting)."""
+        return self._nodes()
 
     def pretty(self) -> str:
         """Indented dump: pages, lock count, holders; for debugging and tests."""
@@ -317,7 +433,9 @@ class RadixTree:
     def sequences(self) -> Iterator[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf sequence of tokens with its values (tests and debugging)."""
 
-        def visit(node: TreeNode, tokens: tuple[int, ...], vals: list[int]):
+        def visit(
+            node: TreeNode, tokens: tuple[int, ...], vals: list[int]
+        ) -> Iterator[tuple[tuple[int, ...], list[int]]]:
             if not node.children and node is not self.root:
                 yield tokens, vals
             for child in node.children.values():
@@ -335,7 +453,9 @@ class RadixTree:
         key = as_token_bytes(tokens)
         return key[: len(key) - len(key) % self.page_bytes]
 
-    def _check_value(self, value: Sequence[int] | array | None, pages: int) -> array | None:
+    def _check_value(
+        self, value: Sequence[int] | array[int] | None, pages: int
+    ) -> array[int] | None:
         if self.stride == 0:
             if value is not None:
                 raise InvalidRequest("this tree stores no values (slots_per_page=0)")
@@ -354,10 +474,17 @@ class RadixTree:
         except (TypeError, OverflowError) as exc:
             raise InvalidTokens(f"addresses must be 64-bit unsigned ints: {exc}") from None
 
+    def _parent(self, node: TreeNode) -> TreeNode:
+        """The parent of a node other than the root (which alone has none)."""
+        parent = node.parent
+        assert parent is not None, "the root has no parent"
+        return parent
+
     def _descend(self, key: bytes, split: bool, now: float | None) -> tuple[TreeNode, int]:
         """Walk `key` down; returns the deepest fully matched node and the bytes matched.
 
         With `split`, a match ending inside an edge splits it so the returned node ends there.
+        With `now`, every node walked whole counts as used now.
         """
         node, pos, pb = self.root, 0, self.page_bytes
         while pos < len(key):
@@ -367,12 +494,14 @@ class RadixTree:
             if not key.startswith(child.key, pos):
                 pages = self._common_pages(child.key, key, pos)
                 if not split:
-                    return child, pos + pages * pb
+                    return child, pos + pages * pb  # `node` has a child: no leaf to requeue
                 child = self._split(child, pages)
             if now is not None:
                 child.last_access = now
             pos += len(child.key)
             node = child
+        if now is not None:
+            self._requeue_if_leaf(node)
         return node, pos
 
     def _ends_inside(self, node: TreeNode, pos: int) -> bool:
@@ -382,9 +511,9 @@ class RadixTree:
     def _depth(self, node: TreeNode) -> int:
         """Key bytes from the root to the end of `node`."""
         depth = 0
-        while node is not self.root:
+        while node.parent is not None:
             depth += len(node.key)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
         return depth
 
     def _common_pages(self, edge: bytes, key: bytes, pos: int) -> int:
@@ -400,48 +529,149 @@ class RadixTree:
         return lo
 
     def _split(self, child: TreeNode, pages: int) -> TreeNode:
-        """Cut `child` after `pages` pages; returns the new upper node."""
+        """Cut `child` after `pages` pages; returns the new upper node.
+
+        The lower part keeps its place in the heaps (same node, same times); the upper part
+        is an inner node, but holds what `child` held, so it joins the holder structures.
+        """
         pb, cut = self.page_bytes, pages * self.page_bytes
+        parent = self._parent(child)
         upper = TreeNode(
             child.key[:cut],
             None if child.value is None else child.value[: pages * self.stride],
-            child.parent,
+            parent,
             {child.key[cut : cut + pb]: child},
             None if child.holders is None else dict(child.holders),
             child.lock_ref,
             child.last_access,
         )
-        child.parent.children[child.key[:pb]] = upper  # type: ignore[union-attr]
+        parent.children[child.key[:pb]] = upper
         child.key = child.key[cut:]
         if child.value is not None:
             child.value = child.value[pages * self.stride :]
         child.parent = upper
+        if upper.holders:
+            for holder, seen in upper.holders.items():
+                self._index_holder(upper, holder, seen)
+            self._holder_entries += len(upper.holders)
+            self._compact_expiry_if_stale()
         return upper
 
-    def _detach(self, node: TreeNode, removed: array) -> None:
-        """Remove `node` and its subtree, collecting values and fixing the page counts."""
-        del node.parent.children[node.key[: self.page_bytes]]  # type: ignore[union-attr]
-        for sub in self._nodes(node):
+    def _detach(self, node: TreeNode, removed: array[int]) -> int:
+        """Remove `node` and its subtree, collecting values and fixing the page counts.
+
+        Returns the pages removed. A parent left childless and unlocked becomes evictable.
+        """
+        parent = self._parent(node)
+        del parent.children[node.key[: self.page_bytes]]
+        total = 0
+        for sub in self._nodes(node) if node.children else (node,):  # evict: mostly a leaf
             pages = len(sub.key) // self.page_bytes
+            total += pages
             if sub.lock_ref:
                 self.protected_pages -= pages
             else:
                 self.evictable_pages -= pages
             if sub.value is not None:
                 removed.extend(sub.value)
+            sub.attached = False
+            self._unqueue_leaf(sub)
+            if sub.holders:
+                for holder in sub.holders:
+                    self._unindex_holder(sub, holder)
+                self._holder_entries -= len(sub.holders)
+        self._requeue_if_leaf(parent)
+        return total
 
-    def _prune_unheld(self) -> int:
-        """Detach every node no holder holds any more (holders-tracking trees)."""
+    def _prune(self, emptied: list[TreeNode]) -> int:
+        """Detach the nodes whose last holder just went, with their subtrees; returns pages.
+
+        Between calls no attached node has an empty holder map, so these are exactly the
+        nodes a whole-tree walk would find; detaching one inside another's subtree first
+        leaves the same pages pruned.
+        """
         pruned, dropped = 0, array("Q")
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.holders is not None and not node.holders:
-                pruned += sum(len(s.key) for s in self._nodes(node)) // self.page_bytes
-                self._detach(node, dropped)
-            else:
-                stack.extend(node.children.values())
+        for node in emptied:
+            if node.attached:
+                pruned += self._detach(node, dropped)
         return pruned
+
+    # evictable leaves
+
+    def _queue_leaf(self, node: TreeNode) -> None:
+        """(Re)enter an evictable leaf at its current last_access; an older entry goes stale."""
+        self._seq += 1
+        if not node.lru_stamp:
+            self._queued_leaves += 1
+        node.lru_stamp = self._seq
+        heapq.heappush(self._leaves, (node.last_access, self._seq, node))
+        if len(self._leaves) > STALE_FACTOR * self._queued_leaves + STALE_FLOOR:
+            self._leaves = [e for e in self._leaves if e[2].lru_stamp == e[1]]
+            heapq.heapify(self._leaves)
+
+    def _unqueue_leaf(self, node: TreeNode) -> None:
+        if node.lru_stamp:
+            node.lru_stamp = 0
+            self._queued_leaves -= 1
+
+    def _requeue_if_leaf(self, node: TreeNode) -> None:
+        if node.parent is not None and node.attached and not node.children and not node.lock_ref:
+            self._queue_leaf(node)
+
+    def _pop_lru_leaf(self) -> TreeNode | None:
+        """The least recently used evictable leaf, taken out of the heap; None if none."""
+        heap = self._leaves
+        while heap:
+            _, stamp, node = heapq.heappop(heap)
+            if node.lru_stamp == stamp:
+                node.lru_stamp = 0
+                self._queued_leaves -= 1
+                return node
+        return None
+
+    # holders
+
+    def _confirm(self, node: TreeNode, holder: Hashable, now: float) -> None:
+        """`holder` holds `node` as of `now` (node.holders is a dict)."""
+        holders = node.holders
+        assert holders is not None
+        if holder not in holders:
+            self._holder_entries += 1
+            self._by_holder.setdefault(holder, set()).add(node)
+        holders[holder] = now
+        self._seq += 1
+        heapq.heappush(self._expiry, (now, self._seq, node, holder))
+
+    def _index_holder(self, node: TreeNode, holder: Hashable, seen: float) -> None:
+        self._by_holder.setdefault(holder, set()).add(node)
+        self._seq += 1
+        heapq.heappush(self._expiry, (seen, self._seq, node, holder))
+
+    def _unindex_holder(self, node: TreeNode, holder: Hashable) -> None:
+        held = self._by_holder.get(holder)
+        if held is not None:
+            held.discard(node)
+            if not held:
+                del self._by_holder[holder]
+
+    def _drop_holder(self, node: TreeNode, holder: Hashable) -> None:
+        """Forget one (node, holder) pair; its expiry entry goes stale."""
+        assert node.holders is not None
+        del node.holders[holder]
+        self._unindex_holder(node, holder)
+        self._holder_entries -= 1
+
+    def _compact_expiry_if_stale(self) -> None:
+        """Rebuild the expiry heap from its current entries once stale ones dominate."""
+        if len(self._expiry) <= STALE_FACTOR * self._holder_entries + STALE_FLOOR:
+            return
+        current: dict[tuple[int, Hashable], ExpiryEntry] = {}
+        for entry in self._expiry:
+            seen, _, node, holder = entry
+            if node.attached and node.holders is not None and node.holders.get(holder) == seen:
+                current.setdefault((id(node), holder), entry)
+        self._expiry = list(current.values())
+        heapq.heapify(self._expiry)
 
     def _nodes(self, start: TreeNode | None = None) -> Iterator[TreeNode]:
         """Every node below and including `start` (default: all but the root), parents first."""

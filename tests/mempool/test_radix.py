@@ -163,7 +163,7 @@ class TreeMachine(RuleBasedStateMachine):
             del self.model.entries[path]
         if count < n:  # could not evict more: everything left is locked or an ancestor of it
             assert self.tree.evictable_pages == 0 or all(
-                node.children or node.lock_ref for node in self.tree._nodes()
+                node.children or node.lock_ref for node in self.tree.nodes()
             )
 
     @invariant()
@@ -343,9 +343,9 @@ def test_match_without_split_leaves_the_tree_alone() -> None:
         found = tree.match(list(range(cut)) + [99, 99])
         assert found.value.tolist() == list(range(cut // 2))
         assert found.node is tree.root  # the only node is covered in part
-    assert len(list(tree._nodes())) == 1
+    assert len(list(tree.nodes())) == 1
     exact = tree.match(list(range(6)), split=True)
-    assert len(list(tree._nodes())) == 2 and len(exact.node.key) == 6 * 4
+    assert len(list(tree.nodes())) == 2 and len(exact.node.key) == 6 * 4
 
 
 def test_holders_of_a_partly_covered_node_count_only_the_covered_pages() -> None:
