@@ -340,7 +340,7 @@ class MemPool:
             return f"address {addr:#x} belongs to instance {inst}, not {self.instance_id}"
         return f"address {addr:#x} names the {mem_type.name.lower()} tier, which this pool lacks"
 
-    def _release_indexed(self, removed: array) -> list[int]:
+    def _release_indexed(self, removed: array[int]) -> list[int]:
         blocks = removed.tolist()
         if blocks:
             self._indexed.difference_update(blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ SPEC = KVBlockSpec(layers=2, kv_heads=1, head_dim=4, dtype="float16", page_size=
 
 
 @pytest.fixture
-def pool() -> MemPool:
+def pool() -> Iterator[MemPool]:
     p = MemPool(3, SPEC, host_blocks=32, device_blocks=16)
     yield p
     p.close()
@@ -160,7 +161,7 @@ def test_insert_refusals_change_nothing(pool: MemPool) -> None:
     with pytest.raises(InvalidAddress, match="not allocated"):
         pool.insert(prompt, [blocks[0], encode(3, MemType.HOST, 31)])
     with pytest.raises(TypeError, match="token"):
-        pool.insert(["a"] * 8, blocks)
+        pool.insert(["a"] * 8, blocks)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="empty"):
         pool.insert([], blocks)
     assert pool.stats()["cached_tokens"] == 0
@@ -216,6 +217,24 @@ def test_swap_out_and_in_keep_bytes_and_index(pool: MemPool) -> None:
     assert pool.match(old).addrs == back
     assert [pool.read_block(a) for a in back] == old_data
     assert free_counts(pool) == {"host": 32, "device": 12}
+
+
+def test_swap_out_takes_least_recent_suffixes_before_their_prefix(pool: MemPool) -> None:
+    """Eviction's order: the idle branch, then the other branch, the shared prefix last."""
+    shared = [9, 9, 9, 9]
+    a, b = shared + [1, 1, 1, 1], shared + [2, 2, 2, 2]
+    pool.insert(a, pool.alloc_blocks(2, "device"))
+    pool.insert(b, pool.match(shared).addrs + pool.alloc_blocks(1, "device"))
+    pool.match(b)  # a's own page is now the least recently used
+    data = {addr: fill(pool, [addr])[0] for addr in pool.match(a).addrs + pool.match(b).addrs}
+    prefix, own_a, own_b = pool.match(a).addrs + pool.match(b).addrs[1:]
+    moved = pool.swap_out(2)
+    assert pool.match(a).addrs == [prefix, moved[0]]
+    assert pool.match(b).addrs == [prefix, moved[1]]
+    assert pool.is_indexed(moved[0]) and not pool.is_indexed(own_a)
+    assert [pool.read_block(m) for m in moved] == [data[own_a], data[own_b]]
+    assert pool.swap_out(1) == [pool.match(a).addrs[0]]  # then the prefix
+    assert free_counts(pool) == {"host": 29, "device": 16}
 
 
 def test_swap_skips_locked_and_refuses_when_host_full() -> None:
@@ -313,7 +332,7 @@ def test_insert_refuses_one_block_for_two_pages(pool: MemPool) -> None:
 
 def test_every_refusal_is_a_mempool_error(pool: MemPool) -> None:
     for call in (
-        lambda: pool.insert(["x"] * 8, pool.alloc_blocks(2)),
+        lambda: pool.insert(["x"] * 8, pool.alloc_blocks(2)),  # type: ignore[list-item]
         lambda: pool.match([]),
         lambda: pool.insert(list(range(8)), pool.alloc_blocks(1)),
     ):

@@ -26,6 +26,9 @@ class FakeClock:
         return self.now
 
 
+PagePath = tuple[tuple[int, ...], ...]  # the pages from the root down
+
+
 def pages(tokens: list[int]) -> list[tuple[int, ...]]:
     full = len(tokens) // PAGE * PAGE
     return [tuple(tokens[i : i + PAGE]) for i in range(0, full, PAGE)]
@@ -35,10 +38,11 @@ class Model:
     """Cached page sequences as a prefix-closed dict: page path -> address."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple, int] = {}
+        self.entries: dict[PagePath, int] = {}
 
     def match(self, tokens: list[int]) -> list[int]:
-        out, path = [], ()
+        out: list[int] = []
+        path: PagePath = ()
         for page in pages(tokens):
             path = (*path, page)
             if path not in self.entries:
@@ -47,7 +51,8 @@ class Model:
         return out
 
     def insert(self, tokens: list[int], addrs: list[int]) -> tuple[int, list[int]]:
-        existing, dups, path = 0, [], ()
+        existing, dups = 0, []
+        path: PagePath = ()
         for page, addr in zip(pages(tokens), addrs, strict=True):
             path = (*path, page)
             if path in self.entries:
@@ -58,11 +63,11 @@ class Model:
                 self.entries[path] = addr
         return existing, dups
 
-    def extensions(self, path: tuple) -> list[tuple]:
+    def extensions(self, path: PagePath) -> list[PagePath]:
         return [p for p in self.entries if len(p) == len(path) + 1 and p[: len(path)] == path]
 
     def delete(self, tokens: list[int]) -> set[int]:
-        path = ()
+        path: PagePath = ()
         for page in pages(tokens):
             if (*path, page) not in self.entries:
                 break
