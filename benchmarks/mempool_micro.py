@@ -15,7 +15,6 @@ Targets are reported, never asserted: the machines these run on are shared and n
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
 import multiprocessing
@@ -34,7 +33,7 @@ from typing import Any
 from rich.progress import Progress
 
 import mempool
-from benchmarks.report import percentile, progress_bar, step, write_results
+from benchmarks.harness import benchmark_main, percentile, progress_bar, step, write_results
 from mempool import KVBlockSpec, Layout, MemPool, aggregate, disaggregate, transfer_segments
 
 NAME = "mempool_micro"
@@ -775,16 +774,8 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions, 200k-token memory")
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    figures = run(args.out, args.quick)
-    wall = time.perf_counter() - started
-    print(f"{NAME}: {figures['mode']} run, {wall:.1f} s including the plot -> {args.out}")
-    print((args.out / f"{NAME}.md").read_text().split("\n## ")[0])
-    return 0
+    quick = "fewer repetitions, 200k-token memory"
+    return benchmark_main(argv, NAME, __doc__, run, quick, summary_end="\n## ")
 
 
 if __name__ == "__main__":

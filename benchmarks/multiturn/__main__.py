@@ -10,13 +10,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.multiturn.cluster import SGLANG_ROUTER, SMG, PeerStatus, peer_status
+from benchmarks.harness import progress_bar
 from benchmarks.multiturn.plan import make_plan
 from benchmarks.multiturn.results import sim_model, write_all
 from benchmarks.multiturn.runner import Context, execute
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
-from benchmarks.report import progress_bar
+from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus, peer_status
 
 WORKLOAD_NAMES = ("trace", "multi_round_qa", "sharegpt", "loogle", "react", "share_ratio", "pd")
 

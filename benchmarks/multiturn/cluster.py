@@ -9,23 +9,27 @@ process, so no router carries a tree over from another run.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
+import functools
 import json
 import os
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.router_overhead import Proc, free_port, http_ok, wait_until
-
-OURS = "memserve-router"
-SGLANG_ROUTER = "sglang-router"
-SMG = "smg"
-PEER_MODULES = {SGLANG_ROUTER: "sglang_router", SMG: "smg"}
+from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
+from benchmarks.peers import OURS, peer_command
+from router.procs import (
+    Launch,
+    Server,
+    free_port,
+    http_ok,
+    module_command,
+    start_all,
+    stop_all,
+    wait_until,
+)
 
 
 @dataclass
@@ -52,13 +56,22 @@ class ClusterSpec:
 
 @dataclass
 class Worker:
-    proc: Proc
+    launch: Launch
     role: str  # colocated | prefill | decode
     bootstrap_port: int | None = None
+    server: Server | None = None  # once started
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
 
     @property
     def url(self) -> str:
-        return self.proc.url
+        return self.launch.url
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.server is None else self.server.proc.pid
 
 
 @dataclass
@@ -82,9 +95,8 @@ class Cluster:
         workers = []
         for i, role in enumerate(roles):
             port = free_port()
-            args = [sys.executable, "-m", "connector.worker", "--backend", "sim"]
-            args += ["--time-scale", f"{spec.time_scale:g}", "--model-path", str(model_dir)]
-            args += ["--host", "127.0.0.1", "--port", str(port), "--tokenizer-cache"]
+            args = ["--backend", "sim", "--time-scale", f"{spec.time_scale:g}"]
+            args += ["--model-path", str(model_dir), "--tokenizer-cache"]
             args += ["--instance-id", str(first_id + i), "--log-level", "warning"]
             if max_total_tokens:
                 args += ["--max-total-tokens", str(max_total_tokens)]
@@ -97,20 +109,18 @@ class Cluster:
                     bootstrap = free_port()
                     args += ["--disaggregation-bootstrap-port", str(bootstrap)]
             name = f"{spec.name}-{role}-{i}"
-            workers.append(Worker(Proc(name, args, port, log_dir / f"{name}.log"), role, bootstrap))
+            command = module_command("connector.worker", port, args)
+            proc = launch(name, command, port, log_dir / f"{name}.log")
+            workers.append(Worker(proc, role, bootstrap))
         return cls(spec, workers, model_dir)
 
     def start(self, timeout_s: float = 120) -> None:
-        for w in self.workers:
-            w.proc.start()
-        for w in self.workers:
-            why = wait_until(w.proc, lambda w=w: http_ok(w.url + "/health"), timeout_s)
-            if why is not None:
-                raise RuntimeError(why)
+        servers = start_all([w.launch for w in self.workers], timeout_s)
+        for w, server in zip(self.workers, servers, strict=True):
+            w.server = server
 
     def stop(self) -> None:
-        for w in self.workers:
-            w.proc.stop()
+        stop_all([w.server for w in self.workers if w.server is not None])
 
     @property
     def time_scale(self) -> float:
@@ -125,7 +135,7 @@ class Cluster:
         for w in self.workers:
             while not http_ok(w.url + "/flush_cache", b""):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{w.proc.name} would not flush its cache")
+                    raise RuntimeError(f"{w.name} would not flush its cache")
                 time.sleep(0.2)
 
     def server_info(self) -> list[dict[str, Any]]:
@@ -153,7 +163,7 @@ class Cluster:
         return out
 
     def cpu_seconds(self) -> float:
-        return sum(cpu_seconds(w.proc.proc.pid if w.proc.proc else None) for w in self.workers)
+        return sum(cpu_seconds(w.pid) for w in self.workers)
 
     def busy_seconds(self) -> list[float]:
         """Per worker: modelled GPU seconds so far (the sim's busy time, unscaled)."""
@@ -205,36 +215,19 @@ class RouterSpec:
 
 
 @dataclass
-class PeerStatus:
-    importable: bool
-    version: str | None
-    reason: str | None
-
-
-def peer_status(package: str) -> PeerStatus:
-    module = PEER_MODULES[package]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return PeerStatus(False, None, f"{module} is not importable (pip install {package})")
-    try:
-        version = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    return PeerStatus(True, version, None)
-
-
-@dataclass
 class RunningRouter:
     spec: RouterSpec
-    proc: Proc
+    server: Server
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
-        return self.proc.url
+        return self.server.url
+
+
+def launch(name: str, args: list[str], port: int, log: Path) -> Launch:
+    """A benchmark process: run from the repository root, offline, its output in `log`."""
+    return Launch(name, args, port, log, REPO_ROOT, OFFLINE_ENV)
 
 
 def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
@@ -242,8 +235,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
     prefills = cluster.by_role("prefill")
     decodes = cluster.by_role("decode")
     if spec.router == OURS:
-        args = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port)]
-        args += ["--policy", spec.policy, "--log-level", "warning"]
+        args = ["--policy", spec.policy, "--log-level", "warning"]
         args += ["--tokenizer-path", str(cluster.model_dir)]
         if cluster.spec.pd:
             for w in prefills:
@@ -253,14 +245,8 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args += ["--pd-caching", cluster.spec.caching or "basic"]
         else:
             args += ["--worker-urls", *colocated]
-        return args
-    module = PEER_MODULES[spec.router]
-    args = [sys.executable, "-m", f"{module}.launch_router", "--host", "127.0.0.1"]
-    args += ["--port", str(port), "--policy", spec.policy, "--log-level", "warn"]
-    args += ["--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
-    args += ["--shutdown-grace-period-secs", "1"]
-    if spec.router == SMG:
-        args.append("--disable-tokenizer-autoload")  # else it fetches a tokenizer online
+        return module_command("router", port, args)
+    args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
         args.append("--pd-disaggregation")
         for w in prefills:
@@ -279,23 +265,17 @@ def start_router(
     (with the log's tail) when it does not come up."""
     port = free_port()
     slug = spec.name.replace(" ", "-")
-    proc = Proc(
-        spec.name,
-        router_args(spec, cluster, port),
-        port,
-        log_dir / f"{cluster.spec.name}-{slug}.log",
-    )
-    proc.start()
+    log = log_dir / f"{cluster.spec.name}-{slug}.log"
+    server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
     probe = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     ).encode()
-    why = wait_until(
-        proc, lambda: http_ok(proc.url + "/v1/chat/completions", probe, timeout=10), timeout_s
-    )
+    chat = functools.partial(http_ok, server.url + "/v1/chat/completions", probe, timeout=10)
+    why = wait_until(server, chat, timeout_s)
     if why is not None:
-        proc.stop()
+        server.stop()
         raise RuntimeError(why)
-    return RunningRouter(spec, proc)
+    return RunningRouter(spec, server)
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -331,4 +311,4 @@ def scrape(url: str) -> dict[str, float]:
 def model_name(url: str) -> str:
     """The served model id, which the peers require in every body."""
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
-        return json.load(resp)["data"][0]["id"]
+        return str(json.load(resp)["data"][0]["id"])

@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from benchmarks.harness import percentile
 from benchmarks.multiturn.client import Outcome
-from benchmarks.report import percentile
 
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
@@ -91,7 +91,3 @@ def tail(ok: Sequence[Outcome], fraction: float = 0.05) -> list[dict[str, Any]]:
         }
         for o in timed[:n]
     ]
-
-
-def finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

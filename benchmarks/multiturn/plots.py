@@ -3,20 +3,41 @@ oracle, share ratio (MemServe fig. 14) and the PD clusters."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multiturn.metrics import finite
+from benchmarks.harness import finite
 
 
-def _plt():
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _series(
+    axes: Sequence[Any],
+    pts: dict[str, list[tuple[Any, dict[str, Any]]]],
+    values: Sequence[Callable[[dict[str, Any]], Any]],
+) -> None:
+    """Per system, one line on each axis: x against `values[i](run)` on `axes[i]`."""
+    for system, items in sorted(pts.items()):
+        items.sort(key=lambda x: x[0])
+        xs = [x for x, _ in items]
+        for ax, value in zip(axes, values, strict=True):
+            ys = [value(r) for _, r in items]
+            ax.plot(xs, ys, marker="o", color=color(system), label=system)
+
+
+def _save(fig: Any, path: Path) -> bool:
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return True
 
 
 _COLORS: dict[str, str] = {}
@@ -54,7 +75,7 @@ def plot_all(out_dir: Path, runs: Sequence[dict[str, Any]]) -> list[str]:
 
 def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     """TTFT (mean, p99) and JCT mean against the offered rate, per system (multi-round QA)."""
-    pts: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    pts: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
     for run in runs:
         mrqa = run["workload"] == "multi_round_qa" and run["cluster"] == "4 colocated"
         if mrqa and run["group"] in ("main", "rate_sweep") and _ok(run):
@@ -64,13 +85,8 @@ def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
-    for system, items in sorted(pts.items()):
-        items.sort(key=lambda x: x[0])
-        xs = [x for x, _ in items]
-        style = dict(marker="o", color=color(system), label=system)
-        axes[0].plot(xs, [r["ttft_mean_s"] for _, r in items], **style)
-        axes[1].plot(xs, [r["ttft_p99_s"] for _, r in items], **style)
-        axes[2].plot(xs, [r["jct_mean_s"] for _, r in items], **style)
+    keys = ("ttft_mean_s", "ttft_p99_s", "jct_mean_s")
+    _series(axes, pts, [operator.itemgetter(k) for k in keys])
     for ax, title in zip(axes, ("TTFT mean (s)", "TTFT p99 (s)", "JCT mean (s)"), strict=True):
         ax.set_xlabel("offered requests/s (4 instances)")
         ax.set_title(title)
@@ -78,9 +94,7 @@ def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Multi-round QA on 4 colocated sim instances: latency against request rate")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -110,9 +124,7 @@ def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -144,13 +156,11 @@ def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     axes[0][0].set_ylabel("cached / prompt tokens")
     fig.suptitle("Token hit ratio against the oracle (4 colocated instances)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
-    pts: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    pts: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
     for run in runs:
         if run["group"] == "share_ratio" and _ok(run):
             ratio = (run.get("workload_params") or {}).get("share_ratio")
@@ -159,12 +169,7 @@ def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         return False
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), constrained_layout=True)
-    for system, items in sorted(pts.items()):
-        items.sort(key=lambda x: x[0])
-        xs = [x for x, _ in items]
-        style = dict(marker="o", color=color(system), label=system)
-        axes[0].plot(xs, [r["ttft_p99_s"] for _, r in items], **style)
-        axes[1].plot(xs, [r.get("hit_ratio") or 0 for _, r in items], **style)
+    _series(axes, pts, [operator.itemgetter("ttft_p99_s"), lambda r: r.get("hit_ratio") or 0])
     axes[0].set_title("p99 TTFT (s)")
     axes[1].set_title("hit ratio")
     for ax in axes:
@@ -172,9 +177,7 @@ def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("LooGLE-like document QA, 4 colocated: prompt tree vs session (MemServe fig. 14)")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_pd(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -198,6 +201,4 @@ def plot_pd(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.set_xticks(list(xs), names, rotation=60, fontsize=7, ha="right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("PD clusters at equal instance count (2): ShareGPT-like multi-turn")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(fig, path)

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multiturn.cluster import PeerStatus
-from benchmarks.multiturn.metrics import finite
+from benchmarks.harness import finite, markdown_table, write_results
 from benchmarks.multiturn.plan import Plan
 from benchmarks.multiturn.plots import plot_all
 from benchmarks.multiturn.targets import all_targets
-from benchmarks.report import markdown_table, write_results
+from benchmarks.peers import PeerStatus
 
 NAME = "results"
 
@@ -230,31 +229,21 @@ def write_all(
         "peers": {name: s.__dict__ for name, s in peers.items()},
         "plots": plots,
     }
-    headline = [
-        run_row(r) | {"workload": r["workload"]}
-        for r in runs
-        if r["group"] == "main" and r["workload"] in ("trace", "multi_round_qa")
-    ]
-    _, md = write_results(
-        out_dir,
-        NAME,
-        figures,
-        headline,
-        "Multi-turn cache benchmarks: policies, peers and PD caching modes",
-        notes(plan, runs, peers),
-        machine,
-    )
-    text = md.read_text()
-    head, sep, tail = text.partition("\n## Notes")
-    title, _, _ = head.partition("\n\n")
     body = [
-        title,
-        "",
         f"`{command}` ({elapsed_s / 60:.1f} min).",
         "",
         *sections(runs, targets),
         *[f"![{p}]({p})" for p in plots],
         "",
     ]
-    md.write_text("\n".join(body) + sep + tail)
+    write_results(
+        out_dir,
+        NAME,
+        figures,
+        None,  # no headline table: the sections hold every run
+        "Multi-turn cache benchmarks: policies, peers and PD caching modes",
+        notes(plan, runs, peers),
+        machine,
+        body,
+    )
     return figures

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import time
@@ -12,11 +11,11 @@ from typing import Any
 
 from rich.progress import Progress, TaskID
 
+from benchmarks.harness import run_async
+from benchmarks.harness import step as advance
 from benchmarks.multiturn.client import Outcome, run_workload
 from benchmarks.multiturn.cluster import (
-    OURS,
     Cluster,
-    PeerStatus,
     RouterSpec,
     cpu_seconds,
     model_name,
@@ -28,17 +27,7 @@ from benchmarks.multiturn.oracle import oracle_hits
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
-from benchmarks.report import step as advance
-
-
-def run_async(coro: Any) -> Any:
-    """uvloop when installed (as the routers and workers run), else asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+from benchmarks.peers import OURS, PeerStatus
 
 
 @dataclass
@@ -159,11 +148,11 @@ def run_one(
         result = run_async(run_workload(router.url, workload, model, on_done))
         client_cpu = time.process_time() - client_cpu
         workers_cpu = cluster.cpu_seconds() - workers_cpu
-        router_cpu = cpu_seconds(router.proc.proc.pid if router.proc.proc else None)
+        router_cpu = cpu_seconds(router.server.proc.pid)
         if system.router == OURS:
             router_metrics = scrape(router.url + "/metrics")
     finally:
-        router.proc.stop()
+        router.server.stop()
     pages_after, bytes_after = cluster.kv_moved()
     counters_after = cluster.worker_counters()
     busy = [b - a for a, b in zip(busy_before, cluster.busy_seconds(), strict=True)]

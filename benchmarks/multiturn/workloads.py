@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from benchmarks.multiturn.text import Vocab
@@ -69,7 +69,9 @@ def poisson_times(rng: random.Random, n: int, rate: float) -> list[float]:
     return out
 
 
-def deal_arrivals(rng: random.Random, turns_per_session: Sequence[int], rate: float) -> list[list]:
+def deal_arrivals(
+    rng: random.Random, turns_per_session: Sequence[int], rate: float
+) -> list[list[float]]:
     """Poisson arrival times dealt to sessions in a random interleaving: [session][turn]."""
     order = [s for s, n in enumerate(turns_per_session) for _ in range(n)]
     rng.shuffle(order)
@@ -110,6 +112,29 @@ def _chain(
             parent = rid
     requests.sort(key=lambda r: r.at_s)
     return _renumber(requests)
+
+
+def _poisson_chain(
+    rng: random.Random,
+    sessions: list[tuple[str, list[dict[str, str]], list[tuple[str, int]]]],
+    rate: float,
+    carry: bool = True,
+) -> list[Request]:
+    """`_chain` of the sessions, their turns arriving as one Poisson process of `rate`."""
+    return _chain(sessions, deal_arrivals(rng, [len(s[2]) for s in sessions], rate), carry)
+
+
+def _params(
+    config: Any, names: dict[str, str] | None = None, leave: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A builder's fields as the results name them (`names`: renamed ones), in their order;
+    the seed and the fields in `leave` left out."""
+    names = names or {}
+    return {
+        names.get(f.name, f.name): getattr(config, f.name)
+        for f in fields(config)
+        if f.name != "seed" and f.name not in leave
+    }
 
 
 def _renumber(requests: list[Request]) -> list[Request]:
@@ -209,13 +234,14 @@ class MultiRoundQA:
             "multi-round QA (production-stack)",
             _renumber(requests),
             {
-                "users": self.users,
-                "rounds": self.rounds,
-                "system_prompt_tokens": self.system_tokens,
-                "user_history_tokens": self.history_tokens,
-                "answer_tokens": self.answer_tokens,
-                "question_tokens": self.question_tokens,
-                "qps": self.qps,
+                **_params(
+                    self,
+                    {
+                        "system_tokens": "system_prompt_tokens",
+                        "history_tokens": "user_history_tokens",
+                    },
+                    leave=("requests",),
+                ),
                 "per_user_interval_s": gap,
                 "requests": len(measured),
                 "warmup_requests": self.users,
@@ -260,19 +286,11 @@ class ShareGPTLike:
                     (text.strip(), _lognormal_int(rng, self.answer_mean_tokens, 0.6, 16, 1024))
                 )
             sessions.append((f"chat{s}", [{"role": "system", "content": system}], items))
-        arrivals = deal_arrivals(rng, [len(s[2]) for s in sessions], self.rate)
         return Workload(
             "sharegpt",
             "ShareGPT-like multi-turn chat",
-            _chain(sessions, arrivals),
-            {
-                "sessions": self.sessions,
-                "mean_turns": self.mean_turns,
-                "max_turns": self.max_turns,
-                "user_mean_tokens": self.user_mean_tokens,
-                "answer_mean_tokens": self.answer_mean_tokens,
-                "rate": self.rate,
-            },
+            _poisson_chain(rng, sessions, self.rate),
+            _params(self, leave=("system_tokens",)),
         )
 
 
@@ -310,21 +328,12 @@ class LooGLELike:
             for c in range(self.share_ratio)
             for d, base, items in base_sessions
         ]
-        arrivals = deal_arrivals(rng, [len(s[2]) for s in sessions], self.rate)
         return Workload(
             "loogle" if self.share_ratio == 1 else f"loogle_share{self.share_ratio}",
             "LooGLE-like document QA"
             + ("" if self.share_ratio == 1 else f", share ratio {self.share_ratio}"),
-            _chain(sessions, arrivals, carry=False),
-            {
-                "documents": self.documents,
-                "questions_per_document": self.questions,
-                "document_tokens": self.doc_tokens,
-                "question_tokens": self.question_tokens,
-                "answer_tokens": self.answer_tokens,
-                "share_ratio": self.share_ratio,
-                "rate": self.rate,
-            },
+            _poisson_chain(rng, sessions, self.rate, carry=False),
+            _params(self, {"questions": "questions_per_document", "doc_tokens": "document_tokens"}),
         )
 
 
@@ -368,18 +377,9 @@ class ReActLike:
                 )
                 items.append((f"Observation:{obs}", self.action_tokens))
             sessions.append((f"agent{s}", base, items))
-        arrivals = deal_arrivals(rng, [len(s[2]) for s in sessions], self.rate)
         return Workload(
             "react",
             "ReAct-like agent loops",
-            _chain(sessions, arrivals),
-            {
-                "sessions": self.sessions,
-                "fewshot_tokens": self.fewshot_tokens,
-                "task_tokens": self.task_tokens,
-                "steps": self.steps,
-                "action_tokens": self.action_tokens,
-                "observation_mean_tokens": self.observation_tokens,
-                "rate": self.rate,
-            },
+            _poisson_chain(rng, sessions, self.rate),
+            _params(self, {"observation_tokens": "observation_mean_tokens"}),
         )

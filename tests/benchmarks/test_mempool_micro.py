@@ -6,18 +6,15 @@ noisy for thresholds, so targets are reported by the benchmark, never asserted h
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.runs import PNG_MAGIC, quick_results
+
 NAME = "mempool_micro"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 POSITIVE_FLOATS = (
     "alloc_ns_per_block",
     "free_ns_per_block",
@@ -40,24 +37,7 @@ TARGETS = (
 )
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run the quick benchmark once for every check in this module."""
-    out = tmp_path_factory.mktemp("mempool_micro")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mempool_micro", "--out", str(out), "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def figures(out_dir: Path) -> dict[str, Any]:
-    return json.loads((out_dir / f"{NAME}.json").read_text())
+out_dir, figures = quick_results(NAME, timeout=120)
 
 
 def test_output_files_exist(out_dir: Path) -> None:

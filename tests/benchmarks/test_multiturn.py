@@ -10,16 +10,13 @@ arithmetic is checked against the real tokenizer, since the oracle relies on it.
 from __future__ import annotations
 
 import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from tests.benchmarks.runs import PNG_MAGIC, benchmark, finite, quick_results
+
 REQUIRED = (
     "system",
     "policy",
@@ -49,27 +46,7 @@ TARGETS = (
 PLOTS = ("latency_vs_rate.png", "per_turn_ttft.png", "hit_ratio.png", "share_ratio.png", "pd.png")
 
 
-def number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def multiturn(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m benchmarks.multiturn --out OUT ARGS` from the repository root."""
-    command = [sys.executable, "-m", "benchmarks.multiturn", "--out", str(out), *args]
-    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("multiturn")
-    done = multiturn(out, "--quick", timeout=420)
-    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-4000:]}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def results(out_dir: Path) -> dict[str, Any]:
-    return json.loads((out_dir / "results.json").read_text())
+out_dir, results = quick_results("multiturn", timeout=420, json_name="results")
 
 
 def available(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -98,10 +75,10 @@ def test_latencies_and_ratios_are_sane(results: dict[str, Any]) -> None:
         assert run["requests"] > 0, where
         assert run["completed"] + run["errors"] == run["requests"], where
         for key in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "jct_mean_s", "jct_p99_s"):
-            assert number(run[key]) and run[key] > 0, f"{where}: {key} = {run[key]}"
+            assert finite(run[key]) and run[key] > 0, f"{where}: {key} = {run[key]}"
         assert run["ttft_p50_s"] <= run["ttft_p99_s"], where
         assert run["ttft_mean_s"] <= run["jct_mean_s"], where
-        assert number(run["tpot_mean_s"]) and run["tpot_mean_s"] > 0, where
+        assert finite(run["tpot_mean_s"]) and run["tpot_mean_s"] > 0, where
         assert 0 <= run["hit_ratio"] <= 1, where
         assert 0 <= run["oracle_hit_ratio"] <= 1, where
         if run.get("gpu_utilization") is not None:  # modelled GPU time within the run's span
@@ -215,7 +192,7 @@ def test_any_mooncake_format_trace_replays(tmp_path: Path, model_dir: Path) -> N
     assert [r.max_tokens for r in reqs] == [20, 30, 10]
     assert reqs[2].parent == 0 and reqs[2].turn == 1 and reqs[1].parent is None
     assert reqs[2].at_s == pytest.approx(3.0)  # 3 requests at 1/s: 9 s of trace -> 3 s
-    assert reqs[2].prompt_ids[:512] == reqs[0].prompt_ids[:512]  # the shared block
+    assert (reqs[2].prompt_ids or [])[:512] == (reqs[0].prompt_ids or [])[:512]  # shared block
 
 
 def test_multi_round_qa_follows_production_stacks_schedule() -> None:
@@ -252,7 +229,7 @@ def test_report_only_rewrites_the_report_from_the_same_runs(
     copy = tmp_path / "again"
     copy.mkdir()
     (copy / "results.json").write_text((out_dir / "results.json").read_text())
-    done = multiturn(copy, "--report-only", timeout=120)
+    done = benchmark("multiturn", copy, "--report-only", timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     again = json.loads((copy / "results.json").read_text())
     assert again["runs"] == results["runs"] and again["machine"] == results["machine"]
@@ -262,5 +239,5 @@ def test_report_only_rewrites_the_report_from_the_same_runs(
 
 
 def test_report_only_without_results_is_a_clear_error(tmp_path: Path) -> None:
-    done = multiturn(tmp_path, "--report-only", timeout=60)
+    done = benchmark("multiturn", tmp_path, "--report-only", timeout=60)
     assert done.returncode == 2 and "cannot read the runs from" in done.stderr, done.stderr

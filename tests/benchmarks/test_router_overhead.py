@@ -7,18 +7,14 @@ peer (sglang-router) may be missing; then the results must say it was skipped an
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.runs import PNG_MAGIC, finite, quick_results
+
 NAME = "router_overhead"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WORKLOADS = ("small", "cold_8k", "multi_turn")
 OURS = ("ours prompt_tree", "ours round_robin")
 PEERS = ("sglang-router cache_aware", "sglang-router round_robin")
@@ -26,36 +22,10 @@ TARGETS = ("decision_p50_us", "multi_turn_added_p50_ms", "cold_8k_added_p50_ms",
 
 
 def positive(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+    return finite(value) and value > 0
 
 
-def is_finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run the quick benchmark once for every check in this module."""
-    out = tmp_path_factory.mktemp(NAME)
-    done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{NAME}", "--out", str(out), "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-4000:]}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def figures(out_dir: Path) -> dict[str, Any]:
-    return json.loads((out_dir / f"{NAME}.json").read_text())
+out_dir, figures = quick_results(NAME, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +74,7 @@ def test_measured_latencies_are_positive(systems: dict[str, dict[str, Any]], nam
         assert s["errors"][w] == 0, (name, w)
         for q in ("p50", "p99"):
             assert positive(s["latency_ms"][w][q]), (name, w, q, s["latency_ms"][w])
-            assert is_finite(s["added_ms"][w][q]), (name, w, q)  # may be < 0 by noise
+            assert finite(s["added_ms"][w][q]), (name, w, q)  # may be < 0 by noise
         assert s["latency_ms"][w]["p99"] >= s["latency_ms"][w]["p50"]
     assert s["latency_ms"]["cold_8k"]["p50"] > s["latency_ms"]["small"]["p50"]
     assert s["rps"] is not None and positive(s["rps"]["rps"]), s["rps"]
@@ -173,7 +143,7 @@ def test_targets_are_reported(figures: dict[str, Any]) -> None:
             assert isinstance(t.get("why"), str) and t["why"], name
     for name in TARGETS[:3]:
         assert isinstance(targets[name]["met"], bool), name
-        assert is_finite(targets[name]["value"]), name
+        assert finite(targets[name]["value"]), name
 
 
 def test_markdown_has_the_tables(out_dir: Path) -> None:

@@ -7,39 +7,18 @@ positive and ordered, and the files have the promised structure.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.benchmarks.runs import PNG_MAGIC, quick_results
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NAME = "transfer"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SHAPES = {"SmolLM2-135M": (30, 3, 64), "Llama-2-13B": (40, 40, 128)}
 SYSTEM_CASES = ("discrete", "aggregated", "merged", "aggregated_read")
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp(NAME)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transfer", "--out", str(out), "--quick"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-5000:]}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def figures(out_dir: Path) -> dict[str, Any]:
-    return json.loads((out_dir / f"{NAME}.json").read_text())
+out_dir, figures = quick_results(NAME, timeout=300)
 
 
 def systems(figures: dict[str, Any]) -> list[str]:

@@ -1,21 +1,26 @@
-"""Result files shared by every benchmark: one JSON for machines, one Markdown page for people.
+"""What every benchmark shares: its command line, its event loop, progress bars and the
+result files (one JSON for machines, one Markdown page for people).
 
 Every benchmark writes the same pair so that results from different runs and machines can be
-diffed and compared without per-benchmark parsing code. Only the standard library is used, so
-writing results never depends on an optional package (orjson is not guaranteed installed).
+diffed and compared without per-benchmark parsing code. Results are written with the standard
+library only, so writing them never depends on an optional package (orjson is not guaranteed
+installed). Starting and stopping server processes is `router.procs`.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import math
 import os
 import platform
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -27,7 +32,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Servers a benchmark starts never download anything.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
+
+T = TypeVar("T")
 
 
 def machine_facts() -> dict[str, Any]:
@@ -56,7 +65,7 @@ def _git_state() -> dict[str, Any]:
 
 def _git(*args: str) -> str:
     done = subprocess.run(
-        ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
+        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
     )
     return done.stdout.strip()
 
@@ -72,6 +81,11 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+def finite(value: Any) -> TypeGuard[float]:
+    """A real number to show: not None, not a bool, not NaN or infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def format_cell(value: Any) -> str:
@@ -100,19 +114,27 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def table_section(heading: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A `## heading` and its table, as Markdown lines for `write_results(body=...)`."""
+    return [f"## {heading}", "", markdown_table(rows), ""]
+
+
 def write_results(
     out_dir: Path,
     name: str,
     figures: dict[str, Any],
-    table_rows: list[dict[str, Any]],
+    table_rows: list[dict[str, Any]] | None,
     title: str,
     notes: list[str],
     machine: dict[str, Any] | None = None,
+    body: Sequence[str] = (),
 ) -> tuple[Path, Path]:
     """Write `{name}.json` (the figures plus a `machine` entry: this one's, unless the figures
     were measured elsewhere) and `{name}.md`; return both.
 
-    JSON uses sorted keys and indentation so that two runs diff line by line.
+    The page: the title, the headline table (none when `table_rows` is None), the Markdown
+    lines of `body`, the notes, the machine. JSON uses sorted keys and indentation so that
+    two runs diff line by line.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +143,10 @@ def write_results(
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
-    parts = [f"# {title}", "", markdown_table(table_rows), ""]
+    parts = [f"# {title}", ""]
+    if table_rows is not None:
+        parts += [markdown_table(table_rows), ""]
+    parts += body
     if notes:
         parts += ["## Notes", "", *(f"- {note}" for note in notes), ""]
     parts += ["## Machine", "", *(f"- {k}: {format_cell(v)}" for k, v in facts.items()), ""]
@@ -153,3 +178,40 @@ def progress_bar(width: int = 38) -> Progress:
 def step(progress: Progress, task: TaskID) -> None:
     progress.advance(task)
     progress.refresh()
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """uvloop when installed (as the routers and workers run), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def parse_args(argv: Sequence[str] | None, description: str, quick_help: str) -> argparse.Namespace:
+    """The flags every benchmark takes: `--out DIR` (required) and `--quick`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser.parse_args(argv)
+
+
+def benchmark_main(
+    argv: Sequence[str] | None,
+    name: str,
+    doc: str | None,
+    run: Callable[[Path, bool], dict[str, Any]],
+    quick_help: str,
+    summary_end: str = "\n## Notes",
+) -> int:
+    """`python -m benchmarks.<name> --out DIR [--quick]`: run, then print where the files
+    went and the Markdown page up to `summary_end` (the headline tables)."""
+    args = parse_args(argv, (doc or name).splitlines()[0], quick_help)
+    started = time.perf_counter()
+    figures = run(args.out, args.quick)
+    wall = time.perf_counter() - started
+    print(f"{name}: {figures['mode']} run, {wall:.1f} s including the plot -> {args.out}")
+    print((args.out / f"{name}.md").read_text().split(summary_end)[0])
+    return 0

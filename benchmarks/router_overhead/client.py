@@ -1,0 +1,95 @@
+"""The HTTP client side: one timed chat request, worker cache flushes, and N clients
+sending as fast as they can for a fixed window."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from benchmarks.router_overhead.settings import CHAT
+from router.procs import JSON_HEADERS, Server
+
+
+async def timed_chat(
+    session: aiohttp.ClientSession, url: str, body: bytes
+) -> tuple[float | None, dict[str, Any] | None, str]:
+    """(seconds, usage, answer text) of one chat request; (None, None, "") on an error."""
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+            payload = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError):
+        return None, None, ""
+    seconds = time.perf_counter() - t0
+    if status != 200:
+        return None, None, ""
+    try:
+        answer = json.loads(payload)
+        usage = answer.get("usage")
+        text = answer["choices"][0]["message"]["content"] or ""
+    except (ValueError, AttributeError, KeyError, IndexError, TypeError):
+        return seconds, None, ""
+    return seconds, usage if isinstance(usage, dict) else None, text
+
+
+async def timed_post(
+    session: aiohttp.ClientSession, url: str, body: bytes
+) -> tuple[float | None, dict[str, Any] | None]:
+    """(seconds, usage) of one request; (None, None) on an error."""
+    seconds, usage, _ = await timed_chat(session, url, body)
+    return seconds, usage
+
+
+async def flush_workers(session: aiohttp.ClientSession, workers: list[Server]) -> None:
+    """Every system starts a chunk from the same (empty) worker caches."""
+    for w in workers:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.post(w.url + "/flush_cache") as resp:
+                await resp.read()
+
+
+async def max_rps(
+    urls: list[str], payloads: list[bytes], concurrency: int, warmup_s: float, duration_s: float
+) -> tuple[list[float], int]:
+    """(latencies of the requests completed in the window, errors) from `concurrency`
+    clients over `warmup_s` uncounted then `duration_s` counted seconds."""
+    timeout = aiohttp.ClientTimeout(total=60)
+    connector = aiohttp.TCPConnector(limit=0)
+    counter = itertools.count()
+    done: list[float] = []
+    errors = 0
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter() + warmup_s
+        end = start + duration_s
+
+        async def client() -> None:
+            nonlocal errors
+            while time.perf_counter() < end:
+                i = next(counter)
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(
+                        urls[i % len(urls)] + CHAT,
+                        data=payloads[i % len(payloads)],
+                        headers=JSON_HEADERS,
+                    ) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                t1 = time.perf_counter()
+                if start <= t1 <= end:  # completions inside the window
+                    if ok:
+                        done.append(t1 - t0)
+                    else:
+                        errors += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return done, errors

@@ -1,0 +1,101 @@
+"""The two measured phases over HTTP: added latency (one sequential client, systems
+interleaved request by request) and maximum requests/s (N clients, slices interleaved)."""
+
+from __future__ import annotations
+
+import aiohttp
+from rich.progress import Progress
+
+from benchmarks.harness import step
+from benchmarks.router_overhead.client import flush_workers, max_rps, timed_chat, timed_post
+from benchmarks.router_overhead.figures import p50_p99
+from benchmarks.router_overhead.settings import CHAT, SMALL_MAX_TOKENS, Settings
+from benchmarks.router_overhead.systems import System
+from benchmarks.router_overhead.text import Conversation, chat_body
+from router.procs import Server
+
+
+async def latency_phase(
+    systems: list[System],
+    workers: list[Server],
+    small: list[bytes],
+    conversations: list[Conversation],
+    warmup: tuple[list[bytes], list[bytes]],
+    settings: Settings,
+    progress: Progress,
+) -> None:
+    """Sequential requests from one client, the systems interleaved (each request, or each
+    conversation, goes through every system in turn, in a rotated order), so a change in the
+    machine's speed hits every system alike and each sample pairs with the baseline's."""
+    live = [s for s in systems if s.available]
+    timeout = aiohttp.ClientTimeout(total=120)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        warm = progress.add_task("warm-up", total=len(live))
+        for s in live:
+            for body in warmup[0] + warmup[1]:
+                await timed_post(session, s.url + CHAT, body)
+            step(progress, warm)
+        small_task = progress.add_task("latency: small chat", total=len(small) * len(live))
+        conv_requests = sum(len(c.turns) for c in conversations)
+        conv_task = progress.add_task(
+            "latency: 8K chats (cold, turns)", total=conv_requests * len(live)
+        )
+        for i, body in enumerate(small):  # one request per system, in a rotated order
+            for s in live[i % len(live) :] + live[: i % len(live)]:
+                s.record("small", *await timed_post(session, s.url + CHAT, body))
+            progress.advance(small_task, len(live))
+            if i % 20 == 0:
+                progress.refresh()
+        for c, conv in enumerate(conversations):  # a whole conversation per system
+            for s in live[c % len(live) :] + live[: c % len(live)]:
+                await flush_workers(session, workers)
+                messages, answer = list(conv.turns[0]), ""
+                for turn in range(len(conv.turns)):
+                    if turn:  # a chat client sends the answer back, then its next question
+                        question = conv.turns[turn][-1]
+                        reply = {"role": "assistant", "content": answer}
+                        messages = [*messages, reply, question]
+                    body = chat_body(messages, SMALL_MAX_TOKENS)
+                    seconds, usage, answer = await timed_chat(session, s.url + CHAT, body)
+                    s.record("cold_8k" if turn == 0 else "multi_turn", seconds, usage)
+                progress.advance(conv_task, len(conv.turns))
+            progress.refresh()
+        await flush_workers(session, workers)
+
+
+async def rps_phase(
+    systems: list[System], small: list[bytes], settings: Settings, progress: Progress
+) -> None:
+    """Each system's window is cut into slices run in a rotated order across systems, so a
+    change in the machine's speed during the phase hits every system alike."""
+    live = [s for s in systems if s.available]
+    slices = settings.rps_slices
+    per_slice = settings.rps_duration_s / slices
+    task = progress.add_task(
+        f"max rps ({settings.concurrency} clients, {settings.rps_duration_s:g} s each)",
+        total=len(live) * slices,
+    )
+    latencies: dict[str, list[float]] = {s.name: [] for s in live}
+    errors = dict.fromkeys(latencies, 0)
+    per: dict[str, list[float]] = {s.name: [] for s in live}
+    for k in range(slices):
+        for s in live[k % len(live) :] + live[: k % len(live)]:
+            done, failed = await max_rps(
+                s.rps_urls, small, settings.concurrency, settings.rps_warmup_s, per_slice
+            )
+            latencies[s.name] += done
+            errors[s.name] += failed
+            per[s.name].append(len(done) / per_slice)
+            step(progress, task)
+    for s in live:
+        done = latencies[s.name]
+        s.rps = {
+            "rps": len(done) / settings.rps_duration_s,
+            "requests": len(done),
+            "errors": errors[s.name],
+            "concurrency": settings.concurrency,
+            "duration_s": settings.rps_duration_s,
+            "slices_rps": per[s.name],
+            "latency_ms": p50_p99(done, 1e3),
+        }

@@ -1,0 +1,75 @@
+"""The benchmark's sizes, durations, workloads and targets, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NAME = "router_overhead"
+SEED = 20240623
+CHAT = "/v1/chat/completions"
+PEER_PACKAGE = "sglang-router"
+PEER_MODULE = "sglang_router"
+
+CONV_TOKENS = 8192  # a cold chat is at least this long (tokens, chat template included)
+SMALL_MAX_TOKENS = 8  # latency workloads: a short answer
+RPS_MAX_TOKENS = 1
+
+TARGET_DECISION_P50_US = 200.0
+TARGET_MULTI_TURN_ADDED_P50_MS = 2.0
+TARGET_COLD_MARGIN_MS = 1.0  # cold 8K added latency <= tokenizer p50 + this
+TARGET_RPS_RATIO = 0.5  # ours (prompt_tree) / sglang-router (cache_aware)
+
+WORKLOADS = ("small", "cold_8k", "multi_turn")
+WORKLOAD_TITLES = {
+    "small": "small chat (~50 tok)",
+    "cold_8k": "cold 8K chat",
+    "multi_turn": "multi-turn 8K (turn >= 2)",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes and durations: quick mode trades precision for a run of about a minute."""
+
+    quick: bool
+    small_requests: int  # per system
+    conversations: int  # 8K conversations per system
+    turns: int  # per conversation: 1 cold turn, then turns - 1 multi-turn requests
+    concurrency: int  # max requests/s: concurrent clients
+    rps_warmup_s: float  # per slice, not counted
+    rps_duration_s: float  # counted, per system
+    rps_slices: int  # the window is run in this many slices, interleaved across systems
+    tree_conversations: int  # decision time: conversations in the prompt trees
+    tree_workers: int
+    decision_calls: int  # timed select() calls per case
+    tokenizer_conversations: int  # conversations timed for the tokenizer's cost
+
+
+QUICK = Settings(
+    True,
+    small_requests=120,
+    conversations=8,
+    turns=4,
+    concurrency=32,
+    rps_warmup_s=0.3,
+    rps_duration_s=3.0,
+    rps_slices=2,
+    tree_conversations=200,
+    tree_workers=4,
+    decision_calls=200,
+    tokenizer_conversations=12,
+)
+FULL = Settings(
+    False,
+    small_requests=1000,
+    conversations=100,
+    turns=5,
+    concurrency=32,
+    rps_warmup_s=0.3,
+    rps_duration_s=10.0,
+    rps_slices=5,
+    tree_conversations=200,
+    tree_workers=4,
+    decision_calls=1000,
+    tokenizer_conversations=40,
+)

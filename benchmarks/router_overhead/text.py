@@ -1,0 +1,119 @@
+"""Seeded English-like prose and the chats made of it: small prompts and 8K conversations."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.router_overhead.settings import CONV_TOKENS, SEED
+
+# Common English words plus a domain's vocabulary: text that tokenizes like prose, about one
+# token per word with SmolLM2's tokenizer.
+_WORD_TEXT = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if so "
+    "no will more can who out up about into some could them than other time only new these two "
+    "may first then do any like my now over such our man me even most made after also did many "
+    "before must through back years where much your way down should because long each just "
+    "state people those too how little good world very still own see men work get here between "
+    "both life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three shipment parcel warehouse invoice "
+    "customer route delivery pallet carrier freight customs schedule driver depot container "
+    "manifest tracking weight volume priority express standard refund claim damaged delayed "
+    "address postcode signature insurance declared value border permit hazardous fragile"
+)
+WORDS = _WORD_TEXT.split()
+SYSTEM_PROMPT = (
+    "You are a meticulous assistant for a logistics company. Always answer with the shipment "
+    "policy in mind, cite the section you rely on, keep answers short, and ask for the "
+    "tracking number when it is missing. Never promise a delivery date the carrier has not "
+    "confirmed. Escalate damaged or hazardous goods to a human agent. "
+) * 2
+
+
+class TextMaker:
+    """Seeded prose: sentences of common words with capitals, numbers and punctuation."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def sentence(self) -> str:
+        rng = self.rng
+        words = rng.choices(WORDS, k=rng.randint(6, 18))
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(2, 9999)))
+        if rng.random() < 0.2:
+            i = rng.randrange(len(words))
+            words[i] += ","
+        text = " ".join(words)
+        return text[0].upper() + text[1:] + rng.choice(".....?!")
+
+    def paragraph(self, words: int) -> str:
+        """About `words` words of sentences, sometimes broken into paragraphs."""
+        out: list[str] = []
+        count = 0
+        while count < words:
+            s = self.sentence()
+            count += s.count(" ") + 1
+            out.append(s)
+            if self.rng.random() < 0.12:
+                out.append("\n\n")
+        return " ".join(out).replace(" \n\n ", "\n\n").strip()
+
+
+@dataclass
+class Conversation:
+    """One 8K chat: turn 1 is the whole history ending with a user message; each later
+    turn's last message is its new user question (the assistant reply before it is scripted
+    here, but the benchmark sends the worker's real answer in its place)."""
+
+    turns: list[list[dict[str, str]]]
+    tokens: int  # turn 1's prompt tokens (chat template included)
+
+
+def make_conversation(
+    tokenizer: Any, index: int, turns: int, target: int = CONV_TOKENS, exact: bool = True
+) -> Conversation:
+    """Seeded by `index`; turn 1 has at least `target` tokens (estimated when not `exact`)."""
+    text = TextMaker(SEED * 1000 + index)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    tokens = len(tokenizer.encode(SYSTEM_PROMPT, False)) + 5  # ~5 template tokens a message
+    while True:
+        while tokens < target or messages[-1]["role"] != "user":
+            role = "assistant" if messages[-1]["role"] == "user" else "user"
+            content = f"[{index}.{len(messages)}] " + text.paragraph(text.rng.randint(220, 340))
+            messages.append({"role": role, "content": content})
+            tokens += len(tokenizer.encode(content, False)) + 5
+        if not exact:
+            break
+        tokens = len(tokenizer.encode_chat(messages))
+        if tokens >= target:
+            break
+    history = list(messages)
+    out = [list(history)]
+    for turn in range(2, turns + 1):
+        reply = text.paragraph(text.rng.randint(25, 45))
+        question = f"Turn {turn}: " + text.sentence() + " " + text.sentence()
+        history = [
+            *history,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": question},
+        ]
+        out.append(list(history))
+    return Conversation(out, tokens)
+
+
+def small_prompts(n: int) -> list[list[dict[str, str]]]:
+    """~50-token chats (SmolLM2's template adds its default system prompt)."""
+    text = TextMaker(SEED)
+    out = []
+    for i in range(n):
+        words = text.rng.choices(WORDS, k=16)
+        out.append([{"role": "user", "content": f"Question {i}: " + " ".join(words) + "?"}])
+    return out
+
+
+def chat_body(messages: list[dict[str, str]], max_tokens: int) -> bytes:
+    return json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0}).encode()

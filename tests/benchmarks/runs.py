@@ -1,0 +1,58 @@
+"""Run a benchmark as its operator does (`python -m benchmarks.NAME --out DIR ...` from the
+repository root) and read what it wrote; shared by the benchmarks' tests."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def benchmark(name: str, out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m benchmarks.NAME --out OUT ARGS`, its output captured."""
+    command = [sys.executable, "-m", f"benchmarks.{name}", "--out", str(out), *args]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory, timeout: float) -> Path:
+    """The quick preset, run once into a fresh directory, which is returned; a failed run
+    fails the caller with the benchmark's output."""
+    out = tmp_path_factory.mktemp(name)
+    done = benchmark(name, out, "--quick", timeout=timeout)
+    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-5000:]}"
+    return out
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    figures = json.loads(path.read_text())
+    assert isinstance(figures, dict), path
+    return figures
+
+
+def finite(value: Any) -> bool:
+    """A real number: not None, not a bool, not NaN or infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def quick_results(name: str, timeout: float, json_name: str | None = None) -> tuple[Any, Any]:
+    """The module-scoped fixtures `out_dir` (the quick run's directory, run once for every
+    check of a module) and its JSON, named `figures` or, with `json_name`, after it."""
+    fixture_name = json_name or "figures"
+
+    @pytest.fixture(scope="module", name="out_dir")
+    def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return quick_run(name, tmp_path_factory, timeout)
+
+    @pytest.fixture(scope="module", name=fixture_name)
+    def figures(out_dir: Path) -> dict[str, Any]:
+        return read_json(out_dir / f"{json_name or name}.json")
+
+    return out_dir, figures
