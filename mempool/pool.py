@@ -331,9 +331,9 @@ class MemPool:
         for tier, part in groups.items():
             tier.free(part)
 
-    def _explain_foreign(self, addr: object) -> str:
+    def _explain_foreign(self, addr: int) -> str:
         try:
-            inst, mem_type, _ = decode(addr)  # type: ignore[arg-type]
+            inst, mem_type, _ = decode(addr)  # raises for what is not an address at all
         except ValueError as exc:
             return str(exc)
         if inst != self.instance_id:

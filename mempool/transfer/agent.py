@@ -26,7 +26,13 @@ from mempool.errors import InvalidAddress, InvalidRequest
 from mempool.pool import InsertFlags, MemPool, PrefixMatch
 from mempool.radix import InsertResult, token_array
 from mempool.transfer import messages as m
-from mempool.transfer.base import DataTransport, PeerInfo, Region, TransferFailed
+from mempool.transfer.base import (
+    DataTransport,
+    OfferExchanging,
+    PeerInfo,
+    Region,
+    TransferFailed,
+)
 from mempool.transfer.control import ControlLink, accept_link, open_link
 from mempool.transfer.grants import Grants
 from mempool.transfer.local import LocalTransport
@@ -229,9 +235,9 @@ class TransferAgent:
         else:
             raise InvalidRequest(f"unknown transport {transport!r}; expected tcp, local or one")
         if hasattr(self.transport, "access"):
-            self.transport.access = self.grants.check  # type: ignore[attr-defined]
-        if getattr(self.transport, "exchange", False) is None:  # RDMA trades queue pairs here
-            self.transport.exchange = self._exchange  # type: ignore[attr-defined]
+            self.transport.access = self.grants.check
+        if isinstance(self.transport, OfferExchanging) and self.transport.exchange is None:
+            self.transport.exchange = self._exchange  # RDMA trades queue pairs here
         self._own_membership = membership is None
         self.membership = membership or InProcessCluster(ttl_s=float("inf"), heartbeat_s=3600)
         self.receiver = Receiver(
@@ -241,8 +247,8 @@ class TransferAgent:
         self._server: asyncio.base_events.Server | None = None
         self._links: dict[int, ControlLink] = {}
         self._link_locks: dict[int, asyncio.Lock] = {}
-        self._serving: set[asyncio.Task] = set()
-        self._sweeper: asyncio.Task | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self._next_id = 0
 
     # ----------------------------------------------------------------- lifecycle
@@ -332,7 +338,7 @@ class TransferAgent:
     async def transfer_with_insert(
         self,
         id: int,
-        tokens: Sequence[int] | array,
+        tokens: Sequence[int] | array[int],
         src_addrs: Sequence[int],
         dst_addrs: Sequence[int] | None = None,
         flags: TransferFlags | int = TransferFlags.NONE,
@@ -356,7 +362,7 @@ class TransferAgent:
         id: int,
         src_addrs: Sequence[int],
         *,
-        tokens: Sequence[int] | array | None = None,
+        tokens: Sequence[int] | array[int] | None = None,
         dst_addrs: Sequence[int] | None = None,
         flags: TransferFlags | int = TransferFlags.NONE,
         private: Any = None,
@@ -446,7 +452,7 @@ class TransferAgent:
     async def pull(
         self,
         id: int,
-        tokens: Sequence[int] | array,
+        tokens: Sequence[int] | array[int],
         flags: TransferFlags | int = TransferFlags.NONE,
     ) -> PullResult:
         """Read the part of `tokens`' cached prefix that instance `id` has and we lack.

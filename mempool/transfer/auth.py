@@ -24,8 +24,9 @@ _MAC = hashlib.sha256().digest_size
 _OK, _NO = b"OK", b"NO"
 _HEAD = struct.Struct("!4s4sI")  # magic, channel kind, instance id
 
-Send = Callable[[bytes], Awaitable[None]]
-Recv = Callable[[int], Awaitable[bytes]]
+Bytes = bytes | bytearray
+Send = Callable[[bytes], Awaitable[object]]  # what it returns (bytes sent, say) is ignored
+Recv = Callable[[int], Awaitable[Bytes]]
 
 
 class AuthenticationFailed(TransferFailed):
@@ -38,7 +39,7 @@ def _key(secret: bytes | str | None) -> bytes:
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
-def _mac(key: bytes, label: bytes, kind: bytes, cn: bytes, sn: bytes, cid: int, sid: int) -> bytes:
+def _mac(key: bytes, label: bytes, kind: bytes, cn: Bytes, sn: Bytes, cid: int, sid: int) -> bytes:
     msg = b"|".join((b"mempool-auth", label, kind, cn, sn, b"%d" % cid, b"%d" % sid))
     return hmac.new(key, msg, hashlib.sha256).digest()
 
@@ -59,6 +60,7 @@ async def client_handshake(
     await send(_HEAD.pack(MAGIC, k, my_id) + cn)
     head = await recv(_HEAD.size + NONCE + _MAC)
     magic, skind, sid = _HEAD.unpack_from(head)
+    sid = int(sid)
     if magic != MAGIC or skind != k:
         raise AuthenticationFailed(f"the peer does not speak this protocol ({magic!r}, {skind!r})")
     sn = head[_HEAD.size : _HEAD.size + NONCE]
@@ -80,6 +82,7 @@ async def server_handshake(
     key, k = _key(secret), _kind(kind)
     head = await recv(_HEAD.size + NONCE)
     magic, ckind, cid = _HEAD.unpack_from(head)
+    cid = int(cid)
     if magic != MAGIC or ckind != k:
         raise AuthenticationFailed(f"a client that does not speak this protocol ({magic!r})")
     cn = head[_HEAD.size :]

@@ -10,9 +10,9 @@ in hardware or their own engine; TCP and the same-host path emulate it in softwa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +90,20 @@ def _same_blocks(last: Segment, seg: Segment, src_block: int, dst_block: int) ->
         last.src_offset // src_block == (seg.src_offset + seg.length - 1) // src_block
         and last.dst_offset // dst_block == (seg.dst_offset + seg.length - 1) // dst_block
     )
+
+
+# The control plane's way to hand an offer to the peer's `accept` and bring back its answer.
+Exchange = Callable[["PeerInfo", dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@runtime_checkable
+class OfferExchanging(Protocol):
+    """A transport that trades connection offers over the control connection (RDMA).
+
+    The agent fills `exchange` in when the transport was made without one.
+    """
+
+    exchange: Exchange | None
 
 
 class TransferFailed(Exception):

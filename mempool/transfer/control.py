@@ -17,7 +17,13 @@ from typing import TypeVar
 
 from mempool import errors
 from mempool.transfer import messages as m
-from mempool.transfer.auth import AuthenticationFailed, client_handshake, server_handshake
+from mempool.transfer.auth import (
+    AuthenticationFailed,
+    Recv,
+    Send,
+    client_handshake,
+    server_handshake,
+)
 from mempool.transfer.base import PeerInfo, TransferFailed
 from mempool.transfer.plan import KVGeometry
 
@@ -38,7 +44,7 @@ _REFUSALS: dict[str, type[Exception]] = {
 R = TypeVar("R", bound=m.Reply)
 
 
-def stream_io(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):  # type: ignore[no-untyped-def]
+def stream_io(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[Send, Recv]:
     """(send, recv) callables over an asyncio stream, for the handshake."""
 
     async def send(data: bytes) -> None:
@@ -74,7 +80,7 @@ class ControlLink:
         self.geometry = geometry
         self.timeout_s = timeout_s
         self._reader, self._writer = reader, writer
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future[m.Message]] = {}
         self._next = 0
         self.closed: str | None = None  # why, once closed
         self._task = asyncio.get_running_loop().create_task(self._read_replies())

@@ -18,6 +18,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -50,9 +51,9 @@ class ClusterManager(ABC):
         self.heartbeat_s = heartbeat_s
         self._callbacks: list[DeadCallback] = []
         self._joined: dict[int, PeerInfo] = {}
-        self._beats: dict[int, asyncio.Task] = {}
+        self._beats: dict[int, asyncio.Task[None]] = {}
         self._known: set[int] = set()
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._down = False
 
     # ----------------------------------------------------------------- store (subclasses)
@@ -234,7 +235,7 @@ class RedisCluster(ClusterManager):
     def _key(self, instance_id: int) -> str:
         return f"{self.prefix}:peer:{instance_id}"
 
-    async def _call(self, what: str, coro: Awaitable):  # type: ignore[no-untyped-def]
+    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:  # redis replies: bytes
         from redis.exceptions import RedisError
 
         try:

@@ -117,7 +117,7 @@ Reply = Prepared | Committed | Locked | Exchanged | Done | Refused
 Message = Hello | Request | Reply
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 
 def encode(msg: Message) -> bytes:

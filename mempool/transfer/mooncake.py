@@ -68,7 +68,8 @@ def load_engine() -> type:
             "mooncake is not importable: pip install mooncake-transfer-engine-non-cuda "
             f"(needs Debian libibverbs1, libnuma1, libcurl4): {exc}"
         ) from exc
-    return TransferEngine
+    engine: type = TransferEngine  # the library is untyped
+    return engine
 
 
 class MooncakeTransport(DataTransport):
@@ -161,7 +162,7 @@ class MooncakeTransport(DataTransport):
         def run() -> int:  # one thread hop for the whole request, batch after batch
             for i in range(0, len(lengths), step):
                 j = i + step
-                rc = call(target, local_addrs[i:j], remote_addrs[i:j], lengths[i:j])
+                rc: int = call(target, local_addrs[i:j], remote_addrs[i:j], lengths[i:j])
                 if rc != 0:
                     return rc
             return 0

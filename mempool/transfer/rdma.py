@@ -24,7 +24,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -33,6 +33,7 @@ from mempool.address import MemType
 from mempool.pool import MemPool
 from mempool.transfer.base import (
     DataTransport,
+    Exchange,
     PeerInfo,
     Region,
     Segment,
@@ -41,8 +42,6 @@ from mempool.transfer.base import (
 )
 
 NAME = "rdma"
-# The control plane's way to hand an offer to the peer's `accept` and bring back its answer.
-Exchange = Callable[[PeerInfo, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class RdmaUnavailable(RuntimeError):

@@ -56,7 +56,7 @@ class Received:
     xfer: int
     private: Any
     num_tokens: int
-    tokens: array | None
+    tokens: array[int] | None
     addrs: list[int]
     cached_pages: int
     inserted: bool
@@ -79,7 +79,7 @@ def destination_tier(pool: MemPool, flags: int) -> MemType:
 class _Pending:
     xfer: int
     num_tokens: int
-    tokens: array | None
+    tokens: array[int] | None
     addrs: list[int]
     allocated: list[int]  # what the receiver allocated and frees if the transfer dies
     granted: list[tuple[int, int]]
@@ -132,8 +132,8 @@ class Receiver:
         self.clock = clock
         self.sessions: set[Session] = set()
         self._arrivals: deque[Received] = deque(maxlen=backlog)
-        self._waiters: list[tuple[Callable[[Received], bool], asyncio.Future]] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._waiters: list[tuple[Callable[[Received], bool], asyncio.Future[Received]]] = []
+        self._tasks: set[asyncio.Future[None]] = set()
 
     # ----------------------------------------------------------------- dispatch
 
@@ -194,8 +194,8 @@ class Receiver:
                 )
             self._check_writable(addrs)
         else:
-            if msg.insert:
-                match = self.pool.match(tokens, lock=True)  # type: ignore[arg-type]
+            if msg.insert and tokens is not None:  # (insert without tokens was refused above)
+                match = self.pool.match(tokens, lock=True)
             cached = match.num_tokens // geo.page_size if match else 0
             try:
                 need = (pages - cached) * bpp
@@ -206,8 +206,8 @@ class Receiver:
                     self.pool.release(match)
                 raise
             addrs = (match.addrs if match else []) + allocated
-        granted = [self.pool.offset_of(a) for a in addrs[cached * bpp :]]
-        granted = [(int(t), off) for t, off in granted]
+        offsets = map(self.pool.offset_of, addrs[cached * bpp :])
+        granted = [(int(t), off) for t, off in offsets]
         self.grants.grant(session.peer_id, "write", granted)
         session.transfers[msg.xfer] = _Pending(
             msg.xfer,
@@ -413,7 +413,7 @@ class Receiver:
             if predicate(received):
                 self._arrivals.remove(received)
                 return received
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Received] = asyncio.get_running_loop().create_future()
         entry = (predicate, fut)
         self._waiters.append(entry)
         try:

@@ -41,14 +41,14 @@ MAX_PIECES = 1 << 20
 _DRAIN = 1 << 20
 
 
-def _pieces_bytes(triples: array) -> bytes:
+def _pieces_bytes(triples: array[int]) -> bytes:
     if sys.byteorder != "little":  # pragma: no cover - the wire is little-endian
         triples = array("Q", triples)
         triples.byteswap()
     return triples.tobytes()
 
 
-def _pieces_from(raw: bytes | bytearray) -> array:
+def _pieces_from(raw: bytes | bytearray) -> array[int]:
     triples = array("Q")
     triples.frombytes(raw)
     if sys.byteorder != "little":  # pragma: no cover
@@ -128,9 +128,9 @@ class TcpTransport(DataTransport):
         self._links: dict[int, _Link] = {}
         self._link_locks: dict[int, asyncio.Lock] = {}
         self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
+        self._accept_task: asyncio.Task[None] | None = None
         self._served: dict[socket.socket, int] = {}  # accepted connection -> peer id
-        self._serve_tasks: set[asyncio.Task] = set()
+        self._serve_tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -207,10 +207,11 @@ class TcpTransport(DataTransport):
             *(self._run(link, link.streams[i], op, part) for i, part in enumerate(parts)),
             return_exceptions=True,
         )
+        moved = 0
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        moved = sum(results)  # type: ignore[arg-type]
+            moved += res
         if op == OP_WRITE:
             self.bytes_sent += moved
         else:
@@ -422,8 +423,8 @@ class TcpTransport(DataTransport):
                 region = self._regions.get(mem_type)
                 if region is None or length == 0 or offset + length > len(region):
                     refusal = f"bytes [{offset}, {offset + length}) outside tier {mem_type}"
-                else:
-                    refusal = self.access(peer, kind, mem_type, offset, length)
+                    break
+                refusal = self.access(peer, kind, mem_type, offset, length)
                 if refusal:
                     break
                 views.append(region[offset : offset + length])

@@ -21,7 +21,7 @@ from tests.procs import ROOT
 
 @dataclass
 class Peer:
-    proc: subprocess.Popen
+    proc: subprocess.Popen[str]
     ready: dict[str, Any]
     log: Path
 
@@ -34,9 +34,11 @@ class Peer:
             self.proc.wait(timeout=10)
 
 
-def _ready_line(proc: subprocess.Popen, timeout: float) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+def _ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    out = proc.stdout
+    assert out is not None, "started with stdout=PIPE"
+    ready, _, _ = select.select([out], [], [], timeout)
+    return out.readline() if ready else ""
 
 
 @contextlib.asynccontextmanager

@@ -6,6 +6,8 @@ with the allocators' free counts back at their baseline (nothing leaked)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -16,11 +18,12 @@ from mempool import (
     MemPool,
     OutOfBlocks,
 )
-from mempool.transfer.agent import TransferFlags
 from mempool.transfer.auth import AuthenticationFailed
-from mempool.transfer.base import TransferFailed
+from mempool.transfer.base import PeerInfo, Segment, TransferFailed
+from mempool.transfer.local import LocalTransport
 from mempool.transfer.membership import InProcessCluster, UnknownPeer
-from mempool.transfer.receiver import Received
+from mempool.transfer.receiver import Received, TransferFlags
+from mempool.transfer.tcp import TcpTransport
 
 from .agents import agents, run
 from .kv import alloc, digest, free_counts
@@ -30,7 +33,9 @@ SPEC = KVBlockSpec(layers=3, kv_heads=4, head_dim=8, dtype="float16", page_size=
 ALL = (0, 4)
 
 
-def pool(instance: int, layout: str = "aggregated", page: int = 4, blocks: int = 256, **kw):  # type: ignore[no-untyped-def]
+def pool(
+    instance: int, layout: str = "aggregated", page: int = 4, blocks: int = 256, **kw: Any
+) -> MemPool:
     spec = KVBlockSpec(3, kw.pop("kv_heads", 4), 8, "float16", page)
     return MemPool(instance, spec, host_blocks=blocks, layout=layout, **kw)
 
@@ -53,7 +58,9 @@ def src_blocks(p: MemPool, num_tokens: int) -> list[int]:
         ("aggregated", "by-layer", SPEC.layers),  # one call per layer per page
     ],
 )
-def test_modes_move_intact_bytes_and_insert(transport, layout, mode, calls_per_page) -> None:  # type: ignore[no-untyped-def]
+def test_modes_move_intact_bytes_and_insert(
+    transport: str, layout: str, mode: str, calls_per_page: int
+) -> None:
     a, b = pool(1, layout), pool(2, layout)
     base_a, base_b = free_counts(a), free_counts(b)
     tokens = prompt(22)  # 5 whole pages and a partial one
@@ -113,11 +120,13 @@ def test_incremental_transfer_sends_only_missing_pages() -> None:
             r1 = await ta.transfer_with_insert(2, first, src1)
             assert (r1.pages_sent, r1.pages_skipped) == (3, 0)
             src2 = src1 + src_blocks(a, 14)
-            sent_before = ta.transport.bytes_sent
+            wire = ta.transport
+            assert isinstance(wire, TcpTransport | LocalTransport)
+            sent_before = wire.bytes_sent
             r2 = await ta.transfer_with_insert(2, second, src2)
             assert (r2.pages_sent, r2.pages_skipped) == (4, 3)
             assert r2.dst_addrs[:3] == r1.dst_addrs  # the cached pages were reused, not resent
-            assert ta.transport.bytes_sent - sent_before == 4 * a.spec.page_bytes
+            assert wire.bytes_sent - sent_before == 4 * a.spec.page_bytes
             assert digest(b, r2.dst_addrs, range(26), ALL) == digest(a, src2, range(26), ALL)
             assert b.match(second).num_tokens == 24
             # everything cached: nothing to send, only the acknowledgement
@@ -142,7 +151,9 @@ def test_incremental_transfer_sends_only_missing_pages() -> None:
         ("aggregated", 8, "discrete", 2),
     ],
 )
-def test_asymmetric_layouts_and_page_sizes(src_layout, src_page, dst_layout, dst_page) -> None:  # type: ignore[no-untyped-def]
+def test_asymmetric_layouts_and_page_sizes(
+    src_layout: str, src_page: int, dst_layout: str, dst_page: int
+) -> None:
     a, b = pool(1, src_layout, src_page), pool(2, dst_layout, dst_page)
     tokens = prompt(30)
 
@@ -246,7 +257,7 @@ def test_decode_side_waits_for_its_request() -> None:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
-def test_pull_reads_the_missing_part_of_a_longer_prefix(transport) -> None:  # type: ignore[no-untyped-def]
+def test_pull_reads_the_missing_part_of_a_longer_prefix(transport: str) -> None:
     holder, puller = pool(1, "discrete"), pool(2, "aggregated", page=8)
     tokens = prompt(40)
     base = free_counts(puller)
@@ -287,7 +298,7 @@ def test_pull_that_fails_mid_read_frees_what_it_allocated() -> None:
         async with agents(holder, puller) as (_, tp):
             holder.insert(tokens, src_blocks(holder, 16))
 
-            async def broken(peer, segments):  # type: ignore[no-untyped-def]
+            async def broken(peer: PeerInfo, segments: Sequence[Segment]) -> int:
                 raise TransferFailed("instance 1: the wire broke")
 
             tp.transport.read = broken  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ async def know(agent: TransferAgent, peer_id: int, port: int) -> None:
     await agent.add_peer(PeerInfo(peer_id, "127.0.0.1", port))
 
 
-def test_receiver_killed_mid_transfer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     a = pool(1)
     base = free_counts(a)
 
@@ -55,7 +56,7 @@ def test_receiver_killed_mid_transfer(tmp_path) -> None:  # type: ignore[no-unty
     assert free_counts(a) == base
 
 
-def test_frozen_receiver_times_out_instead_of_hanging(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_frozen_receiver_times_out_instead_of_hanging(tmp_path: Path) -> None:
     a = pool(1)
 
     async def main() -> None:
@@ -79,7 +80,7 @@ def test_frozen_receiver_times_out_instead_of_hanging(tmp_path) -> None:  # type
     run(main())
 
 
-def test_sender_killed_after_the_receiver_allocated(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sender_killed_after_the_receiver_allocated(tmp_path: Path) -> None:
     b = pool(2)
     base = free_counts(b)
 
@@ -103,7 +104,7 @@ def test_sender_killed_after_the_receiver_allocated(tmp_path) -> None:  # type: 
     assert free_counts(b) == base
 
 
-def test_frozen_sender_is_declared_dead_through_redis(tmp_path, redis_url) -> None:  # type: ignore[no-untyped-def]
+def test_frozen_sender_is_declared_dead_through_redis(tmp_path: Path, redis_url: str) -> None:
     b = pool(2)
     base = free_counts(b)
     cluster = RedisCluster(redis_url, ttl_s=TTL_S, heartbeat_s=HEARTBEAT_S)
@@ -129,7 +130,7 @@ def test_frozen_sender_is_declared_dead_through_redis(tmp_path, redis_url) -> No
     assert free_counts(b) == base
 
 
-def test_pull_from_a_frozen_holder_fails_and_leaks_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_pull_from_a_frozen_holder_fails_and_leaks_nothing(tmp_path: Path) -> None:
     a = pool(1)
     base = free_counts(a)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_in_process_records_expire_and_dead_callbacks_fire() -> None:
         InProcessCluster(ttl_s=1, heartbeat_s=1)
 
 
-def test_redis_records_live_while_heartbeating_and_vanish_after(redis_url) -> None:  # type: ignore[no-untyped-def]
+def test_redis_records_live_while_heartbeating_and_vanish_after(redis_url: str) -> None:
     async def main() -> None:
         # five heartbeats per TTL: a loaded machine may delay one or two, never five
         watcher = RedisCluster(redis_url, ttl_s=1.0, heartbeat_s=0.2)
@@ -128,7 +129,7 @@ def test_redis_down_is_a_clear_error_not_a_hang() -> None:
     run(main())
 
 
-def test_redis_dying_under_running_agents(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_redis_dying_under_running_agents(tmp_path: Path) -> None:
     server = start_redis(tmp_path)
     spec = KVBlockSpec(2, 2, 8, "float16", 4)
     a, b, c = (MemPool(i, spec, host_blocks=32) for i in (1, 2, 3))

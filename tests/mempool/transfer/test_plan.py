@@ -4,6 +4,7 @@ reads the layout definition directly (tests/mempool/transfer/kv.py), plus mergin
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -45,14 +46,18 @@ def logical(arena: Arena, ids: list[int], tokens: range, heads, layers=None, fir
     return logical_kv(g.spec, g.layout, arena.read, ids, tokens, heads, g.head_start, layers, first)
 
 
+# (source, destination, tokens, first token sent, layers sent, randomness)
+Case = tuple[KVGeometry, KVGeometry, int, int, range, random.Random]
+
+
 @st.composite
-def cases(draw):  # type: ignore[no-untyped-def]
+def cases(draw: st.DrawFn) -> Case:
     layers = draw(st.integers(1, 3))
     total_heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([1, 2, 4]))
     dtype = draw(st.sampled_from(["float16", "float32", "int8"]))
 
-    def side(allow_partial: bool):  # type: ignore[no-untyped-def]
+    def side(allow_partial: bool) -> KVGeometry:
         page = draw(st.sampled_from([1, 2, 4, 8]))
         layout = draw(st.sampled_from(["discrete", "aggregated"]))
         start = draw(st.integers(0, total_heads - 1)) if allow_partial else 0
@@ -72,7 +77,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
-def test_plan_moves_exactly_the_bytes_the_layout_defines(case) -> None:  # type: ignore[no-untyped-def]
+def test_plan_moves_exactly_the_bytes_the_layout_defines(case: Case) -> None:
     src_geo, dst_geo, n, t0, layers, rnd = case
     src_pages = src_geo.pages_for(n)
     # the destination holds pages from the one containing t0 (incremental sends start there)
@@ -207,7 +212,9 @@ def test_tensor_parallel_receiver_gets_only_its_heads() -> None:
         ),
     ],
 )
-def test_incompatible_geometries_are_refused(src, dst, message) -> None:  # type: ignore[no-untyped-def]
+def test_incompatible_geometries_are_refused(
+    src: KVGeometry, dst: KVGeometry, message: str
+) -> None:
     with pytest.raises(InvalidRequest, match=message):
         check_compatible(src, dst, cover_dst=False)
 

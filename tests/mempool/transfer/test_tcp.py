@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import struct
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,10 +19,11 @@ from mempool.transfer.tcp import TcpTransport, partition
 
 SPEC = KVBlockSpec(layers=4, kv_heads=8, head_dim=64, dtype="float16", page_size=16)  # 64 KiB
 HOST = 2
+Pools = tuple[MemPool, MemPool]
 
 
 @pytest.fixture
-def pools():  # type: ignore[no-untyped-def]
+def pools() -> Iterator[Pools]:
     a, b = MemPool(1, SPEC, host_blocks=64), MemPool(2, SPEC, host_blocks=64)
     a.region("host")[:] = os.urandom(64 * a.block_size)
     b.region("host")[:] = os.urandom(64 * b.block_size)
@@ -34,7 +36,7 @@ def peer_of(transport_endpoint: dict, instance: int, name: str = "tcp") -> PeerI
     return PeerInfo(instance, "127.0.0.1", 0, endpoints={name: transport_endpoint})
 
 
-def blocks(pool: MemPool, ids: list[int]) -> list[Segment]:
+def blocks(pool: MemPool, ids: list[tuple[int, int]]) -> list[Segment]:
     bs = pool.block_size
     return [Segment(HOST, i * bs, HOST, j * bs, bs) for i, j in ids]
 
@@ -49,7 +51,7 @@ def test_partition_slices_large_segments_evenly() -> None:
     assert len(partition(segs[:1], 4, 64 << 20)) == 1  # small transfers use one stream
 
 
-def test_write_and_read_move_exact_bytes_over_parallel_streams(pools) -> None:  # type: ignore[no-untyped-def]
+def test_write_and_read_move_exact_bytes_over_parallel_streams(pools: Pools) -> None:
     a, b = pools
 
     async def main() -> None:
@@ -78,11 +80,11 @@ def test_write_and_read_move_exact_bytes_over_parallel_streams(pools) -> None:  
     asyncio.run(main())
 
 
-def test_refused_write_leaves_the_arena_and_the_stream_intact(pools) -> None:  # type: ignore[no-untyped-def]
+def test_refused_write_leaves_the_arena_and_the_stream_intact(pools: Pools) -> None:
     a, b = pools
     bs = a.block_size
 
-    def only_block_7(peer: int, op: str, mem_type: int, offset: int, length: int):  # type: ignore[no-untyped-def]
+    def only_block_7(peer: int, op: str, mem_type: int, offset: int, length: int) -> str | None:
         ok = op == "write" and offset >= 7 * bs and offset + length <= 8 * bs
         return None if ok else f"instance {peer} may not {op} there"
 
@@ -112,7 +114,7 @@ def test_refused_write_leaves_the_arena_and_the_stream_intact(pools) -> None:  #
     asyncio.run(main())
 
 
-def test_wrong_secret_moves_no_byte(pools) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_secret_moves_no_byte(pools: Pools) -> None:
     a, b = pools
 
     async def main() -> None:
@@ -143,7 +145,7 @@ def test_wrong_secret_moves_no_byte(pools) -> None:  # type: ignore[no-untyped-d
     asyncio.run(main())
 
 
-def test_a_gone_peer_fails_fast_and_names_it(pools) -> None:  # type: ignore[no-untyped-def]
+def test_a_gone_peer_fails_fast_and_names_it(pools: Pools) -> None:
     a, b = pools
 
     async def main() -> None:
@@ -161,7 +163,7 @@ def test_a_gone_peer_fails_fast_and_names_it(pools) -> None:  # type: ignore[no-
     asyncio.run(main())
 
 
-def test_local_transport_copies_between_pools_of_one_process(pools) -> None:  # type: ignore[no-untyped-def]
+def test_local_transport_copies_between_pools_of_one_process(pools: Pools) -> None:
     a, b = pools
     bs = a.block_size
 

@@ -401,9 +401,15 @@ class FakeQP:
         if fabric.faults and fabric.faults[0][0] <= fabric.executed:
             return fabric.faults.popleft()[1]
         ah = self.attr.ah_attr
-        gid = ah.gr.dgid.gid if ah is not None and ah.gr is not None else None
+        dgid = ah.gr.dgid if ah is not None and ah.gr is not None else None
+        gid = dgid.gid if dgid is not None else None
         remote_qp = fabric.qps.get((gid, self.attr.dest_qp_num)) if gid else None
-        if remote_qp is None or gid in fabric.unplugged or remote_qp.qp_state == E.IBV_QPS_RESET:
+        if (
+            ah is None
+            or remote_qp is None
+            or gid in fabric.unplugged
+            or remote_qp.qp_state == E.IBV_QPS_RESET
+        ):
             return E.IBV_WC_RETRY_EXC_ERR
         peer = remote_qp.host
         if ah.dlid != peer.lid and peer.lid:
