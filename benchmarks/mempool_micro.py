@@ -8,13 +8,17 @@ DIR/mempool_micro.md and DIR/mempool_micro.png. It measures:
   of chat-like traffic (curve over 256..16,384 tokens);
 - network calls per request, discrete vs aggregated layout (must be 2*L), and an exact byte
   round trip between the two layouts;
-- index memory per million cached tokens (RSS and tracemalloc), in fresh processes.
+- index memory per million cached tokens (RSS and tracemalloc), in fresh processes;
+- eviction and expiry at scale: MemPool.evict(16) on an index caching 1M and 10M tokens, and
+  expiry of 1% stale entries in a router-style holders tree of the same size, each size
+  in a fresh process that also reports its build time and RSS.
 
 Targets are reported, never asserted: the machines these run on are shared and noisy.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import hashlib
 import multiprocessing
@@ -34,7 +38,15 @@ from rich.progress import Progress
 
 import mempool
 from benchmarks.harness import benchmark_main, percentile, progress_bar, step, write_results
-from mempool import KVBlockSpec, Layout, MemPool, aggregate, disaggregate, transfer_segments
+from mempool import (
+    KVBlockSpec,
+    Layout,
+    MemPool,
+    RadixTree,
+    aggregate,
+    disaggregate,
+    transfer_segments,
+)
 
 NAME = "mempool_micro"
 SEED = 20240609
@@ -62,6 +74,11 @@ TARGET_ALLOC_NS_PER_BLOCK = 100.0
 TARGET_INSERT_4K_US = 100.0
 TARGET_MATCH_4K_US = 50.0
 TARGET_INDEX_MIB_PER_MTOK = 64.0
+TARGET_EVICT_16_US = 20.0  # at every measured size: eviction must not grow with the index
+
+EVICT_BLOCKS = 16  # what an allocation that falls short asks the pool to free
+HOLDERS = ("w0", "w1", "w2", "w3")  # instances of the holders tree (the router's view)
+STALE_STEP = 0.01  # each timed expire drops the next-oldest 1% of the holder entries
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,9 @@ class Settings:
     single_reps: int  # individually timed alloc/free calls, for p50/p99 per call
     index_reps: int  # insert and match repetitions per prompt length
     memory_tokens: int  # cached tokens the memory test builds
+    scale_tokens: tuple[int, ...] = (1_000_000,)  # index sizes for evict/expire at scale
+    evict_reps: int = 51  # individually timed evict(16) calls per size
+    expire_reps: int = 5  # individually timed expire calls per size
 
 
 QUICK = Settings(
@@ -86,6 +106,9 @@ FULL = Settings(
     single_reps=5000,
     index_reps=1000,
     memory_tokens=1_000_000,
+    scale_tokens=(1_000_000, 10_000_000),
+    evict_reps=101,
+    expire_reps=10,
 )
 
 
@@ -394,7 +417,7 @@ def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "tokens": measured,
         "conversations": conversations,
-        "nodes": sum(1 for _ in pool.index._nodes()),
+        "nodes": sum(1 for _ in pool.index.nodes()),
         "build_s": build_s,
         "rss_bytes": grown,
     }
@@ -408,13 +431,6 @@ def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
             by_file[key] = by_file.get(key, 0) + stat.size
         tracemalloc.stop()
         result["traced_by_file"] = by_file
-    else:
-        evict_ns = []
-        for _ in range(21):  # LRU eviction of a page-run; scans the whole tree each call
-            t0 = time.perf_counter_ns()
-            pool.evict(16)
-            evict_ns.append(time.perf_counter_ns() - t0)
-        result["evict_16_blocks_us"] = median_us(evict_ns)
     pool.close()
     return result
 
@@ -448,8 +464,129 @@ def memory_figures(rss: dict[str, Any], traced: dict[str, Any]) -> dict[str, Any
         "memory_conversations": rss["conversations"],
         "memory_build_s": rss["build_s"],
         "memory_build_traced_s": traced["build_s"],
-        "evict_16_blocks_us": rss["evict_16_blocks_us"],
     }
+
+
+# --------------------------------------------------------------------------- at scale
+
+
+def size_label(tokens: int) -> str:
+    """1m, 10m, 200k: the suffix of the per-size figure names."""
+    return f"{tokens // 1_000_000}m" if tokens % 1_000_000 == 0 else f"{tokens // 1000}k"
+
+
+def peak_rss_bytes() -> int:
+    import resource  # Unix only, like the VmRSS reading
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> dict[str, Any]:
+    """evict(16) on a MemPool caching `tokens`, then expiry on a holders tree of that size.
+
+    Runs in a fresh process, so its build time and RSS are this size's alone. Each evict
+    removes the least recently used leaf (whole nodes go, so it frees more than 16 blocks);
+    each expire drops the next-oldest 1% of the tree's (node, holder) entries.
+    """
+    gc.collect()
+    rss_before = rss_bytes()
+    pool = MemPool(0, TINY_SPEC, host_blocks=tokens // PAGE + 16384, huge_pages="off")
+    traffic = Traffic(seed)
+    systems = [traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    started = time.perf_counter()
+    conversations = fill_index(pool, traffic, systems, tokens)
+    build_s = time.perf_counter() - started
+    gc.collect()
+    rss_index = rss_bytes() - rss_before
+    cached = cached_tokens(pool)
+    nodes = sum(1 for _ in pool.index.nodes())
+    evict_ns: list[int] = []
+    freed: list[int] = []
+    for _ in range(evict_reps):
+        t0 = time.perf_counter_ns()
+        blocks = pool.evict(EVICT_BLOCKS)
+        evict_ns.append(time.perf_counter_ns() - t0)
+        freed.append(len(blocks))
+    cached_after = cached_tokens(pool)
+    pool.close()
+    del pool
+    gc.collect()
+
+    now = [0.0]  # the holders tree's clock: one tick per insert, so expiry is reproducible
+    tree = RadixTree(PAGE, slots_per_page=0, clock=lambda: now[0])
+    traffic = Traffic(seed)
+    systems = [traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    started = time.perf_counter()
+    while tree.num_pages * PAGE < tokens:
+        for prompt in traffic.conversation(traffic.rng.choice(systems)):
+            now[0] += 1.0
+            tree.insert(prompt, holder=traffic.rng.choice(HOLDERS))
+    tree_build_s = time.perf_counter() - started
+    tree_pages = tree.num_pages
+    # Cutoffs at quantiles of the confirmation times (untimed): expire drops seen < cutoff.
+    seen = sorted(t for n in tree.nodes() if n.holders for t in n.holders.values())
+    stride = max(1, int(len(seen) * STALE_STEP))
+    cutoffs = [seen[min(i * stride, len(seen) - 1)] for i in range(1, expire_reps + 1)]
+    expire_ns: list[int] = []
+    pruned: list[int] = []
+    for cutoff in cutoffs:
+        t0 = time.perf_counter_ns()
+        pruned.append(tree.expire(cutoff))
+        expire_ns.append(time.perf_counter_ns() - t0)
+    expired = bisect.bisect_left(seen, cutoffs[-1])  # entries older than the last cutoff
+    return {
+        "tokens": cached,
+        "conversations": conversations,
+        "nodes": nodes,
+        "build_s": build_s,
+        "rss_index_mib": rss_index / 2**20,
+        "evict_16_us": median_us(evict_ns),
+        "evict_16_p90_us": percentile_us(evict_ns, 0.9),
+        "evict_16_max_us": max(evict_ns) / 1e3,
+        "evict_reps": evict_reps,
+        "evict_freed_blocks_median": statistics.median(freed),
+        "tokens_after_evictions": cached_after,
+        "holder_tree_pages": tree_pages,
+        "holder_tree_build_s": tree_build_s,
+        "expire_us": median_us(expire_ns),
+        "expire_max_us": max(expire_ns) / 1e3,
+        "expire_reps": expire_reps,
+        "expire_pruned_pages_median": statistics.median(pruned),
+        "expire_pruned_fraction": sum(pruned) / tree_pages,
+        "holder_entries": len(seen),
+        "expired_entries_fraction": expired / len(seen),
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+    }
+
+
+def measure_scale(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+    """One fresh process per size, one after the other (the timings share no core)."""
+    task = progress.add_task(
+        f"evict/expire at {', '.join(map(size_label, settings.scale_tokens))} tokens",
+        total=len(settings.scale_tokens),
+    )
+    context = multiprocessing.get_context("spawn")
+    points = []
+    for tokens in settings.scale_tokens:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            job = pool.submit(scale_point, tokens, settings.evict_reps, settings.expire_reps, SEED)
+            points.append({"size": size_label(tokens), **job.result()})
+        step(progress, task)
+    return points
+
+
+def scale_figures(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The per-size headline figures, named by size (evict_16_us_1m, ...), and every point."""
+    figures: dict[str, Any] = {"scale": list(points)}
+    for p in points:
+        size = p["size"]
+        figures[f"evict_16_us_{size}"] = p["evict_16_us"]
+        figures[f"evict_16_p90_us_{size}"] = p["evict_16_p90_us"]
+        figures[f"expire_us_{size}"] = p["expire_us"]
+        figures[f"scale_build_s_{size}"] = p["build_s"] + p["holder_tree_build_s"]
+        figures[f"scale_peak_rss_mib_{size}"] = p["peak_rss_mib"]
+    return figures
 
 
 # --------------------------------------------------------------------------- targets
@@ -476,6 +613,9 @@ def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, f
             "source": "MemServe (arXiv 2406.17565), figure 9",
         },
     }
+    for point in fig["scale"]:
+        name = f"evict_16_us_{point['size']}"
+        targets[name] = check(fig[name], "<", TARGET_EVICT_16_US)
     ratios = {
         "alloc": fig["alloc_ns_per_block"] / MEMSERVE_ALLOC_NS_PER_BLOCK,
         "insert": fig["insert_4k_us"] / MEMSERVE_INSERT_4K_US,
@@ -502,8 +642,16 @@ def table_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
         ("index_rss_mib_per_million_tokens", "MiB/M tokens"),
         ("index_tracemalloc_mib_per_million_tokens", "MiB/M tokens"),
         ("memory_tokens_measured", "tokens"),
-        ("evict_16_blocks_us", "µs"),
     ]
+    for point in fig["scale"]:
+        tokens = f"{point['tokens'] / 1e6:.1f}M tokens"
+        rows += [
+            (f"evict_16_us_{point['size']}", f"µs, MemPool.evict(16) at {tokens}"),
+            (f"evict_16_p90_us_{point['size']}", "µs"),
+            (f"expire_us_{point['size']}", f"µs, expire 1% of entries at {tokens}"),
+            (f"scale_build_s_{point['size']}", "s, both indexes built"),
+            (f"scale_peak_rss_mib_{point['size']}", "MiB, the process's peak"),
+        ]
     out = []
     for name, unit in rows:
         target = targets.get(name)
@@ -532,15 +680,21 @@ def table_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- plot
 
 
-def plot(path: Path, alloc_curve: Sequence[AllocPoint], index_curve: Sequence[IndexPoint]) -> None:
-    """Latency curves in the manner of MemServe's figure 9, with its figures and our targets."""
+def plot(
+    path: Path,
+    alloc_curve: Sequence[AllocPoint],
+    index_curve: Sequence[IndexPoint],
+    scale: Sequence[dict[str, Any]],
+) -> None:
+    """Latency curves in the manner of MemServe's figure 9, with its figures and our targets;
+    then eviction and expiry against the size of the index."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), constrained_layout=True)
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.4), constrained_layout=True)
     blocks = [p.blocks for p in alloc_curve]
     left.plot(blocks, [p.alloc_us for p in alloc_curve], "o-", label="alloc_blocks")
     left.plot(blocks, [p.free_us for p in alloc_curve], "s-", label="free_mem")
@@ -584,6 +738,21 @@ def plot(path: Path, alloc_curve: Sequence[AllocPoint], index_curve: Sequence[In
         axes.set_ylabel("latency per call (µs)")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=8)
+    sizes = [p["tokens"] for p in scale]
+    third.plot(sizes, [p["evict_16_us"] for p in scale], "o-", label="MemPool.evict(16)")
+    third.plot(sizes, [p["evict_16_p90_us"] for p in scale], "o:", label="evict(16), p90")
+    third.plot(sizes, [p["expire_us"] for p in scale], "s-", label="expire 1% (holders tree)")
+    third.axhline(TARGET_EVICT_16_US, color="k", ls=":", lw=0.8, label="evict target, 20 µs")
+    third.set(
+        xlabel="cached tokens",
+        ylabel="latency per call (µs)",
+        title="(c) eviction and expiry at scale",
+        xscale="log",
+        yscale="log",
+    )
+    third.set_xlim(min(sizes) / 2, max(sizes) * 2)
+    third.grid(True, which="both", alpha=0.3)
+    third.legend(fontsize=8)
     fig.suptitle("MemPool micro-benchmarks (cf. MemServe figure 9); medians")
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -686,6 +855,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         memory = progress.add_task(f"index memory ({settings.memory_tokens:,} tokens)", total=1)
         rss, traced = measure_index_memory(settings.memory_tokens)
         step(progress, memory)
+        scale = measure_scale(settings, progress)
 
     figures: dict[str, Any] = {
         "mode": "quick" if quick else "full",
@@ -696,6 +866,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         **index_figures,
         **layout,
         **memory_figures(rss, traced),
+        **scale_figures(scale),
         "config": {
             "bench_spec": asdict(BENCH_SPEC),
             "bench_block_bytes": BENCH_SPEC.block_size(Layout.AGGREGATED),
@@ -716,7 +887,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         "MemPool micro-benchmarks",
         notes(figures, settings),
     )
-    plot(out_dir / f"{NAME}.png", alloc_curve, index_curve)
+    plot(out_dir / f"{NAME}.png", alloc_curve, index_curve, scale)
     return figures
 
 
@@ -758,7 +929,7 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         "sets. RSS also counts allocator slack, and can under-count at small sizes because "
         "the build reuses heap the child freed while importing; tracemalloc has neither "
         "effect.",
-        "evict_16_blocks_us: MemPool.evict(16) on that index (median of 21 calls).",
+        *scale_notes(fig),
         "calibration_array4k_us: array('I', list of 4,096 ints) before, between and after the "
         "timed phases; a drift between them means the machine's speed changed during the run "
         f"(this run: {', '.join(f'{c:.1f}' for c in fig['calibration_array4k_us'])} µs).",
@@ -770,6 +941,36 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         )
     if not fig["index_size_restored"]:
         out.append("WARNING: the preloaded index did not return to its size after the sweep.")
+    return out
+
+
+def scale_notes(fig: dict[str, Any]) -> list[str]:
+    """How the at-scale figures were taken, one line per size with its cost to build."""
+    out = [
+        "At scale: each size in its own fresh spawned process, one after the other. "
+        f"MemPool.evict({EVICT_BLOCKS}) timed call by call on an index built like the memory "
+        "test's (64-byte blocks); a call removes the least recently used leaf whole, so it "
+        "frees more than 16 blocks (see evict_freed_blocks_median). Then a router-style "
+        f"holders tree (slots_per_page=0, {len(HOLDERS)} instances, a clock ticking once per "
+        "insert) of the same size: each timed expire drops the next-oldest "
+        f"{STALE_STEP:.0%} of its (node, holder) entries (cutoffs at quantiles of their "
+        f"confirmation times). Target: evict({EVICT_BLOCKS}) under "
+        f"{TARGET_EVICT_16_US:g} µs at every size.",
+    ]
+    for p in fig["scale"]:
+        out.append(
+            f"{p['size']}: {p['tokens']:,} cached tokens, {p['nodes']:,} nodes, pool index "
+            f"built in {p['build_s']:.1f} s (+{p['rss_index_mib']:.0f} MiB RSS); "
+            f"evict({EVICT_BLOCKS}) median {p['evict_16_us']:.1f} µs, p90 "
+            f"{p['evict_16_p90_us']:.1f}, max {p['evict_16_max_us']:.0f} over "
+            f"{p['evict_reps']} calls, {p['evict_freed_blocks_median']:g} blocks freed per "
+            f"call; holders tree of {p['holder_tree_pages']:,} pages built in "
+            f"{p['holder_tree_build_s']:.1f} s; expire median {p['expire_us']:.1f} µs over "
+            f"{p['expire_reps']} calls, {p['expire_pruned_pages_median']:g} pages pruned per "
+            f"call ({p['expired_entries_fraction']:.1%} of {p['holder_entries']:,} entries "
+            f"expired, {p['expire_pruned_fraction']:.1%} of the pages pruned, in all); peak RSS "
+            f"{p['peak_rss_mib']:.0f} MiB."
+        )
     return out
 
 

@@ -27,6 +27,11 @@ POSITIVE_FLOATS = (
     "index_rss_mib_per_million_tokens",
     "index_tracemalloc_mib_per_million_tokens",
     "memory_tokens_measured",
+    "evict_16_us_1m",
+    "evict_16_p90_us_1m",
+    "expire_us_1m",
+    "scale_build_s_1m",
+    "scale_peak_rss_mib_1m",
 )
 TARGETS = (
     "alloc_ns_per_block",
@@ -34,6 +39,7 @@ TARGETS = (
     "match_4k_us",
     "index_rss_mib_per_million_tokens",
     "aggregate_calls_ratio",
+    "evict_16_us_1m",
 )
 
 
@@ -79,6 +85,19 @@ def test_targets_and_memserve_ratios_reported(figures: dict[str, Any]) -> None:
     for name in ("alloc", "insert"):
         ratio = figures["memserve_ratio"][name]
         assert isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0, name
+
+
+def test_eviction_and_expiry_measured_on_a_million_token_index(figures: dict[str, Any]) -> None:
+    (point,) = figures["scale"]  # quick mode: 1M only; the full run adds 10M
+    assert point["size"] == "1m" and point["tokens"] >= 1_000_000
+    assert point["nodes"] > 0 and point["holder_tree_pages"] * 16 >= 1_000_000
+    # every timed evict(16) freed something, each at least the 16 blocks asked for
+    assert point["evict_freed_blocks_median"] >= 16
+    assert point["tokens_after_evictions"] < point["tokens"]
+    assert 0.01 <= point["expired_entries_fraction"] <= 0.1  # a small stale fraction
+    assert 0 < point["expire_pruned_fraction"] < 0.1  # not the whole tree
+    assert figures["targets"]["evict_16_us_1m"]["limit"] == 20
+    assert figures["targets"]["evict_16_us_1m"]["op"] == "<"
 
 
 def test_curves_cover_the_sweeps(figures: dict[str, Any]) -> None:
