@@ -63,6 +63,15 @@ class BlockAllocator:
         self._free.extend(reversed(addrs))  # a freed run comes back out in the same order
         return True
 
+    def free_known(self, addrs: list[int]) -> None:
+        """Return blocks the caller knows are allocated here, each named once (the index's).
+
+        One set pass where `try_free` needs two: eviction frees whole nodes of blocks on the
+        path of an allocation that fell short. The caller has checked the list already.
+        """
+        self._allocated.difference_update(addrs)
+        self._free.extend(reversed(addrs))
+
     def owns(self, addrs: Iterable[int]) -> bool:
         """True when every address is currently allocated here."""
         return self._allocated.issuperset(addrs)

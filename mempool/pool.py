@@ -341,10 +341,18 @@ class MemPool:
         return f"address {addr:#x} names the {mem_type.name.lower()} tier, which this pool lacks"
 
     def _release_indexed(self, removed: array[int]) -> list[int]:
+        """Free blocks the index let go of (evicted, deleted, flushed); returns them."""
         blocks = removed.tolist()
-        if blocks:
-            self._indexed.difference_update(blocks)
-            self._free_blocks(blocks)
+        if not blocks:
+            return blocks
+        indexed = self._indexed
+        before = len(indexed)
+        indexed.difference_update(blocks)
+        if before - len(indexed) == len(blocks) and len(self._by_type) == 1:
+            # All were indexed, so allocated here, each once; one tier: no second check.
+            next(iter(self._by_type.values())).free_known(blocks)
+        else:
+            self._free_blocks(blocks)  # blocks on two tiers: grouped and checked
         return blocks
 
     def _check_reinsert(self, tokens: Tokens, addrs: list[int], clash: set[int]) -> None:

@@ -79,3 +79,13 @@ def test_runs_come_out_ascending_so_transfers_can_merge_them() -> None:
     assert [block_of(a) for a in alloc.alloc(3)] == [4, 5, 6]
     alloc.free(first)
     assert [block_of(a) for a in alloc.alloc(4)] == [0, 1, 2, 3]
+
+
+def test_free_known_returns_blocks_in_order_in_one_pass() -> None:
+    alloc = BlockAllocator(1, MemType.HOST, 8)
+    first, second = alloc.alloc(3), alloc.alloc(2)
+    alloc.free_known(first)
+    assert alloc.num_used == 2 and alloc.num_free == 6
+    assert alloc.alloc(3) == first  # the freed run comes back out in the same order
+    alloc.free_known(second)
+    assert alloc.owns(first) and not alloc.owns(second)
