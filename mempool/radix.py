@@ -12,8 +12,11 @@ incrementally, what a whole-tree walk would otherwise recompute on every call:
 
 - the evictable leaves (unlocked, childless) in a lazy min-heap by `last_access`, as SGLang's
   radix cache keeps its evictable leaves. An entry is current while its stamp equals the
-  node's `lru_stamp`; touching, locking, growing or detaching a leaf just moves or clears the
-  stamp, and stale entries are skipped when popped and dropped when they outnumber the rest;
+  node's `lru_stamp`; locking, growing or detaching a leaf clears the stamp, and stale entries
+  are skipped when popped and dropped when they outnumber the rest. Touching a leaf (match,
+  insert) changes nothing in the heap: its entry's time becomes a lower bound, and a popped
+  entry older than its node's `last_access` is re-entered at that time instead (the clock
+  never goes back), so lookups pay nothing for eviction order;
 - every (node, holder, last confirmed) in a lazy min-heap by time, as NVIDIA Dynamo's expiry
   queue; an entry is current while the node is attached and still maps the holder to that time;
 - per holder, the set of nodes it holds, so forgetting an instance touches only its nodes.
@@ -108,7 +111,10 @@ ExpiryEntry: TypeAlias = tuple[float, int, TreeNode, Hashable]
 
 
 class RadixTree:
-    """Page radix tree. `slots_per_page` addresses are stored per page (0: a holders-only tree)."""
+    """Page radix tree. `slots_per_page` addresses are stored per page (0: a holders-only tree).
+
+    `clock` must never go backwards (the LRU order relies on it); time.monotonic by default.
+    """
 
     def __init__(
         self,
@@ -221,8 +227,6 @@ class RadixTree:
             existing += span
             pos += len(child.key)
             node = child
-        else:  # the path ends at a node that was there: a leaf moves up the LRU order
-            self._requeue_if_leaf(node)
         if holder is not None:
             self._compact_expiry_if_stale()
         ps = self.page_size
@@ -351,22 +355,27 @@ class RadixTree:
         heap = self._leaves
         # (time, stamp, slot, node): slot >= 0 is an index into `heap`, whose children in the
         # heap's implicit binary tree come no earlier; slot < 0 is an inner node whose
-        # children have all been yielded. Slots are unique, so nodes are never compared.
+        # children have all been yielded, or a leaf re-keyed to its real last_access.
+        # Slots are unique, so nodes are never compared.
         frontier: list[tuple[float, int, int, TreeNode | None]] = []
         if heap:
             frontier.append((heap[0][0], heap[0][1], 0, None))
         yielded_children: dict[int, int] = {}
         inner = 0
         while frontier:
-            _, stamp, slot, node = heapq.heappop(frontier)
+            seen, stamp, slot, node = heapq.heappop(frontier)
             if node is None:
                 for child_slot in (2 * slot + 1, 2 * slot + 2):
                     if child_slot < len(heap):
-                        seen, child_stamp, _ = heap[child_slot]
-                        heapq.heappush(frontier, (seen, child_stamp, child_slot, None))
+                        child_seen, child_stamp, _ = heap[child_slot]
+                        heapq.heappush(frontier, (child_seen, child_stamp, child_slot, None))
                 node = heap[slot][2]
                 if node.lru_stamp != stamp:
                     continue  # stale entry
+                if seen != node.last_access:  # used since queued: comes up at its real time
+                    inner -= 1
+                    heapq.heappush(frontier, (node.last_access, 0, inner, node))
+                    continue
             yield node
             parent = self._parent(node)
             if parent is self.root:
@@ -484,7 +493,8 @@ class RadixTree:
         """Walk `key` down; returns the deepest fully matched node and the bytes matched.
 
         With `split`, a match ending inside an edge splits it so the returned node ends there.
-        With `now`, every node walked whole counts as used now.
+        With `now`, every node walked whole counts as used now (a leaf's heap entry stays: it
+        is re-keyed when it comes up).
         """
         node, pos, pb = self.root, 0, self.page_bytes
         while pos < len(key):
@@ -494,14 +504,12 @@ class RadixTree:
             if not key.startswith(child.key, pos):
                 pages = self._common_pages(child.key, key, pos)
                 if not split:
-                    return child, pos + pages * pb  # `node` has a child: no leaf to requeue
+                    return child, pos + pages * pb
                 child = self._split(child, pages)
             if now is not None:
                 child.last_access = now
             pos += len(child.key)
             node = child
-        if now is not None:
-            self._requeue_if_leaf(node)
         return node, pos
 
     def _ends_inside(self, node: TreeNode, pos: int) -> bool:
@@ -619,14 +627,24 @@ class RadixTree:
             self._queue_leaf(node)
 
     def _pop_lru_leaf(self) -> TreeNode | None:
-        """The least recently used evictable leaf, taken out of the heap; None if none."""
+        """The least recently used evictable leaf, taken out of the heap; None if none.
+
+        Every current entry's time is at most its node's last_access, so the first popped
+        entry whose time is exact belongs to the least recently used leaf.
+        """
         heap = self._leaves
         while heap:
-            _, stamp, node = heapq.heappop(heap)
-            if node.lru_stamp == stamp:
-                node.lru_stamp = 0
-                self._queued_leaves -= 1
-                return node
+            seen, stamp, node = heapq.heappop(heap)
+            if node.lru_stamp != stamp:
+                continue  # stale
+            if seen != node.last_access:  # used since it was queued: re-enter at its time
+                self._seq += 1
+                node.lru_stamp = self._seq
+                heapq.heappush(heap, (node.last_access, self._seq, node))
+                continue
+            node.lru_stamp = 0
+            self._queued_leaves -= 1
+            return node
         return None
 
     # holders

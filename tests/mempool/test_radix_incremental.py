@@ -211,9 +211,9 @@ def check_structures(tree: RadixTree) -> None:
     leaves = {id(n) for n in nodes if not n.children and n.lock_ref == 0}
     queued = {id(n): n for n in nodes if n.lru_stamp}
     assert set(queued) == leaves and tree._queued_leaves == len(leaves)
-    current = {(id(node), stamp, seen) for seen, stamp, node in tree._leaves}
-    for n in queued.values():
-        assert (id(n), n.lru_stamp, n.last_access) in current  # at its current time
+    entries = {(id(node), stamp): seen for seen, stamp, node in tree._leaves}
+    for n in queued.values():  # queued at a time no later than its last use (a lower bound)
+        assert entries[(id(n), n.lru_stamp)] <= n.last_access
     pairs = {(id(n), h, seen) for n in nodes if n.holders for h, seen in n.holders.items()}
     assert tree._holder_entries == len(pairs)
     assert pairs <= {(id(node), h, seen) for seen, _, node, h in tree._expiry}
