@@ -571,10 +571,11 @@ class RadixTree:
         Returns the pages removed. A parent left childless and unlocked becomes evictable.
         """
         parent = self._parent(node)
-        del parent.children[node.key[: self.page_bytes]]
+        pb = self.page_bytes
+        del parent.children[node.key[:pb]]
         total = 0
         for sub in self._nodes(node) if node.children else (node,):  # evict: mostly a leaf
-            pages = len(sub.key) // self.page_bytes
+            pages = len(sub.key) // pb
             total += pages
             if sub.lock_ref:
                 self.protected_pages -= pages
@@ -583,7 +584,9 @@ class RadixTree:
             if sub.value is not None:
                 removed.extend(sub.value)
             sub.attached = False
-            self._unqueue_leaf(sub)
+            if sub.lru_stamp:  # (_unqueue_leaf, inlined: this runs per evicted node)
+                sub.lru_stamp = 0
+                self._queued_leaves -= 1
             if sub.holders:
                 for holder in sub.holders:
                     self._unindex_holder(sub, holder)
