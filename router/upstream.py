@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -56,7 +57,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a TCP connection's transport (uvloop's does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -64,7 +66,8 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(f"malformed HTTP response: {exc}")
-            self.transport.close()  # type: ignore[union-attr]
+            if self.transport is not None:
+                self.transport.close()
 
     def eof_received(self) -> bool:
         return False
@@ -141,6 +144,12 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return chunk
 
+    def send(self, *parts: bytes) -> None:
+        """Write a request on this (connected) connection."""
+        if self.transport is None:
+            raise UpstreamError("the connection to the worker is not open")
+        self.transport.writelines(parts)
+
     def reusable(self) -> bool:
         return (
             self.complete
@@ -205,7 +214,7 @@ class UpstreamPool:
         ).encode("latin-1")
         for _attempt in range(2):
             conn, reused = await self._acquire(key)
-            conn.transport.writelines((head, body))  # type: ignore[union-attr]
+            conn.send(head, body)
             try:
                 await conn.head
             except UpstreamError as exc:

@@ -21,7 +21,8 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 def _app(peers: set) -> web.Application:
     async def echo(request: web.Request) -> web.Response:
-        peers.add(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        assert request.transport is not None
+        peers.add(request.transport.get_extra_info("peername"))
         return web.Response(body=b"echo:" + await request.read())
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -41,7 +42,8 @@ def _app(peers: set) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b"data: 1\n\n")
-        request.transport.close()  # type: ignore[union-attr]
+        assert request.transport is not None
+        request.transport.close()
         return resp
 
     async def slow(request: web.Request) -> web.Response:
