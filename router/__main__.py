@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="cost model: seconds to move one token's KV between instances",
     )
     a(
+        "--host-load-secs-per-token",
+        type=float,
+        default=cost.host_load_s_per_token,
+        help="cost model: seconds to load one token's KV from a worker's host tier to its GPU",
+    )
+    a(
+        "--disable-mempool-pull",
+        action="store_true",
+        help="never name a longer prefix's holder for a MemPool pull (workers recompute)",
+    )
+    a(
         "--busy-secs-per-request",
         type=float,
         default=cost.busy_s_per_request,
@@ -205,14 +216,15 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
     )
     cost = cost_model(args)
-    policy = make_policy(name, trees, thresholds, cost)
+    pulls = not args.disable_mempool_pull
+    policy = make_policy(name, trees, thresholds, cost, pulls)
     pd = None
     if prefills:
         try:
             pd = PDSettings(
                 Caching.parse(args.pd_caching),
-                make_policy(args.prefill_policy or name, trees, thresholds, cost),
-                make_policy(args.decode_policy or name, trees, thresholds, cost),
+                make_policy(args.prefill_policy or name, trees, thresholds, cost, pulls),
+                make_policy(args.decode_policy or name, trees, thresholds, cost, pulls),
             )
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
@@ -251,12 +263,16 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         "--prefill-secs-per-token": args.prefill_secs_per_token,
         "--transfer-secs-per-token": args.transfer_secs_per_token,
         "--busy-secs-per-request": args.busy_secs_per_request,
+        "--host-load-secs-per-token": args.host_load_secs_per_token,
     }
     for flag, value in values.items():
         if not value >= 0:
             raise SystemExit(f"{flag} must be a number >= 0, got {value}")
     return CostModel(
-        args.prefill_secs_per_token, args.transfer_secs_per_token, args.busy_secs_per_request
+        args.prefill_secs_per_token,
+        args.transfer_secs_per_token,
+        args.busy_secs_per_request,
+        args.host_load_secs_per_token,
     )
 
 

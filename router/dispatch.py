@@ -110,8 +110,11 @@ class Sender:
             self.trees.record(tree, url, tokens)
 
     def pending(self, prompt: RouteRequest, decision: Decision) -> int:
-        """Prompt tokens the worker is expected to compute."""
-        return max(prompt.num_tokens - decision.predicted_cached, 0)
+        """Prompt tokens the worker is expected to compute (none of a prefix it pulls)."""
+        reused = decision.predicted_cached
+        if decision.pull_from is not None and decision.holders:
+            reused = max(reused, decision.holders[0][1])
+        return max(prompt.num_tokens - reused, 0)
 
     async def relay(
         self,
@@ -130,6 +133,9 @@ class Sender:
         hit.inc()
         if tree is not None:
             self.record_soon(tree, worker, call.prompt)
+        source = decision.pull_from
+        if source is not None:  # its link is shared by the pulls planned from it
+            source.pulls_served += 1
         try:
             with worker.request(self.pending(call.prompt, decision)) as flight:
                 return await forward(
@@ -146,6 +152,8 @@ class Sender:
             raise AttemptFailed(worker, exc, side) from None
         finally:
             self.metrics.for_worker(worker.url).inc()
+            if source is not None:
+                source.pulls_served -= 1
 
 
 class Colocated(Strategy):
@@ -177,11 +185,15 @@ class Colocated(Strategy):
 
 def with_prefix_holders(body: dict[str, Any], raw: bytes, decision: Decision) -> bytes:
     """The client's body unchanged, unless longer prefixes elsewhere are worth naming (an
-    extra field a real SGLang server ignores; our workers may pull from those holders)."""
+    extra field a real SGLang server ignores; our workers may pull from those holders'
+    MemPool agents)."""
     if not decision.holders:
         return raw
-    hint = {"prefix_holders": [{"url": u, "cached_tokens": n} for u, n in decision.holders]}
-    return json.dumps({**body, "memserve": hint}).encode()
+    named = [
+        {"url": w.url, "cached_tokens": n, **(w.agent.hint() if w.agent else {})}
+        for w, n in decision.holders
+    ]
+    return json.dumps({**body, "memserve": {"prefix_holders": named}}).encode()
 
 
 class Dispatcher:

@@ -46,9 +46,12 @@ class RouteRequest:
 @dataclass(slots=True)
 class Decision:
     worker: Worker
-    predicted_cached: int = 0  # tokens the trees believe the worker will reuse
-    holders: list[tuple[str, int]] = field(default_factory=list)  # longer prefixes elsewhere
+    predicted_cached: int = 0  # tokens the trees believe the worker holds and will reuse
+    # Workers holding a longer prefix, longest first, with how much: named in the request
+    # when the chosen worker pulls (MemPool), so it can pull instead of recomputing.
+    holders: list[tuple[Worker, int]] = field(default_factory=list)
     reason: str = "policy"
+    pull_from: Worker | None = None  # the holder the plan pulls from, if it pulls
 
 
 @dataclass(slots=True)
@@ -64,6 +67,26 @@ class Thresholds:
 
 
 @dataclass(slots=True)
+class Plan:
+    """How one worker would serve a request, and when its first token is expected."""
+
+    seconds: float
+    computed: int  # prompt tokens it would compute
+    pull: bool = False  # it pulls the longer prefix instead of computing it
+
+
+@dataclass(slots=True)
+class Options:
+    """What each candidate worker holds of a prompt and how it would serve it."""
+
+    workers: list[Worker]
+    view: PrefixView
+    held: dict[str, int]  # predicted reusable tokens per worker (any tier)
+    plans: dict[str, Plan]
+    best: Worker  # the holder of the longest prefix
+
+
+@dataclass(slots=True)
 class CostModel:
     """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures."""
 
@@ -72,17 +95,28 @@ class CostModel:
     # Requests already running share every engine step with a new prefill: a decode step
     # (6.8 ms) shared by a typical batch puts roughly this much in front of it per request.
     busy_s_per_request: float = 2.0e-3
+    host_load_s_per_token: float = 2.6e-6  # 128 KiB per token host -> GPU over 50 GB/s PCIe
 
-    def ttft(self, worker: Worker, tokens: int, cached: int, best: int = 0) -> tuple[float, bool]:
-        """(expected seconds, whether pulling the longer prefix `best` is the better plan)."""
+    def plan(
+        self,
+        worker: Worker,
+        tokens: int,
+        cached: int,
+        host: int = 0,
+        source: Worker | None = None,
+        best: int = 0,
+    ) -> Plan:
+        """`worker` holds `cached` tokens of the prompt (`host` of them in host memory, to
+        load first); `source`, when given, holds `best` and may be pulled from: the pull
+        shares the source's link with the pulls already planned from it."""
         queue = worker.queued_tokens * self.prefill_s_per_token
-        queue += worker.load * self.busy_s_per_request
-        own = queue + (tokens - cached) * self.prefill_s_per_token
-        if best <= cached:
-            return own, False
-        pull = queue + (best - cached) * self.transfer_s_per_token
-        pull += (tokens - best) * self.prefill_s_per_token
-        return (pull, True) if pull < own else (own, False)
+        queue += worker.load * self.busy_s_per_request + host * self.host_load_s_per_token
+        own = Plan(queue + (tokens - cached) * self.prefill_s_per_token, tokens - cached)
+        if source is None or best <= cached or not worker.can_pull:
+            return own
+        moved = (best - cached) * self.transfer_s_per_token * (1 + source.pulls_served)
+        pull = queue + moved + (tokens - best) * self.prefill_s_per_token
+        return Plan(pull, tokens - best, True) if pull < own.seconds else own
 
 
 def least_loaded(workers: list[Worker]) -> Worker:
@@ -182,57 +216,89 @@ class CacheAware(Policy):
 class PromptTree(Policy):
     """MemServe: longest cached token prefix, guarded against overload.
 
-    The holder of the longest prefix wins unless another worker is expected to start the
-    request sooner (Mooncake's TTFT estimate: queued work plus the uncached prefill, no pull
-    assumed) by more than the recomputed prefix costs the requests queued behind it, or
-    unless loads are imbalanced by sglang-router's thresholds. Without the
-    estimate a prefix every request shares (a system prompt, a trace's first block) would pull
-    all traffic to whichever worker saw it first.
+    The holder of the longest prefix (in its GPU memory or its host tier) wins unless another
+    worker is expected to start the request sooner (Mooncake's TTFT estimate: queued work,
+    loading host-tier pages, and the uncached prefill, or a MemPool pull of the longer
+    prefix) by more than the recomputed prefix costs the requests queued behind it, or
+    unless loads are imbalanced by sglang-router's thresholds. Without the estimate a prefix
+    every request shares (a system prompt, a trace's first block) would pull all traffic to
+    whichever worker saw it first. A worker that pulls leaves the GPU free of the recompute:
+    pulls are how work moves off an overloaded holder without losing its cache.
     """
 
     name = "prompt_tree"
     uses_tokens = True
 
-    def __init__(self, trees: PromptTrees, thresholds: Thresholds, cost: CostModel) -> None:
+    def __init__(
+        self, trees: PromptTrees, thresholds: Thresholds, cost: CostModel, pulls: bool = True
+    ) -> None:
         self.trees = trees
         self.thresholds = thresholds
         self.cost = cost
+        self.pulls = pulls  # plan MemPool pulls between workers that support them
 
     def _predicted(self, held: int, n: int) -> int:
         # The engine always computes the last prompt token; it reuses whole pages only.
         page = self.trees.page_size
         return min(held, n - 1) // page * page
 
-    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        tokens = request.tokens or []
+    def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
+        """What each worker holds, how it would serve the request, and the best holder."""
         n = request.num_tokens
-        view = self.trees.match(request.type, tokens)
+        view = self.trees.match(request.type, request.tokens or [])
         held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
-        most = max(held.values())
+        best = max(workers, key=lambda w: (held[w.url], -w.load))
+        most = held[best.url]
+        source = best if self.pulls and most and best.agent is not None else None
+        plans = {}
+        for w in workers:
+            host = min(view.host(w.url), held[w.url])
+            pull_from = source if source is not w else None
+            plans[w.url] = self.cost.plan(w, n, held[w.url], host, pull_from, most)
+        return Options(workers, view, held, plans, best)
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        o = self._options(request, workers)
+        held, plans, best = o.held, o.plans, o.best
+        most = held[best.url]
+        per_token = self.cost.prefill_s_per_token
         # Expected TTFT on each worker, plus the cached prefix it would recompute once more:
         # that work also delays every request queued behind it, so leaving a holder must win
-        # by more than this request's own TTFT.
-        per_token = self.cost.prefill_s_per_token
+        # by more than this request's own TTFT (a pull recomputes nothing).
         placement = {
-            w.url: self.cost.ttft(w, n, held[w.url])[0] + (most - held[w.url]) * per_token
+            w.url: plans[w.url].seconds
+            + (0 if plans[w.url].pull else (most - held[w.url]) * per_token)
             for w in workers
         }
         soonest = min(workers, key=lambda w: (placement[w.url], w.load))
         if most == 0:
-            return self._decide(soonest, "cache_miss", n, view)
-        best = max(workers, key=lambda w: (held[w.url], -w.load))
+            return self._decide(o, soonest, "cache_miss")
         low = min(w.load for w in workers)
         if self.thresholds.imbalanced(best.load, low):  # sglang-router's rule: the lightest
             lightest = min((w for w in workers if w.load == low), key=lambda w: placement[w.url])
-            return self._decide(lightest, "overload", n, view)
+            return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
-            return self._decide(soonest, "overload", n, view)
-        return self._decide(best, "cache_hit", n, view)
+            return self._decide(o, soonest, "overload")
+        return self._decide(o, best, "cache_hit")
 
-    def _decide(self, choice: Worker, reason: str, n: int, view: PrefixView) -> Decision:
-        mine = view.held.get(choice.url, 0)
-        holders = sorted(((u, k) for u, k in view.held.items() if k > mine), key=lambda x: -x[1])
-        return Decision(choice, self._predicted(mine, n), holders, reason)
+    def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
+        """The decision for `choice`; the reason says how its prefix comes (`pull` or
+        `..._pull` when it pulls it, `host_hit` when part of it loads from its host tier)."""
+        mine = o.held[choice.url]
+        plan = o.plans[choice.url]
+        if plan.pull:
+            reason = "pull" if reason in ("cache_hit", "cache_miss") else reason + "_pull"
+        elif reason == "cache_hit" and o.view.host(choice.url):
+            reason = "host_hit"
+        holders: list[tuple[Worker, int]] = []
+        if self.pulls and choice.can_pull:
+            longer = (
+                (w, o.held[w.url])
+                for w in o.workers
+                if w is not choice and w.agent is not None and o.held[w.url] > mine
+            )
+            holders = sorted(longer, key=lambda x: -x[1])
+        return Decision(choice, mine, holders, reason, o.best if plan.pull else None)
 
 
 class Cost(PromptTree):
@@ -241,15 +307,9 @@ class Cost(PromptTree):
     name = "cost"
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        n = request.num_tokens
-        view = self.trees.match(request.type, request.tokens or [])
-        held = {w.url: view.held.get(w.url, 0) for w in workers}
-        return self._decide(cheapest(self.cost, workers, n, held), "cost", n, view)
-
-
-def cheapest(cost: CostModel, workers: list[Worker], n: int, held: dict[str, int]) -> Worker:
-    best = max(held.values(), default=0)
-    return min(workers, key=lambda w: (cost.ttft(w, n, held[w.url], best)[0], w.load))
+        o = self._options(request, workers)
+        choice = min(workers, key=lambda w: (o.plans[w.url].seconds, w.load))
+        return self._decide(o, choice, "cache_hit" if o.held[choice.url] else "cache_miss")
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -266,13 +326,16 @@ def policy_name(name: str) -> str:
     return canonical
 
 
-def make_policy(name: str, trees: PromptTrees, thresholds: Thresholds, cost: CostModel) -> Policy:
-    """The policy named `name` (either spelling); ValueError for unknown names."""
+def make_policy(
+    name: str, trees: PromptTrees, thresholds: Thresholds, cost: CostModel, pulls: bool = True
+) -> Policy:
+    """The policy named `name` (either spelling); ValueError for unknown names. `pulls`: the
+    prefix-tree policies may plan MemPool pulls between workers that support them."""
     canonical = policy_name(name)
     if canonical == CacheAware.name:
         return CacheAware(thresholds)
     if canonical == PromptTree.name:
-        return PromptTree(trees, thresholds, cost)
+        return PromptTree(trees, thresholds, cost, pulls)
     if canonical == Cost.name:
-        return Cost(trees, thresholds, cost)
+        return Cost(trees, thresholds, cost, pulls)
     return POLICIES[canonical]()

@@ -39,7 +39,7 @@ from router.request import (
 )
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
-from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
+from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
@@ -176,15 +176,22 @@ class Router:
         return self.session
 
     async def _learn_model(self, worker: Worker) -> None:
+        """The worker's model (for `model` checks) and its MemPool agent, when it has one
+        (our workers with --enable-mempool-pull: requests may then name prefixes to pull)."""
+        timeout = aiohttp.ClientTimeout(total=5)
         try:
-            async with self._http().get(
-                worker.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp:
+            async with self._http().get(worker.url + "/v1/models", timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
             worker.model_id = body["data"][0]["id"]
             self.model_ids.add(body["data"][0]["id"])
         except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError):
             log.warning("could not learn the model of %s", worker.url)
+        try:
+            async with self._http().get(worker.url + "/get_server_info", timeout=timeout) as resp:
+                info = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            info = None
+        worker.agent = Agent.from_server_info(info)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -299,6 +306,8 @@ class Router:
             "model_id": w.model_id,
             "bootstrap_port": w.bootstrap_port,
             "processed": w.processed,
+            "kv_pull": w.agent is not None,
+            "pulls_served_in_flight": w.pulls_served,
         }
 
     async def server_info(self, request: web.Request) -> web.Response:

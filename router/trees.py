@@ -7,24 +7,54 @@ last confirmed. Updated optimistically on dispatch, again when the response pass
 workers publish them, and corrected by feedback: a worker reporting fewer cached tokens
 than predicted loses the rest of that path at once. Entries expire after a TTL; a size
 bound evicts least-recently-used leaves.
+
+Tiers: a worker with a host DRAM tier behind its GPU memory holds a prefix partly in each.
+Its device holding is recorded under its URL, its host holding under (URL, "host"), so one
+match tells per worker how much of the prefix it holds and how much of that is on its device
+(KV events with SGLang's `medium` say which; what the router routes itself is on device).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import cast
 
 from mempool.radix import RadixTree
 from router.workers import WorkerType
 
 
+class Tier(Enum):
+    """Where a worker keeps a cached page: its device (GPU) memory or its host DRAM."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+    @classmethod
+    def of_medium(cls, medium: str | None) -> Tier:
+        """SGLang's KV-event medium ("GPU", "CPU_PINNED", ...; None: GPU) as a tier."""
+        return cls.DEVICE if medium is None or medium.upper() == "GPU" else cls.HOST
+
+
+_HOST = "host"
+
+
+def _key(url: str, tier: Tier) -> str | tuple[str, str]:
+    return url if tier is Tier.DEVICE else (url, _HOST)
+
+
 @dataclass(slots=True)
 class PrefixView:
     """What the trees know about one prompt: tokens each worker is believed to hold."""
 
-    held: dict[str, int]  # worker URL -> cached prefix tokens (page-aligned)
+    held: dict[str, int]  # worker URL -> cached prefix tokens in any tier (page-aligned)
+    device: dict[str, int] = field(default_factory=dict)  # of which on its device tier
+
+    def host(self, url: str) -> int:
+        """Tokens of the worker's held prefix that sit on its host tier."""
+        return max(self.held.get(url, 0) - self.device.get(url, 0), 0)
 
 
 @dataclass(slots=True)
@@ -59,15 +89,28 @@ class PromptTrees:
         if len(tokens) < self.page_size:
             return PrefixView({})
         found = self.trees[type].match(tokens, ttl=self.ttl_s)
-        # holders of these trees are worker URLs
-        return PrefixView(cast(dict[str, int], found.holder_tokens))
+        # holders of these trees are worker URLs (device) and (URL, "host") pairs
+        keys = cast(dict[str | tuple[str, str], int], found.holder_tokens)
+        held: dict[str, int] = {}
+        device: dict[str, int] = {}
+        for key, n in keys.items():
+            if isinstance(key, str):
+                device[key] = n
+                url = key
+            else:
+                url = key[0]
+            if n > held.get(url, 0):
+                held[url] = n
+        return PrefixView(held, device)
 
-    def record(self, type: WorkerType, url: str, tokens: Sequence[int]) -> None:
-        """`url` holds (or is about to hold) the whole pages of `tokens`."""
+    def record(
+        self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier = Tier.DEVICE
+    ) -> None:
+        """`url` holds (or is about to hold) the whole pages of `tokens` in `tier`."""
         if len(tokens) < self.page_size:
             return
         tree = self.trees[type]
-        tree.insert(tokens, holder=url)
+        tree.insert(tokens, holder=_key(url, tier))
         if tree.num_pages > self.max_pages:
             tree.evict(tree.num_pages - self.max_pages * 9 // 10)
 
@@ -84,15 +127,26 @@ class PromptTrees:
             self.stats.corrections += 1
             self.drop(type, url, tokens, reported)
 
-    def drop(self, type: WorkerType, url: str, tokens: Sequence[int], keep_tokens: int) -> None:
-        """`url` no longer holds `tokens` beyond their first `keep_tokens` (it evicted them)."""
-        if len(tokens) >= self.page_size:
-            self.trees[type].remove_holder(url, tokens, keep_tokens=keep_tokens)
+    def drop(
+        self,
+        type: WorkerType,
+        url: str,
+        tokens: Sequence[int],
+        keep_tokens: int,
+        tier: Tier | None = None,
+    ) -> None:
+        """`url` no longer holds `tokens` beyond their first `keep_tokens` in `tier` (None:
+        in any tier): it evicted or moved them."""
+        if len(tokens) < self.page_size:
+            return
+        for t in (Tier.DEVICE, Tier.HOST) if tier is None else (tier,):
+            self.trees[type].remove_holder(_key(url, t), tokens, keep_tokens=keep_tokens)
 
     def forget(self, url: str) -> None:
         """A removed or dead worker holds nothing any more."""
         for tree in self.trees.values():
             tree.remove_holder(url)
+            tree.remove_holder((url, _HOST))
 
     def expire(self) -> int:
         """Drop entries not confirmed within the TTL; returns the pages pruned."""

@@ -43,6 +43,32 @@ class BreakerConfig:
     enabled: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Agent:
+    """A worker's MemPool transfer agent: where peers pull its cached prefixes from."""
+
+    instance_id: int
+    host: str
+    port: int
+
+    @classmethod
+    def from_server_info(cls, info: object) -> Agent | None:
+        """`memserve.agent` of a worker's /get_server_info, when it serves pulls."""
+        memserve = info.get("memserve") if isinstance(info, dict) else None
+        if not isinstance(memserve, dict) or not memserve.get("kv_pull"):
+            return None
+        agent = memserve.get("agent")
+        if not isinstance(agent, dict):
+            return None
+        iid, host, port = agent.get("instance_id"), agent.get("host"), agent.get("port")
+        if not (isinstance(iid, int) and isinstance(host, str) and isinstance(port, int)):
+            return None
+        return cls(iid, host, port)
+
+    def hint(self) -> dict[str, object]:
+        return {"instance_id": self.instance_id, "host": self.host, "port": self.port}
+
+
 @dataclass(eq=False, slots=True)
 class Worker:
     """One engine instance behind the router."""
@@ -64,6 +90,8 @@ class Worker:
     breaker_successes: int = 0
     breaker_opened_at: float = 0.0
     processed: int = 0
+    agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
+    pulls_served: int = 0  # requests in flight that pull a prefix from this worker
 
     @property
     def load(self) -> int:
@@ -73,6 +101,12 @@ class Worker:
     @property
     def queued_tokens(self) -> int:
         return max(self.in_flight_tokens, self.reported_pending_tokens)
+
+    @property
+    def can_pull(self) -> bool:
+        """It pulls a longer prefix from a peer when a request names one (our workers with
+        --enable-mempool-pull; a real SGLang server does not)."""
+        return self.agent is not None
 
     def request(self, prefill_tokens: int) -> InFlight:
         """Count one request against this worker while it runs (`with worker.request(n):`)."""

@@ -17,6 +17,7 @@ from router.policies import (
 )
 from router.trees import PromptTrees
 from router.workers import (
+    Agent,
     BreakerConfig,
     BreakerState,
     Worker,
@@ -85,7 +86,12 @@ def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
     ws[1].in_flight = 200  # far beyond the others: the guard moves the request
     d = policy.select(RouteRequest(tokens, "", None), ws)
     assert d.worker is not ws[1] and d.reason == "overload"
-    assert d.holders[0] == (ws[1].url, 32)  # the longer prefix's holder, for a MemPool pull
+    assert d.holders == []  # these workers cannot pull: nobody is named
+    for i, w in enumerate(ws):
+        w.agent = Agent(i + 1, "127.0.0.1", 7000 + i)
+    d = policy.select(RouteRequest(tokens, "", None), ws)
+    assert d.worker is not ws[1] and d.reason == "overload_pull"
+    assert d.holders[0] == (ws[1], 32) and d.pull_from is ws[1]  # the holder, to pull from
 
 
 def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None:
@@ -151,7 +157,7 @@ def test_cost_weighs_queue_against_reuse() -> None:
     assert cost.select(RouteRequest(tokens, "", None), ws).worker is ws[0]
     ws[0].in_flight_tokens = 100_000  # a long prefill queue outweighs 800 cached tokens
     d = cost.select(RouteRequest(tokens, "", None), ws)
-    assert d.worker is ws[1] and d.holders == [(ws[0].url, 800)]
+    assert d.worker is ws[1] and d.holders == [] and d.reason == "cache_miss"
 
 
 def test_cache_aware_follows_sglang_rules() -> None:
