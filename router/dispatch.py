@@ -10,6 +10,7 @@ worker counted in flight, the optimistic tree record, the answer relayed to the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -133,11 +134,10 @@ class Sender:
         hit.inc()
         if tree is not None:
             self.record_soon(tree, worker, call.prompt)
-        source = decision.pull_from
-        if source is not None:  # its link is shared by the pulls planned from it
-            source.pulls_served += 1
+        source = decision.pull_from  # its link is shared by the pulls planned from it
+        pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
         try:
-            with worker.request(self.pending(call.prompt, decision)) as flight:
+            with pulling, worker.request(self.pending(call.prompt, decision)) as flight:
                 return await forward(
                     self.upstream,
                     call.http,
@@ -152,8 +152,6 @@ class Sender:
             raise AttemptFailed(worker, exc, side) from None
         finally:
             self.metrics.for_worker(worker.url).inc()
-            if source is not None:
-                source.pulls_served -= 1
 
 
 class Colocated(Strategy):

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import urlsplit
@@ -107,6 +107,15 @@ class Worker:
         """It pulls a longer prefix from a peer when a request names one (our workers with
         --enable-mempool-pull; a real SGLang server does not)."""
         return self.agent is not None
+
+    @contextlib.contextmanager
+    def serving_pull(self) -> Iterator[None]:
+        """Count a request that pulls a prefix from this worker while it runs."""
+        self.pulls_served += 1
+        try:
+            yield
+        finally:
+            self.pulls_served -= 1
 
     def request(self, prefill_tokens: int) -> InFlight:
         """Count one request against this worker while it runs (`with worker.request(n):`)."""
