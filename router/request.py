@@ -46,10 +46,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 def check_model(body: Mapping[str, Any], served: set[str]) -> None:
     """404 for a model no worker serves ('default' and no model at all always pass)."""
     model = body.get("model")
-    if model is None or not served or model in served or model == "default":
+    if model is None:
         return
     if not isinstance(model, str):
         raise RequestError(400, "'model' must be a string")
+    if not served or model in served or model == "default":
+        return
     raise RequestError(404, f"model {model!r} not found; served: {sorted(served)}")
 
 
@@ -88,7 +90,7 @@ def _chat(body: Mapping[str, Any], encoder: CachedEncoder | None, want_text: boo
             raise RequestError(400, f"messages[{i}] must be an object with a 'role'")
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = _text_parts(content, i)
         if content is not None and not isinstance(content, str):
             raise RequestError(400, f"messages[{i}].content must be a string or parts")
         parts.append(m if isinstance(m.get("content"), str) else {**m, "content": content or ""})
@@ -97,11 +99,24 @@ def _chat(body: Mapping[str, Any], encoder: CachedEncoder | None, want_text: boo
         return RouteRequest(None, text, None, chat=parts)
     try:
         known, rest = encoder.encode_chat_known(parts, tools=body.get("tools"))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # a template error, or text no tokenizer takes
         raise RequestError(400, f"cannot apply the chat template: {exc}") from None
     request = RouteRequest(known, text, None, chat=parts, rest=rest or None)
     request.rest_tokens = encoder.estimate_tokens(rest)
     return request
+
+
+def _text_parts(parts: list[Any], i: int) -> str:
+    """OpenAI content parts as the text they carry (parts without text add nothing)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise RequestError(400, f"messages[{i}].content[{j}] must be an object")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise RequestError(400, f"messages[{i}].content[{j}].text must be a string")
+        texts.append(text)
+    return "".join(texts)
 
 
 def _completion(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRequest:
@@ -136,7 +151,12 @@ def _generate(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRe
 
 
 def _encode(encoder: CachedEncoder | None, text: str) -> array[int] | None:
-    return array("I", encoder.encode(text)) if encoder is not None else None
+    if encoder is None:
+        return None
+    try:
+        return array("I", encoder.encode(text))
+    except (ValueError, TypeError) as exc:  # lone surrogates: text no tokenizer takes
+        raise RequestError(400, f"cannot tokenize the prompt: {exc}") from None
 
 
 def token_ids(name: str, ids: Any) -> array[int]:
@@ -156,7 +176,11 @@ def full_tokens(prompt: RouteRequest, encoder: CachedEncoder | None) -> array[in
         return None
     known = tokens if isinstance(tokens, array) else array("I", tokens)
     if prompt.rest and encoder is not None:
-        known = encoder.complete(known, prompt.rest)
+        try:
+            known = encoder.complete(known, prompt.rest)
+        except (ValueError, TypeError):  # text no tokenizer takes: the engine refused it too
+            prompt.tokens = prompt.rest = None
+            return None
         prompt.rest, prompt.rest_tokens = None, 0
     prompt.tokens = known
     return known

@@ -26,6 +26,7 @@ from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.kv_listener import KVEventListener
 from router.learning import Learner
 from router.metrics import RouterMetrics
+from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
@@ -43,7 +44,8 @@ from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
-OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics"}
+OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics", "/openapi.json"}
+VERSION = "0.1.0"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -116,6 +118,7 @@ class Router:
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
         self.kv_listener: KVEventListener | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self._openapi = router_document(VERSION)
 
     # ----------------------------------------------------------------- app
 
@@ -139,6 +142,7 @@ class Router:
         r.add_get("/workers/{url:.+}", self.get_worker)
         r.add_delete("/workers/{url:.+}", self.delete_worker)
         r.add_get("/metrics", self.metrics_text)
+        r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -212,8 +216,9 @@ class Router:
                 f"({self.config.max_payload_bytes} bytes)",
             )
         except web.HTTPException as exc:
-            if exc.status >= 400:
-                return json_error(exc.status, exc.reason)
+            if exc.status >= 400:  # its headers too (405 names the allowed methods)
+                kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+                return json_error(exc.status, exc.reason, headers=kept)
             raise
 
     # ----------------------------------------------------------------- inference
@@ -404,6 +409,9 @@ class Router:
         except (KeyError, ValueError) as exc:
             raise RequestError(404, str(exc).strip("'\"")) from None
         return web.json_response({"removed": worker.url})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(

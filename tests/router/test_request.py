@@ -65,10 +65,26 @@ def test_session_key_prefers_the_header_then_the_user_field() -> None:
         ({"messages": "hi"}, "non-empty list"),
         ({"messages": [{"content": "x"}]}, "'role'"),
         ({"messages": [{"role": "user", "content": 5}]}, "string or parts"),
+        ({"messages": [{"role": "user", "content": [{"text": False}]}]}, "text must be a str"),
+        ({"messages": [{"role": "user", "content": ["hi"]}]}, "must be an object"),
+        ({"model": {}, "messages": [{"role": "user", "content": "hi"}]}, "'model'"),
     ],
 )
 def test_malformed_chats_are_400_whatever_the_policy(body: dict[str, Any], why: str) -> None:
-    assert why in refused(400, route_request, CHAT, body, None)
+    def read(body: dict[str, Any]) -> None:
+        check_model(body, {"smollm2"})
+        route_request(CHAT, body, None)
+
+    assert why in refused(400, read, body)
+
+
+def test_text_no_tokenizer_takes_is_400(encoder: CachedEncoder) -> None:
+    lone = "half a pair: \ud800"
+    assert "tokenize" in refused(400, route_request, GENERATE, {"text": lone}, encoder)
+    # A chat's new text is encoded after the send: the engine refuses it, and the router's
+    # own late encode gives up quietly (nothing to learn) instead of raising in a callback.
+    chat = route_request(CHAT, {"messages": [{"role": "user", "content": lone}]}, encoder)
+    assert chat.rest and full_tokens(chat, encoder) is None
 
 
 @pytest.mark.parametrize(

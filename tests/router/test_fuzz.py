@@ -1,0 +1,140 @@
+"""Fuzzing the router over real HTTP: its own OpenAPI document drives schemathesis, and
+hand-made hostile bodies follow. Nothing may answer 5xx, crash the router or hang it; every
+refusal is a 4xx with the JSON error body. Bounded: a few hundred requests, seconds each."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import CheckContext, not_a_server_error
+from schemathesis.core.failures import Failure
+
+from tests.http_client import call
+from tests.procs import running
+
+
+@pytest.fixture(scope="module")
+def router_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("fuzz")
+    worker_args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
+    worker_args += ["--context-length", "2048"]  # absurd max_tokens end within 2K steps
+    with running("connector.worker", worker_args, logs) as worker:
+        router_args = ["--policy", "prompt-tree", "--worker-urls", worker.url]
+        router_args += ["--max-payload-size", str(1 << 20), "--disable-retries"]
+        with running("router", router_args, logs) as router:
+            yield router.url
+
+
+@pytest.fixture(scope="module")
+def api(router_url: str) -> Any:
+    return schemathesis.openapi.from_url(router_url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api")
+
+
+def error_bodies_are_json(ctx: CheckContext, response: Any, case: Any) -> bool | None:
+    """Every 4xx says what is wrong in the JSON error shape."""
+    if 400 <= response.status_code < 500:
+        body = json.loads(response.content)
+        if not (isinstance(body, dict) and isinstance(body.get("message"), str)):
+            raise Failure(
+                operation=case.operation.label,
+                title="4xx without a JSON error",
+                message=f"{response.status_code}: {response.content[:200]!r}",
+            )
+    return None
+
+
+# Adding workers at random URLs or flushing caches is management, not input handling.
+@(
+    schema.exclude(method=["POST", "DELETE"], path_regex="^/workers")
+    .exclude(path="/flush_cache")
+    .parametrize()
+)
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+def test_no_generated_request_gets_a_5xx(case: Any, router_url: str) -> None:
+    # No 5xx and well-formed errors; not whether every schema-valid body is accepted (the
+    # schema cannot say "exactly one of text and input_ids" or "shorter than the context").
+    case.call_and_validate(
+        base_url=router_url, timeout=30, checks=[not_a_server_error, error_bodies_are_json]
+    )
+
+
+def raw_post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, Any]:
+    req = urllib.request.Request(url, body, {"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "says"),
+    [
+        ("/generate", b"\xff\xfe\x00garbage", 400, "not valid JSON"),
+        ("/generate", b'{"text": "a"', 400, "not valid JSON"),
+        ("/generate", b"[]", 400, "JSON object"),
+        ("/generate", b'{"text": 5}', 400, "'text'"),
+        ("/generate", b'{"input_ids": [1, -2]}', 400, "token ids"),
+        ("/v1/chat/completions", b'{"messages": {}}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": 1}]}', 400, "role"),
+        ("/v1/completions", b'{"prompt": null}', 400, "prompt"),
+        ("/generate", b'{"text": "\\ud800"}', 400, "JSON"),  # a lone surrogate
+        (
+            "/v1/chat/completions",
+            b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}',
+            404,
+            "not found",
+        ),
+    ],
+)
+def test_hostile_bodies_are_4xx_with_a_reason(
+    router_url: str, route: str, body: bytes, status: int, says: str
+) -> None:
+    got, answer = raw_post(router_url + route, body)
+    assert got == status and says in answer["message"], answer
+
+
+def test_oversized_bodies_are_413_and_the_router_keeps_serving(router_url: str) -> None:
+    huge = json.dumps({"text": "x" * (2 << 20)}).encode()
+    got, answer = raw_post(router_url + "/generate", huge)
+    assert got == 413 and "max-payload-size" in answer["message"]
+    assert call(router_url + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("max_tokens", [-1, -(10**12), 10**12])
+def test_negative_or_absurd_max_tokens_end_cleanly(router_url: str, max_tokens: int) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    got, answer = raw_post(router_url + "/v1/chat/completions", json.dumps(body).encode())
+    assert got in (200, 400), answer
+    if got == 400:
+        assert "max_tokens" in answer["message"] or "max_new_tokens" in answer["message"]
+
+
+def test_a_wrong_method_names_the_allowed_ones(router_url: str) -> None:
+    req = urllib.request.Request(router_url + "/generate", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 405 and "POST" in info.value.headers["Allow"]
+    assert json.loads(info.value.read())["code"] == 405
+
+
+def test_the_document_describes_every_route_the_router_serves(router_url: str) -> None:
+    doc = call(router_url + "/openapi.json")[1]
+    for path in ("/generate", "/v1/chat/completions", "/v1/completions", "/workers/{url}"):
+        assert path in doc["paths"]
+    assert doc["openapi"].startswith("3.")
