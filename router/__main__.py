@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
     a("--request-timeout-secs", type=float, default=1800)
     a("--max-concurrent-requests", type=int, default=0, help="0: unlimited")
+    a(
+        "--rate-limit-tokens-per-second",
+        type=float,
+        default=0,
+        help="requests admitted a second (a token bucket, as sglang-router's); 0: unlimited",
+    )
     a("--queue-size", type=int, default=100)
     a("--queue-timeout-secs", type=float, default=60)
     a("--retry-max-retries", type=int, default=5)
@@ -181,11 +187,32 @@ def load_encoder(path: Path | None) -> CachedEncoder | None:
     return CachedEncoder(ChatTokenizer(path))
 
 
+def check_limits(args: argparse.Namespace) -> None:
+    """Admission and timeout flags must be numbers that make sense; SystemExit otherwise."""
+    for flag, value in (
+        ("--max-concurrent-requests", args.max_concurrent_requests),
+        ("--rate-limit-tokens-per-second", args.rate_limit_tokens_per_second),
+        ("--queue-size", args.queue_size),
+        ("--retry-max-retries", args.retry_max_retries),
+    ):
+        if not value >= 0:
+            raise SystemExit(f"{flag} must be >= 0, got {value}")
+    for flag, value in (
+        ("--queue-timeout-secs", args.queue_timeout_secs),
+        ("--request-timeout-secs", args.request_timeout_secs),
+        ("--max-payload-size", args.max_payload_size),
+        ("--health-check-interval-secs", args.health_check_interval_secs),
+    ):
+        if not value > 0:
+            raise SystemExit(f"{flag} must be > 0, got {value}")
+
+
 def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
     try:
         name = policy_name(args.policy)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    check_limits(args)
     registry = WorkerRegistry(
         BreakerConfig(
             args.cb_failure_threshold,
@@ -241,6 +268,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         max_payload_bytes=args.max_payload_size,
         request_timeout_s=args.request_timeout_secs,
         max_concurrent_requests=args.max_concurrent_requests,
+        rate_limit_per_s=args.rate_limit_tokens_per_second,
         queue_size=args.queue_size,
         queue_timeout_s=args.queue_timeout_secs,
         retry=RetryConfig(

@@ -7,11 +7,10 @@ wrong types, empty messages, unknown model, oversized body, missing API key, ful
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -22,6 +21,7 @@ from prometheus_client import generate_latest
 
 from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
+from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.kv_listener import KVEventListener
 from router.learning import Learner
@@ -55,6 +55,7 @@ class RouterConfig:
     max_payload_bytes: int = 512 * 1024 * 1024
     request_timeout_s: float = 1800.0
     max_concurrent_requests: int = 0  # 0: unlimited
+    rate_limit_per_s: float = 0.0  # requests admitted a second (token bucket); 0: unlimited
     queue_size: int = 100
     queue_timeout_s: float = 60.0
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -84,12 +85,14 @@ class Router:
         self.encoder = encoder  # None unless a policy routes on tokens
         self.model_ids: set[str] = set()
         self.metrics = RouterMetrics(registry, trees)
-        self._slots = (
-            asyncio.Semaphore(config.max_concurrent_requests)
-            if config.max_concurrent_requests > 0
-            else None
+        self.admission = Admission(
+            Limits(
+                config.max_concurrent_requests,
+                config.rate_limit_per_s,
+                config.queue_size,
+                config.queue_timeout_s,
+            )
         )
-        self._queued = 0
         self._active = 0  # inference requests inside the router now
         registry.when_gone(lambda w: trees.forget(w.url))
         self.session: aiohttp.ClientSession | None = None  # management calls
@@ -209,6 +212,8 @@ class Router:
             return await handler(request)
         except RequestError as exc:
             return json_error(exc.status, str(exc), headers=exc.headers)
+        except Refused as exc:
+            return json_error(429, str(exc), headers={"Retry-After": "1"})
         except web.HTTPRequestEntityTooLarge:
             return json_error(
                 413,
@@ -230,7 +235,7 @@ class Router:
         started = time.perf_counter()
         self._active += 1
         try:
-            async with self._admission():
+            async with self.admission.slot():
                 raw = await request.read()
                 body = parse_json_object(raw)
                 check_model(body, self.model_ids)
@@ -243,34 +248,6 @@ class Router:
                     duration.observe(time.perf_counter() - started)
         finally:
             self._active -= 1
-
-    @contextlib.asynccontextmanager
-    async def _admission(self) -> AsyncIterator[None]:
-        """A slot among --max-concurrent-requests, waiting in a bounded queue, else 429."""
-        slots = self._slots
-        if slots is None:
-            yield
-            return
-        if slots.locked():
-            if self._queued >= self.config.queue_size:
-                raise RequestError(
-                    429, "the router's queue is full; retry later", {"Retry-After": "1"}
-                )
-            self._queued += 1
-            try:
-                await asyncio.wait_for(slots.acquire(), self.config.queue_timeout_s)
-            except TimeoutError:
-                raise RequestError(
-                    429, "timed out waiting in the router's queue", {"Retry-After": "1"}
-                ) from None
-            finally:
-                self._queued -= 1
-        else:
-            await slots.acquire()
-        try:
-            yield
-        finally:
-            slots.release()
 
     # ----------------------------------------------------------------- management
 
