@@ -4,6 +4,14 @@ The API keeps MemServe's names (Table 1): alloc_mem/free_mem, insert/match/delet
 swap_out/swap_in. Blocks a running request owns are *active*; `insert` turns them into
 *historical* KV that later requests `match`, and that eviction or swapping may move once no
 request holds a lock on it.
+
+With both a device and a host tier, every index node lives wholly in one tier (its `tier` is
+the MemType value) and device pages sit above host pages on a path: swap-out takes the least
+recently used device nodes whose children are all on the host (splitting one to move just its
+tail), eviction drops host leaves before anything on the device, a locked match's host pages
+come back by `swap_in_match`, and `insert` re-adopts a request's device copy of pages cached on
+the host. Each of these finds its victims in the index's per-tier heaps, so its cost follows
+what it moves.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Any
 from mempool.address import MemType, block_of, decode, instance_of, mem_type_of
 from mempool.allocator import BlockAllocator
 from mempool.arena import Arena, HostArena, HugePages, make_arena
-from mempool.errors import BlockInUse, InvalidAddress, InvalidRequest, MemPoolError
+from mempool.errors import BlockInUse, InvalidAddress, InvalidRequest, MemPoolError, OutOfBlocks
 from mempool.layout import KVBlockSpec, Layout
 from mempool.radix import InsertResult, RadixTree, Tokens, TreeNode, token_array
 
@@ -27,6 +35,16 @@ class InsertFlags(IntFlag):
     NONE = 0
     LOCK = 1  # keep the inserted prefix locked: the request is still running (chunked prefill)
     KEEP_DUPLICATES = 2  # do not free given blocks whose pages were cached already
+
+
+@dataclass(slots=True)
+class Moved:
+    """One index node's pages that changed tier (swap) or got a new home: their token ids
+    and their block addresses before and after, page by page."""
+
+    tokens: array[int]
+    old: list[int]
+    new: list[int]
 
 
 @dataclass(slots=True)
@@ -73,6 +91,8 @@ class MemPool:
         if not self.allocators:
             raise InvalidRequest("a MemPool needs host_blocks or device_blocks > 0")
         self._by_type = {int(t): a for t, a in self.allocators.items()}
+        # Two tiers: index nodes carry their tier; one tier: every node keeps tier 0.
+        self.tiered = len(self.allocators) == 2
         self.index = RadixTree(spec.page_size, self.blocks_per_page, clock)
         self._indexed: set[int] = set()
 
@@ -170,9 +190,16 @@ class MemPool:
         clash = self._indexed.intersection(addrs)
         if clash:
             self._check_reinsert(tokens, addrs, clash)
-        result = self.index.insert(tokens, addrs)
+        tier = 0
+        if self.tiered:
+            if not flags & InsertFlags.KEEP_DUPLICATES:
+                self.promote(tokens, addrs)
+            tier = mem_type_of(addrs[-1])
+        result = self.index.insert(tokens, addrs, tier=tier)
         adopted = addrs[result.existing_tokens // self.spec.page_size * self.blocks_per_page :]
         self._indexed.update(adopted)
+        if tier and adopted:
+            self._split_by_tier(result.node, adopted)
         if result.duplicates and not flags & InsertFlags.KEEP_DUPLICATES:
             self._free_blocks(result.duplicates)
         if flags & InsertFlags.LOCK:
@@ -198,15 +225,29 @@ class MemPool:
         """Drop the cached pages only this prompt uses; returns the freed block addresses."""
         return self._release_indexed(self.index.delete(tokens))
 
-    def evict(self, num_blocks: int) -> list[int]:
+    def evict(self, num_blocks: int, mem_type: MemType | str | None = None) -> list[int]:
         """Free at least `num_blocks` historical blocks, least recently used first.
 
         Returns the freed addresses (fewer than asked when the rest is locked), so a caller
-        that publishes cache events can say which pages went.
+        that publishes cache events can say which pages went. With two tiers, host leaves go
+        first, then device pages with what hangs below them; `mem_type` limits it to the
+        leaves of one tier.
         """
-        pages = -(-num_blocks // self.blocks_per_page)
-        _, removed = self.index.evict(pages)
-        return self._release_indexed(removed)
+        bpp = self.blocks_per_page
+        if not self.tiered:
+            _, removed = self.index.evict(-(-num_blocks // bpp))
+            return self._release_indexed(removed)
+        if mem_type is None:
+            order = [MemType.HOST, MemType.DEVICE]
+        else:
+            order = [self._allocator(mem_type).mem_type]
+        freed: list[int] = []
+        for tier in order:
+            if len(freed) >= num_blocks:
+                break
+            _, removed = self.index.evict(-(-(num_blocks - len(freed)) // bpp), int(tier))
+            freed += self._release_indexed(removed)
+        return freed
 
     def flush(self) -> list[int]:
         """Drop the whole index; refused while a running request holds a lock."""
@@ -217,36 +258,154 @@ class MemPool:
     # ----------------------------------------------------------------- tiers
 
     def swap_out(self, num_blocks: int) -> list[int]:
-        """Move up to `num_blocks` least-recently-used historical blocks device -> host.
+        """Move `num_blocks` least-recently-used historical blocks device -> host.
 
-        Returns the new host addresses; the index follows. OutOfBlocks (nothing moved) when
-        the host tier lacks room.
+        Returns the new host addresses; the index follows. Fewer only when fewer unlocked
+        device blocks are cached; OutOfBlocks (nothing moved) when the host tier lacks room.
         """
-        if MemType.DEVICE not in self.allocators or MemType.HOST not in self.allocators:
-            raise InvalidRequest("swap needs both a device and a host tier")
-        victims: list[int] = []
-        sources: list[TreeNode] = []
-        device = int(MemType.DEVICE)
-        for node in self.index.lru_unlocked():  # eviction's order: LRU, suffixes first
-            if node.value is None:
-                continue
-            found = [a for a in node.value if mem_type_of(a) == device]
-            if found:
-                victims.extend(found)
-                sources.append(node)
-                if len(victims) >= num_blocks:
-                    break
-        return self._move(victims[:num_blocks], MemType.HOST, sources)
+        return [a for run in self.swap_out_runs(num_blocks) for a in run.new]
+
+    def swap_out_runs(self, num_blocks: int) -> list[Moved]:
+        """`swap_out`, saying which pages moved: whole index nodes, leaves before parents."""
+        self._need_tiers()
+        device, host = int(MemType.DEVICE), int(MemType.HOST)
+        bpp = self.blocks_per_page
+        want = -(-num_blocks // bpp) * bpp
+        if num_blocks <= 0 or self.index.lru_leaf(device) is None:
+            return []
+        if self.allocators[MemType.HOST].num_free < want:
+            raise OutOfBlocks(
+                f"swap_out of {want} blocks: the host tier has "
+                f"{self.allocators[MemType.HOST].num_free} free"
+            )
+        runs: list[Moved] = []
+        moved = 0
+        while moved < want:
+            node = self.index.lru_leaf(device)
+            if node is None:
+                break
+            assert node.value is not None
+            pages, need = len(node.value) // bpp, (want - moved) // bpp
+            if pages > need:
+                self.index.split(node, pages - need)  # `node` keeps its last `need` pages
+            runs.append(self._retier(node, MemType.HOST))
+            moved += len(runs[-1].new)
+        assert all(mem_type_of(a) == host for run in runs for a in run.new)
+        return runs
 
     def swap_in(self, addrs: Sequence[int]) -> list[int]:
-        """Move these host blocks to the device tier; returns new addresses in the same order."""
+        """Move these host blocks to the device tier; returns new addresses in the same order.
+
+        The index is searched whole for them; `swap_in_match` moves a match's pages at the
+        cost of its path.
+        """
         if MemType.DEVICE not in self.allocators:
             raise InvalidRequest("swap_in needs a device tier")
         addrs = self._addr_list(addrs)
         host = int(MemType.HOST)
         if any(mem_type_of(a) != host for a in addrs) or not self._owns(addrs):
             raise InvalidAddress("swap_in takes allocated host blocks of this pool")
-        return self._move(addrs, MemType.DEVICE)
+        new = self._copy(addrs, MemType.DEVICE)
+        mapping = dict(zip(addrs, new, strict=True))
+        moved_indexed = self._indexed.intersection(addrs)
+        if moved_indexed:
+            self.index.repoint({a: mapping[a] for a in moved_indexed})
+            self._indexed.difference_update(moved_indexed)
+            self._indexed.update(mapping[a] for a in moved_indexed)
+            for node in self.index.nodes():  # nodes left wholly on the device change tier
+                value = node.value
+                if node.tier == host and value is not None and host not in map(mem_type_of, value):
+                    self.index.set_tier(node, int(MemType.DEVICE))
+        self._free_blocks(addrs)
+        return new
+
+    def swap_in_match(self, found: PrefixMatch) -> list[Moved]:
+        """Bring a locked match's host pages to the device tier (they stay pinned by it).
+
+        A host node that someone else also holds locked (a peer reading it, a pull in
+        flight) keeps its blocks: the match is cut before it (`found.addrs` and `num_tokens`
+        shrink), so its reader never sees them move. OutOfBlocks (nothing moved) when the
+        device tier lacks room for the rest.
+        """
+        if not found.locked:
+            raise InvalidRequest("swap_in_match needs a locked match")
+        if not self.tiered:
+            return []
+        host = int(MemType.HOST)
+        path: list[TreeNode] = []
+        node = found.node
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        load: list[TreeNode] = []
+        keep = len(path)
+        for i, step in enumerate(path):
+            if step.tier == host:
+                if step.lock_ref > 1:
+                    keep = i
+                    break
+                load.append(step)
+        count = sum(len(n.value) for n in load if n.value is not None)
+        free = self.allocators[MemType.DEVICE].num_free
+        if count > free:
+            raise OutOfBlocks(f"swap_in of {count} blocks: the device tier has {free} free")
+        runs = [self._retier(n, MemType.DEVICE) for n in load]
+        found.addrs = [a for n in path[:keep] if n.value is not None for a in n.value]
+        found.num_tokens = len(found.addrs) // self.blocks_per_page * self.spec.page_size
+        return runs
+
+    def promote(self, tokens: Tokens, addrs: Sequence[int]) -> list[Moved]:
+        """Pages of `tokens` cached on the host whose device copy `addrs` names (a request
+        recomputed them) take those device blocks; their host blocks are freed.
+
+        `insert` does this itself; an engine calls it first to learn which pages moved.
+        Locked host nodes and given blocks that are not free-standing device blocks are left
+        alone (the given ones are then duplicates, freed by `insert`).
+        """
+        if not self.tiered:
+            return []
+        tokens = token_array(tokens)
+        addrs = self._addr_list(addrs)
+        bpp, host, device = self.blocks_per_page, int(MemType.HOST), int(MemType.DEVICE)
+        if len(addrs) != len(tokens) // self.spec.page_size * bpp:
+            return []  # insert refuses it, naming the problem
+        path: list[TreeNode] = []
+        node = self.index.match(tokens).node
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        if not any(n.tier == host for n in path):
+            return []
+        node = self.index.match(tokens, split=True).node  # whole nodes along the prompt
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        runs: list[Moved] = []
+        pos = 0
+        for step in path:
+            assert step.value is not None
+            span = len(step.value)
+            given = addrs[pos : pos + span]
+            pos += span
+            if (
+                step.tier != host
+                or step.lock_ref
+                or any(mem_type_of(a) != device for a in given)
+                or not self._indexed.isdisjoint(given)
+                or not self._owns(given)
+            ):
+                continue
+            old = step.value.tolist()
+            step.value = array("Q", given)
+            self.index.set_tier(step, device)
+            self._indexed.difference_update(old)
+            self._indexed.update(given)
+            self._free_blocks(old)
+            runs.append(Moved(array("I", step.key), old, list(given)))
+        return runs
 
     # ----------------------------------------------------------------- reporting
 
@@ -373,26 +532,41 @@ class MemPool:
             raise InvalidAddress(f"address {addr!r} is not an allocated block of this pool")
         return self.arenas[tier.mem_type], block_of(addr)
 
-    def _move(
-        self, addrs: list[int], to: MemType, nodes: Sequence[TreeNode] | None = None
-    ) -> list[int]:
-        """Copy blocks to tier `to`, repoint the index, free the old blocks.
-
-        `nodes`: the index nodes holding the indexed ones among `addrs`, when the caller
-        knows them (swap_out); otherwise the index searches every node.
-        """
-        if not addrs:
-            return []
+    def _copy(self, addrs: list[int], to: MemType) -> list[int]:
+        """Fresh blocks on tier `to` holding copies of `addrs`' bytes (OutOfBlocks: none)."""
         new = self.allocators[to].alloc(len(addrs))
-        mapping = dict(zip(addrs, new, strict=True))
-        for old, fresh in mapping.items():
+        for old, fresh in zip(addrs, new, strict=True):
             src, sblock = self._locate(old)
             dst, dblock = self._locate(fresh)
             dst.write(dblock, src.view(sblock) if isinstance(src, HostArena) else src.read(sblock))
-        moved_indexed = self._indexed.intersection(addrs)
-        if moved_indexed:
-            self.index.repoint({a: mapping[a] for a in moved_indexed}, nodes)
-            self._indexed.difference_update(moved_indexed)
-            self._indexed.update(mapping[a] for a in moved_indexed)
-        self._free_blocks(addrs)
         return new
+
+    def _retier(self, node: TreeNode, to: MemType) -> Moved:
+        """Move one index node's blocks to tier `to`: copy, repoint, free the old blocks."""
+        assert node.value is not None
+        old = node.value.tolist()
+        new = self._copy(old, to)
+        node.value = array("Q", new)
+        self.index.set_tier(node, int(to))
+        self._indexed.difference_update(old)
+        self._indexed.update(new)
+        self._free_blocks(old)
+        return Moved(array("I", node.key), old, new)
+
+    def _split_by_tier(self, leaf: TreeNode, adopted: list[int]) -> None:
+        """A new leaf whose blocks span tiers becomes one node per run of one tier."""
+        tiers = [mem_type_of(a) for a in adopted[:: self.blocks_per_page]]
+        node = leaf
+        start = 0
+        for i in range(1, len(tiers) + 1):
+            if i < len(tiers) and tiers[i] == tiers[start]:
+                continue
+            if i < len(tiers):  # a run ends at page i: cut it off the top of what is left
+                self.index.set_tier(self.index.split(node, i - start), tiers[start])
+            else:
+                self.index.set_tier(node, tiers[start])
+            start = i
+
+    def _need_tiers(self) -> None:
+        if not self.tiered:
+            raise InvalidRequest("swap needs both a device and a host tier")

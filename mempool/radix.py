@@ -21,8 +21,17 @@ incrementally, what a whole-tree walk would otherwise recompute on every call:
   queue; an entry is current while the node is attached and still maps the holder to that time;
 - per holder, the set of nodes it holds, so forgetting an instance touches only its nodes.
 
+Tiers (MemPool with a device and a host tier): a node's `tier` says where its pages live,
+lower numbers faster. A node is a *tier leaf* when it is unlocked and no child sits in the same
+or a faster tier; each tier keeps its own heap of tier leaves, so the least recently used
+device pages whose children are all on the host (`lru_leaf(device)`: the next to swap out) and
+the least recently used host leaves (`evict(n, host)`: the next to drop) are found at the cost
+of what they take, however many pages the other tier holds. A tree whose nodes all keep tier 0
+(the router's trees, a one-tier pool) has one heap and leaves as before.
+
 Public API: `match`, `insert`, `delete`, `evict`, `lock`/`unlock`, `remove_holder`, `expire`,
-`lru_unlocked` and `repoint` (swapping between tiers), `reset`, `nodes`, `pretty`, `sequences`.
+`lru_leaf`, `set_tier`, `split`, `lru_unlocked` and `repoint` (swapping between tiers),
+`reset`, `nodes`, `pretty`, `sequences`.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ class TreeNode:
     last_access: float = 0.0
     attached: bool = True  # False once evicted, deleted, pruned or reset out of the tree
     lru_stamp: int = 0  # stamp of its current entry in the evictable-leaf heap; 0: none
+    tier: int = 0  # where its pages live (MemPool: the MemType value); lower is faster
 
 
 @dataclass(slots=True)
@@ -134,8 +144,10 @@ class RadixTree:
         self.evictable_pages = 0
         self.protected_pages = 0
         self._seq = 0  # stamps and expiry sequence numbers; 0 means "none"
-        self._leaves: list[LeafEntry] = []
-        self._queued_leaves = 0  # nodes with a current entry in _leaves
+        self._leaves: list[LeafEntry] = []  # tier 0's tier leaves
+        self._tier_leaves: dict[int, list[LeafEntry]] = {}  # other tiers' tier leaves
+        self._queued_leaves = 0  # nodes with a current entry in one of the heaps
+        self._tiered = False  # some node was ever given a tier other than 0
         self._expiry: list[ExpiryEntry] = []
         self._holder_entries = 0  # (attached node, holder) pairs: the current expiry entries
         self._by_holder: dict[Hashable, set[TreeNode]] = {}
@@ -184,12 +196,14 @@ class RadixTree:
         tokens: Tokens,
         value: Sequence[int] | array[int] | None = None,
         holder: Hashable | None = None,
+        tier: int = 0,
     ) -> InsertResult:
         """Add the whole pages of `tokens`; existing pages keep their value.
 
         `value` must hold slots_per_page addresses per whole page. Addresses given for pages
         that were cached already and differ from the cached ones come back as `duplicates`.
-        With `holder`, every node on the path records it as holding the pages now.
+        With `holder`, every node on the path records it as holding the pages now. New pages
+        go into one new leaf in `tier`.
         """
         key = self._page_key(tokens)
         pages = len(key) // self.page_bytes
@@ -201,9 +215,11 @@ class RadixTree:
         while pos < len(key):
             child = node.children.get(key[pos : pos + pb])
             if child is None:
-                self._unqueue_leaf(node)  # a leaf until now, it gets a child
+                if tier <= node.tier:
+                    self._unqueue_leaf(node)  # a tier leaf until now, it gets a child
                 leaf_value = None if values is None else values[pos // pb * stride :]
-                leaf = TreeNode(key[pos:], leaf_value, node, last_access=now)
+                leaf = TreeNode(key[pos:], leaf_value, node, last_access=now, tier=tier)
+                self._tiered = self._tiered or tier != 0
                 node.children[key[pos : pos + pb]] = leaf
                 self.evictable_pages += (len(key) - pos) // pb
                 self._queue_leaf(leaf)
@@ -253,15 +269,17 @@ class RadixTree:
             self._detach(n, removed)
         return removed
 
-    def evict(self, num_pages: int) -> tuple[int, array[int]]:
+    def evict(self, num_pages: int, tier: int = 0) -> tuple[int, array[int]]:
         """Remove least-recently-used unlocked leaves until `num_pages` pages are gone.
 
         Returns (pages removed, their values). Locked nodes and their ancestors stay. A parent
         left childless joins the evictable leaves, so a long idle branch goes leaf by leaf.
+        In a tiered tree only tier leaves of `tier` go, each with its subtree (in slower
+        tiers): evicting the slowest tier drops true leaves only.
         """
         removed_pages, removed = 0, array("Q")
         while removed_pages < num_pages:
-            leaf = self._pop_lru_leaf()
+            leaf = self._pop_lru_leaf(tier)
             if leaf is None:
                 break
             removed_pages += self._detach(leaf, removed)
@@ -292,7 +310,7 @@ class RadixTree:
                 pages = len(node.key) // self.page_bytes
                 self.evictable_pages += pages
                 self.protected_pages -= pages
-                if not node.children:
+                if self._is_tier_leaf(node):
                     self._queue_leaf(node)
             node = node.parent
 
@@ -345,12 +363,54 @@ class RadixTree:
                 emptied.append(node)
         return self._prune(emptied)
 
+    def lru_leaf(self, tier: int = 0) -> TreeNode | None:
+        """The least recently used tier leaf of `tier` (what `evict(n, tier)` takes next), left
+        in place; None if there is none. Stale entries met on the way are dropped."""
+        heap = self._heap(tier)
+        while heap:
+            seen, stamp, node = heap[0]
+            if node.lru_stamp != stamp:
+                heapq.heappop(heap)  # stale
+            elif seen != node.last_access:  # used since it was queued: re-enter at its time
+                self._seq += 1
+                node.lru_stamp = self._seq
+                heapq.heapreplace(heap, (node.last_access, self._seq, node))
+            else:
+                return node
+        return None
+
+    def set_tier(self, node: TreeNode, tier: int) -> None:
+        """Record that `node`'s pages now live in `tier` (their values were repointed); the
+        node and its parent change heaps as their tier-leaf status says."""
+        if node.parent is None:
+            raise InvalidRequest("the root has no tier")
+        if node.tier == tier:
+            return
+        self._tiered = self._tiered or tier != 0
+        self._unqueue_leaf(node)
+        node.tier = tier
+        self._requeue_if_leaf(node)
+        parent = node.parent
+        if self._is_tier_leaf(parent):
+            if not parent.lru_stamp:
+                self._queue_leaf(parent)
+        else:
+            self._unqueue_leaf(parent)
+
+    def split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Cut `node` after its first `pages` pages (0 < pages < its length); returns the new
+        upper node, `node` keeps the rest (and its place in the heaps)."""
+        total = len(node.key) // self.page_bytes
+        if node.parent is None or not node.attached or not 0 < pages < total:
+            raise InvalidRequest(f"cannot split an edge of {total} pages after {pages}")
+        return self._split(node, pages)
+
     def lru_unlocked(self) -> Iterator[TreeNode]:
         """Every unlocked node, least recently used first; a node only after all its children.
 
-        This is the order `evict` would take them in. It reads the eviction heap without
-        changing it, so the first k nodes cost O(k log k) plus stale entries passed; do not
-        change the tree while iterating.
+        This is the order `evict` would take them in (in a tree without tiers). It reads the
+        eviction heap without changing it, so the first k nodes cost O(k log k) plus stale
+        entries passed; do not change the tree while iterating.
         """
         heap = self._leaves
         # (time, stamp, slot, node): slot >= 0 is an index into `heap`, whose children in the
@@ -415,6 +475,7 @@ class RadixTree:
         self.root.children.clear()
         self.evictable_pages = self.protected_pages = 0
         self._leaves.clear()
+        self._tier_leaves.clear()
         self._queued_leaves = 0
         self._expiry.clear()
         self._holder_entries = 0
@@ -552,6 +613,7 @@ class RadixTree:
             None if child.holders is None else dict(child.holders),
             child.lock_ref,
             child.last_access,
+            tier=child.tier,
         )
         parent.children[child.key[:pb]] = upper
         child.key = child.key[cut:]
@@ -609,16 +671,20 @@ class RadixTree:
 
     # evictable leaves
 
+    def _heap(self, tier: int) -> list[LeafEntry]:
+        return self._leaves if tier == 0 else self._tier_leaves.setdefault(tier, [])
+
     def _queue_leaf(self, node: TreeNode) -> None:
         """(Re)enter an evictable leaf at its current last_access; an older entry goes stale."""
         self._seq += 1
         if not node.lru_stamp:
             self._queued_leaves += 1
         node.lru_stamp = self._seq
-        heapq.heappush(self._leaves, (node.last_access, self._seq, node))
-        if len(self._leaves) > STALE_FACTOR * self._queued_leaves + STALE_FLOOR:
-            self._leaves = [e for e in self._leaves if e[2].lru_stamp == e[1]]
-            heapq.heapify(self._leaves)
+        heap = self._heap(node.tier)
+        heapq.heappush(heap, (node.last_access, self._seq, node))
+        if len(heap) > STALE_FACTOR * self._queued_leaves + STALE_FLOOR:
+            heap[:] = [e for e in heap if e[2].lru_stamp == e[1]]
+            heapq.heapify(heap)
 
     def _unqueue_leaf(self, node: TreeNode) -> None:
         if node.lru_stamp:
@@ -626,16 +692,24 @@ class RadixTree:
             self._queued_leaves -= 1
 
     def _requeue_if_leaf(self, node: TreeNode) -> None:
-        if node.parent is not None and node.attached and not node.children and not node.lock_ref:
+        if self._is_tier_leaf(node):
             self._queue_leaf(node)
 
-    def _pop_lru_leaf(self) -> TreeNode | None:
+    def _is_tier_leaf(self, node: TreeNode) -> bool:
+        """Unlocked, attached, not the root, and no child in its tier or a faster one."""
+        if node.parent is None or not node.attached or node.lock_ref:
+            return False
+        if not self._tiered:
+            return not node.children
+        return all(child.tier > node.tier for child in node.children.values())
+
+    def _pop_lru_leaf(self, tier: int = 0) -> TreeNode | None:
         """The least recently used evictable leaf, taken out of the heap; None if none.
 
         Every current entry's time is at most its node's last_access, so the first popped
         entry whose time is exact belongs to the least recently used leaf.
         """
-        heap = self._leaves
+        heap = self._heap(tier)
         while heap:
             seen, stamp, node = heapq.heappop(heap)
             if node.lru_stamp != stamp:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -385,3 +386,228 @@ def test_region_and_offset_name_the_same_bytes(pool: MemPool) -> None:
     pool.free_mem(addrs)
     with pytest.raises(InvalidAddress, match="not an allocated block"):
         pool.offset_of(addrs[0])
+
+
+# ----------------------------------------------------------------- two tiers (hierarchical)
+
+DEVICE, HOST = int(MemType.DEVICE), int(MemType.HOST)
+
+
+def tiered(device: int = 8, host: int = 8) -> MemPool:
+    from tests.mempool.test_radix_incremental import Ticker
+
+    return MemPool(0, SPEC, host_blocks=host, device_blocks=device, clock=Ticker())
+
+
+def check_tiers(pool: MemPool) -> None:
+    """Every node lives in one tier, the heaps hold exactly the tier leaves, and every block
+    in use is indexed (no request holds any here)."""
+    nodes = list(pool.index.nodes())
+    for node in nodes:
+        assert node.value is not None
+        assert {decode(a).mem_type for a in node.value} == {MemType(node.tier)}
+    leaves = {
+        id(n) for n in nodes if not n.lock_ref and all(c.tier > n.tier for c in n.children.values())
+    }
+    assert {id(n) for n in nodes if n.lru_stamp} == leaves
+    indexed = sum(len(n.value) for n in nodes if n.value is not None)
+    used = sum(t["used"] for t in pool.stats()["tiers"].values())
+    assert used == indexed == pool.index.num_pages
+
+
+def test_swap_out_moves_exactly_and_splits_a_node_to_move_its_tail() -> None:
+    pool = tiered()
+    prompt = list(range(16))  # 4 pages, one node
+    blocks = pool.alloc_blocks(4, "device")
+    data = fill(pool, blocks)
+    pool.insert(prompt, blocks)
+    runs = pool.swap_out_runs(1)
+    assert [len(r.new) for r in runs] == [1] and runs[0].old == blocks[3:]
+    assert runs[0].tokens.tolist() == prompt[12:]  # the last page moved: device stays above
+    found = pool.match(prompt)
+    assert [decode(a).mem_type for a in found.addrs] == [MemType.DEVICE] * 3 + [MemType.HOST]
+    assert [pool.read_block(a) for a in found.addrs] == data
+    assert pool.swap_out(2) == pool.match(prompt).addrs[1:3]  # then the pages above it
+    check_tiers(pool)
+
+
+def test_host_is_dropped_before_device_and_only_leaves() -> None:
+    pool = tiered(device=4, host=4)
+    a, b = list(range(8)), list(range(50, 58))
+    pool.insert(a, pool.alloc_blocks(2, "device"))
+    pool.swap_out(1)
+    pool.swap_out(1)  # a now on the host, one node a page
+    pool.insert(b, pool.alloc_blocks(2, "device"))
+    freed = pool.evict(1)
+    assert all(decode(x).mem_type is MemType.HOST for x in freed)
+    assert pool.match(a).num_tokens == 4 and pool.match(b).num_tokens == 8
+    assert len(pool.evict(10, "host")) == 1 and pool.match(a).num_tokens == 0
+    assert pool.evict(10, "host") == [] and pool.match(b).num_tokens == 8
+    assert len(pool.evict(10)) == 2  # nothing left on the host: the device goes
+    assert free_counts(pool) == {"host": 4, "device": 4}
+
+
+def test_swap_in_match_brings_host_pages_back_pinned() -> None:
+    pool = tiered()
+    prompt = list(range(12))
+    blocks = pool.alloc_blocks(3, "device")
+    data = fill(pool, blocks)
+    pool.insert(prompt, blocks)
+    pool.swap_out(3)
+    found = pool.match(prompt + [99], lock=True)
+    runs = pool.swap_in_match(found)
+    assert sum(len(r.new) for r in runs) == 3 and found.addrs == [a for r in runs for a in r.new]
+    assert all(decode(a).mem_type is MemType.DEVICE for a in found.addrs)
+    assert [pool.read_block(a) for a in found.addrs] == data
+    assert pool.swap_out(3) == []  # pinned by the match
+    pool.release(found)
+    assert len(pool.swap_out(3)) == 3
+    check_tiers(pool)
+
+
+def test_swap_in_match_leaves_pages_another_lock_reads() -> None:
+    pool = tiered()
+    shared, own = list(range(8)), list(range(8, 12))
+    pool.insert(shared + own, pool.alloc_blocks(3, "device"))
+    pool.swap_out(3)
+    reader = pool.match(shared, lock=True)  # e.g. a peer pulling these host pages
+    before = list(reader.addrs)
+    found = pool.match(shared + own, lock=True)
+    assert pool.swap_in_match(found) == [] and found.addrs == [] and found.num_tokens == 0
+    assert pool.match(shared).addrs == before  # the reader's blocks did not move
+    pool.release(reader)
+    assert len(pool.swap_in_match(found)) == 2 and found.num_tokens == 12
+    pool.release(found)
+    check_tiers(pool)
+
+
+def test_swap_in_match_is_all_or_nothing_when_the_device_is_full() -> None:
+    pool = tiered(device=2, host=4)
+    prompt = list(range(8))
+    pool.insert(prompt, pool.alloc_blocks(2, "device"))
+    pool.swap_out(2)
+    held = pool.alloc_blocks(1, "device")
+    found = pool.match(prompt, lock=True)
+    with pytest.raises(OutOfBlocks):
+        pool.swap_in_match(found)
+    assert all(decode(a).mem_type is MemType.HOST for a in found.addrs)
+    pool.release(found)
+    pool.free_mem(held)
+    check_tiers(pool)
+
+
+def test_insert_adopts_a_device_copy_of_host_pages() -> None:
+    """A request recomputed pages the index holds on the host: its device blocks win."""
+    pool = tiered()
+    prompt = list(range(8))
+    pool.insert(prompt, pool.alloc_blocks(2, "device"))
+    pool.swap_out(2)
+    fresh = pool.alloc_blocks(3, "device")
+    data = fill(pool, fresh)
+    result = pool.insert(prompt + [1, 2, 3, 4], fresh)
+    assert result.duplicates == [] and pool.match(prompt + [1, 2, 3, 4]).addrs == fresh
+    assert [pool.read_block(a) for a in fresh] == data
+    assert free_counts(pool) == {"host": 8, "device": 5}
+    check_tiers(pool)
+
+
+def test_insert_of_mixed_tiers_splits_into_one_node_per_tier() -> None:
+    pool = tiered()
+    dev, host = pool.alloc_blocks(2, "device"), pool.alloc_blocks(2, "host")
+    pool.insert(list(range(16)), dev + host)
+    assert [n.tier for n in pool.index.nodes()] == [DEVICE, HOST]
+    check_tiers(pool)
+    moved = pool.swap_out(2)  # the device pages above the host ones are next
+    assert pool.match(list(range(16))).addrs == moved + host
+    check_tiers(pool)
+
+
+def test_swap_out_cost_follows_what_it_moves() -> None:
+    """Thousands of pages already on the host are not walked to find the next device page."""
+    from tests.mempool.test_radix_incremental import NoWholeTreeWalk
+
+    pool = tiered(device=8, host=4096)
+    for i in range(3000):
+        pool.insert([i, i, i, i], pool.alloc_blocks(1, "device"))
+        pool.swap_out(1)
+    pool.insert([9999] * 4, pool.alloc_blocks(1, "device"))
+    heap = pool.index._tier_leaves[HOST]
+    with NoWholeTreeWalk(pool.index):
+        (moved,) = pool.swap_out(1)
+        freed = pool.evict(2, "host")
+    assert pool.match([9999] * 4).addrs == [moved]
+    assert len(freed) == 2 and pool.match([0] * 4).num_tokens == 0  # the oldest host leaf
+    assert len(heap) <= 2 * pool.index._queued_leaves + 64
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["insert", "lock", "release", "swap_out", "swap_in", "evict", "delete"]
+            ),
+            st.integers(0, 5),
+        ),
+        max_size=40,
+    )
+)
+@settings(max_examples=80, deadline=None)
+def test_tiers_stay_consistent_under_random_use(ops: list[tuple[str, int]]) -> None:
+    """Random engine use of a two-tier pool: tiers, heaps and block counts stay exact, every
+    page keeps its bytes wherever it moves, and releasing everything frees every block."""
+    pool = tiered(device=6, host=6)
+    prompts = [[i % 3] * 4 + [i] * 4 + [j] * 4 for i in range(3) for j in range(2)]
+    held = []
+    stamps: dict[tuple[int, ...], bytes] = {}
+
+    def page_bytes(tokens: list[int]) -> bytes:
+        return bytes(tokens) + bytes(pool.block_size - len(tokens))
+
+    for op, k in ops:
+        prompt = prompts[k % len(prompts)]
+        if op == "insert":
+            cached = pool.match(prompt)
+            need = 3 - len(cached.addrs)
+            try:
+                fresh = pool.alloc_blocks(need, "device") if need else []
+            except OutOfBlocks:
+                pool.evict(need, "device")
+                continue
+            for i, addr in enumerate(fresh, start=len(cached.addrs)):
+                pool.write_block(addr, page_bytes(prompt[: 4 * (i + 1)]))
+            pool.insert(prompt, cached.addrs + fresh)
+        elif op == "lock":
+            found = pool.match(prompt, lock=True)
+            with contextlib.suppress(OutOfBlocks):
+                pool.swap_in_match(found)
+            held.append(found)
+        elif op == "release" and held:
+            pool.release(held.pop(k % len(held)))
+        elif op == "swap_out":
+            try:
+                pool.swap_out(k + 1)
+            except OutOfBlocks:
+                pool.evict(k + 1, "host")
+        elif op == "swap_in":
+            found = pool.match(prompt, lock=True)
+            with contextlib.suppress(OutOfBlocks):
+                pool.swap_in_match(found)
+            pool.release(found)
+        elif op == "evict":
+            pool.evict(k + 1, [None, "host", "device"][k % 3])
+        elif op == "delete":
+            try:
+                pool.delete(prompt)
+            except BlockInUse:
+                assert pool.index.protected_pages > 0
+        for tokens, addrs in pool.index.sequences():
+            for i, addr in enumerate(addrs):
+                head = tokens[: 4 * (i + 1)]
+                assert pool.read_block(addr) == stamps.setdefault(head, page_bytes(list(head)))
+        if not held:
+            check_tiers(pool)
+    for match in held:
+        pool.release(match)
+    check_tiers(pool)
+    pool.flush()
+    assert free_counts(pool) == {"host": 6, "device": 6}
