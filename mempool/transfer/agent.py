@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,12 +454,19 @@ class TransferAgent:
         id: int,
         tokens: Sequence[int] | array[int],
         flags: TransferFlags | int = TransferFlags.NONE,
+        *,
+        before_read: Callable[[int], Awaitable[None]] | None = None,
     ) -> PullResult:
         """Read the part of `tokens`' cached prefix that instance `id` has and we lack.
 
         The peer locks its prefix while we read it (KVDirect pull mode), we insert it into
         the local index, then the peer unlocks. With LOCK the local prefix stays locked
-        (`result.lock`) for the request about to run.
+        (`result.lock`) for the request about to run. `before_read(pages)` is awaited once
+        the local blocks are allocated, before the data moves (an engine models the wire
+        time of stand-in bytes there, as a push does between allocation and data).
+
+        Safe to cancel (a caller's deadline): what was allocated or locked here is freed at
+        once, and a lock asked of the peer is released without waiting for its answer.
         """
         started = time.perf_counter()
         toks = token_array(tokens)
@@ -471,6 +478,7 @@ class TransferAgent:
         lock_id = link.new_id()
         remote: m.Locked | None = None
         fresh: list[int] = []
+        done = False
         try:
             remote = await link.request(lambda rid: m.Lock(rid, lock_id, toks.tobytes()), m.Locked)
             have = local.num_tokens
@@ -478,6 +486,7 @@ class TransferAgent:
             skipped = have // geo.page_size
             if target <= have:  # nothing longer there: the local prefix is the answer
                 keep_local = bool(flags & TransferFlags.LOCK)
+                done = True
                 return PullResult(
                     local.addrs,
                     have,
@@ -490,6 +499,8 @@ class TransferAgent:
                 )
             pages = (target - have) // geo.page_size
             fresh = sorted(self.receiver.allocate(pages * geo.blocks_per_page, self._tier(flags)))
+            if before_read is not None:
+                await before_read(pages)
             segments = plan_segments(
                 link.geometry,
                 block_locations(remote.addrs, link.geometry.block_size),
@@ -504,6 +515,7 @@ class TransferAgent:
             insert_flags = InsertFlags.LOCK if flags & TransferFlags.LOCK else InsertFlags.NONE
             inserted = self.pool.insert(toks[:target], local.addrs + fresh, insert_flags)
             fresh = []  # the index owns them now
+            done = True
             return PullResult(
                 self.pool.match(toks[:target]).addrs,
                 target,
@@ -519,8 +531,14 @@ class TransferAgent:
                 self.pool.free_mem(fresh)
             if not keep_local:
                 self.pool.release(local)
-            if remote is not None and remote.num_tokens:
+            if done and remote is not None and remote.num_tokens:
                 await self._unlock(link, lock_id)
+            elif not done and (remote is None or remote.num_tokens):
+                # Failed or cancelled, perhaps before the peer's answer to the lock came: an
+                # unlock sent behind the lock on the same connection releases it either way
+                # (refused as unknown when nothing was locked), and nothing waits on a peer
+                # that may be the reason this pull failed.
+                link.send(lambda rid: m.Unlock(rid, lock_id))
 
     async def _unlock(self, link: ControlLink, lock_id: int) -> None:
         if link.closed:

@@ -194,6 +194,10 @@ async def open_link(
         if writer is not None:
             writer.close()
         raise TransferFailed(f"{where} unreachable: {str(e) or type(e).__name__}") from None
+    except BaseException:  # cancelled (a caller's deadline): no half-open connection stays
+        if writer is not None:
+            writer.close()
+        raise
     if not isinstance(hello, m.Hello):
         writer.close()
         raise TransferFailed(f"{where} answered {type(hello).__name__} instead of Hello")

@@ -131,6 +131,10 @@ class Receiver:
         self.pending_timeout_s = pending_timeout_s
         self.clock = clock
         self.sessions: set[Session] = set()
+        # Pulls served: prefixes locked for a peer to read, and their tokens (the peer reads
+        # the part of them it lacks).
+        self.pulls_served = 0
+        self.pull_tokens_locked = 0
         self._arrivals: deque[Received] = deque(maxlen=backlog)
         self._waiters: list[tuple[Callable[[Received], bool], asyncio.Future[Received]]] = []
         self._tasks: set[asyncio.Future[None]] = set()
@@ -318,6 +322,8 @@ class Receiver:
         granted = [(int(t), off) for t, off in map(self.pool.offset_of, found.addrs)]
         self.grants.grant(session.peer_id, "read", granted)
         session.locks[msg.lock_id] = _Held(found, granted, self.clock())
+        self.pulls_served += 1
+        self.pull_tokens_locked += found.num_tokens
         return m.Locked(msg.rid, found.addrs, found.num_tokens)
 
     def _unlock(self, session: Session, held: _Held) -> None:

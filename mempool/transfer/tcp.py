@@ -285,6 +285,9 @@ class TcpTransport(DataTransport):
             raise TransferFailed(
                 f"tcp: {self._where(link)} unreachable: {str(exc) or type(exc).__name__}"
             ) from None
+        except BaseException:  # cancelled mid-connect: the socket is not the stream's yet
+            sock.close()
+            raise
         if sid != link.peer.instance_id:
             sock.close()
             raise TransferFailed(
