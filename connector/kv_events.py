@@ -5,6 +5,9 @@ payload is a KVEventBatch(ts, events) of array-like tagged structs BlockStored, 
 and AllBlocksCleared, as SGLang and vLLM publish them. An optional ROUTER socket replays
 buffered batches from a requested sequence number, ending with sequence -1.
 Block hashes chain SHA-256 over (parent hash, page tokens), folded to a signed int64.
+BlockStored and BlockRemoved end with SGLang's optional `medium` (the tier: "GPU",
+"CPU_PINNED"); it is left off the wire when None, so decoders with or without the field read
+both forms.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ class BlockStored(KVCacheEvent):
     token_ids: list[int]
     block_size: int
     lora_id: int | None
+    medium: str | None = None  # SGLang's StorageMedium: "GPU", "CPU_PINNED"; None: GPU
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
+    medium: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -119,26 +124,42 @@ class KVEventPublisher:
         else:
             sock.connect(endpoint)
 
-    def stored(self, tokens: Sequence[int], first_page: int, num_pages: int) -> None:
-        """Pages first_page.. of `tokens` entered the cache."""
+    def stored(
+        self, tokens: Sequence[int], first_page: int, num_pages: int, medium: str | None = None
+    ) -> None:
+        """Pages first_page.. of `tokens` entered the cache (in tier `medium`)."""
         if num_pages <= 0:
             return
         hashes = page_hashes(tokens[: (first_page + num_pages) * self.page_size], self.page_size)
         ps = self.page_size
-        self._pending.append(
-            BlockStored(
-                block_hashes=hashes[first_page:],
-                parent_block_hash=hashes[first_page - 1] if first_page else None,
-                token_ids=list(tokens[first_page * ps : (first_page + num_pages) * ps]),
-                block_size=ps,
-                lora_id=None,
-            )
+        self.moved(
+            hashes[first_page:],
+            hashes[first_page - 1] if first_page else None,
+            list(tokens[first_page * ps : (first_page + num_pages) * ps]),
+            medium,
         )
 
-    def removed(self, hashes: Iterable[int]) -> None:
+    def moved(
+        self, hashes: list[int], parent: int | None, token_ids: list[int], medium: str | None
+    ) -> None:
+        """Pages known by their hashes (and `parent`, the page before them) are now stored in
+        tier `medium`: a swap between tiers, or new pages."""
+        if hashes:
+            self._pending.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=token_ids,
+                    block_size=self.page_size,
+                    lora_id=None,
+                    medium=medium,
+                )
+            )
+
+    def removed(self, hashes: Iterable[int], medium: str | None = None) -> None:
         hashes = list(hashes)
         if hashes:
-            self._pending.append(BlockRemoved(block_hashes=hashes))
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
 
     def cleared(self) -> None:
         self._pending.append(AllBlocksCleared())

@@ -2,7 +2,8 @@
 
 Flags keep SGLang's names where the meaning is the same (--model-path, --host, --port,
 --page-size, --max-running-requests, --max-prefill-tokens, --max-total-tokens,
---disable-radix-cache, --kv-events-config, --disaggregation-mode,
+--disable-radix-cache, --enable-hierarchical-cache, --hicache-ratio, --hicache-size,
+--chunked-prefill-size, --kv-events-config, --disaggregation-mode,
 --disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
 --context-length). Ours: --pd-caching (MemServe's caching modes of a disaggregated pair),
 --mempool-port, --mempool-secret, --cluster-redis, --tokenizer-cache, --backend,
@@ -26,7 +27,7 @@ from connector.pd_caching import Caching
 from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
-from connector.worker.kv_cache import KVCache
+from connector.worker.kv_cache import KVCache, host_tier_tokens
 from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.pd_hooks import PDHooks
 from connector.worker.scheduler import Scheduler, SchedulerConfig
@@ -70,6 +71,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-radix-cache",
         action="store_true",
         help="no context caching: every prompt is computed in full",
+    )
+    p.add_argument(
+        "--enable-hierarchical-cache",
+        "--enable-hicache",
+        dest="enable_hierarchical_cache",
+        action="store_true",
+        help="SGLang's HiCache: a host DRAM tier behind the device KV (--max-total-tokens); "
+        "evicted device pages are swapped out to it, host hits are loaded back before prefill",
+    )
+    p.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="host tier capacity as a multiple of the device tier's (default 2.0, as SGLang)",
+    )
+    p.add_argument(
+        "--hicache-size",
+        type=int,
+        default=None,
+        help="host tier size in GB (decimal; overrides --hicache-ratio when > 0; sim: GB of "
+        "the modelled pages)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per step, a longer prompt over several steps (SGLang's "
+        "flag; -1 or <= 0 disables; default: sim 8192, SGLang's for an 80 GB H100; hf off)",
     )
     p.add_argument(
         "--kv-events-config",
@@ -188,9 +217,53 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
         page_size=args.page_size,
         time_scale=args.time_scale,
         model=model,
-        stand_in=args.disaggregation_mode != "null",  # PD moves stand-in bytes, time modelled
+        # KV that moves (PD, host tier, pulls) is stand-in bytes, its time modelled.
+        stand_in=args.disaggregation_mode != "null" or args.enable_hierarchical_cache,
         **({"context_length": args.context_length} if args.context_length else {}),
     )
+
+
+def check_tier_args(args: argparse.Namespace) -> None:
+    """The host tier's and chunked prefill's flags, checked before the model loads; the
+    defaults resolved into `args` (as /get_server_info reports them)."""
+    if not args.enable_hierarchical_cache:
+        for flag, value in (
+            ("--hicache-ratio", args.hicache_ratio),
+            ("--hicache-size", args.hicache_size),
+        ):
+            if value is not None:
+                raise SystemExit(f"{flag} needs --enable-hierarchical-cache")
+    elif args.disable_radix_cache:
+        raise SystemExit(
+            "--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)"
+        )
+    if args.chunked_prefill_size is None:
+        args.chunked_prefill_size = 8192 if args.backend == "sim" else -1
+    if 0 < args.chunked_prefill_size < args.page_size:
+        raise SystemExit(
+            f"--chunked-prefill-size {args.chunked_prefill_size} is below a page "
+            f"(--page-size {args.page_size}): use >= {args.page_size}, or <= 0 to disable"
+        )
+
+
+def host_tier_blocks(args: argparse.Namespace, backend: Backend, device_blocks: int) -> int:
+    """Blocks of the host tier for --hicache-ratio / --hicache-size; SystemExit if unusable."""
+    page = args.page_size
+    try:
+        tokens = host_tier_tokens(
+            device_blocks * page,
+            args.hicache_ratio,
+            args.hicache_size,
+            backend.kv_bytes_per_token(),
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if tokens < page:
+        raise SystemExit(
+            f"the host tier would hold {tokens} tokens, less than a page of {page}: raise "
+            "--hicache-ratio or --hicache-size"
+        )
+    return tokens // page
 
 
 def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
@@ -206,6 +279,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         args.instance_id = 0 if mode is PDMode.NULL else random.randrange(1, 1 << 16)
     if args.cluster_redis and mode is PDMode.NULL:
         raise SystemExit("--cluster-redis: only prefill and decode instances join membership")
+    check_tier_args(args)
     if args.model_path is None:
         from connector.model_files import ensure_hf_model
 
@@ -225,10 +299,14 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         capacity = 16384 if default is None else default
     blocks = max(capacity // args.page_size, 1)
     simulated = args.backend == "sim"
+    host_blocks, device_blocks = blocks, 0
+    if args.enable_hierarchical_cache:  # requests on the device tier, a host tier behind it
+        host_blocks, device_blocks = host_tier_blocks(args, backend, blocks), blocks
     pool = MemPool(
         args.instance_id,
         backend.spec,
-        host_blocks=blocks,
+        host_blocks=host_blocks,
+        device_blocks=device_blocks,
         huge_pages="off" if simulated else "auto",
         reserve=not simulated,
     )
@@ -270,6 +348,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         SchedulerConfig(
             max_running_requests=args.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
             enable_cache=enable_cache,
         ),
         hooks,

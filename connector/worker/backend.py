@@ -29,10 +29,13 @@ class Backend(ABC):
 
     @abstractmethod
     async def step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
-        """Run one engine step; append one new token to each sequence's output_ids.
+        """Run one engine step; append one new token to each decode's output_ids, and to
+        each prefill's whose chunk ends its prompt (`seq.ends_prompt`).
 
-        For a prefill, `seq.cached_tokens` tokens are already in `seq.prefix.addrs` blocks
-        (aggregated layout, one block per page): load them instead of recomputing.
+        A prefill computes prompt tokens [seq.extend_from, seq.extend_from + seq.extend_len).
+        On its first chunk (extend_from == cached_tokens) the `seq.cached_tokens` tokens
+        before it are in `seq.prefix.addrs` blocks (aggregated layout, one block per page):
+        load them instead of recomputing; later chunks continue from the earlier ones' KV.
         """
 
     @abstractmethod
@@ -47,6 +50,10 @@ class Backend(ABC):
         `seq.kv_addrs` before its first decode step: load it instead of computing.
         """
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes on the modelled device (what --hicache-size counts)."""
+        return self.spec.bytes_per_token
+
     def default_kv_tokens(self) -> int | None:
         """KV cache capacity in tokens when the operator names none (None: the worker's)."""
         return None
@@ -54,6 +61,16 @@ class Backend(ABC):
     def wire_model(self) -> Callable[[int], float] | None:
         """Modelled seconds for one PD transfer of so many pages, when the KV bytes moved are
         a stand-in for bigger ones (None: the transfer's own time is the real one)."""
+        return None
+
+    def recompute_s(self, new_tokens: int, cached_tokens: int) -> float | None:
+        """Estimated seconds to prefill `new_tokens` after `cached_tokens` of reused context
+        (None: no estimate); what a pull or a load from the host tier is weighed against."""
+        return None
+
+    def host_copy_model(self) -> Callable[[int], float] | None:
+        """Modelled seconds to copy so many pages between the host and device tiers, when
+        the pages are stand-ins (None: the copy's own time is the real one)."""
         return None
 
     def release(self, seq: Sequence) -> None:

@@ -1,9 +1,11 @@
 """The real tiny-model backend: SmolLM2-135M-Instruct in float32 on CPU, KV pages in MemPool.
 
 A prefill whose prefix MemPool already holds copies those pages' K/V into a fresh transformers
-`DynamicCache` and runs the model only on the rest of the prompt; `store_pages` copies a
-sequence's K/V back out into MemPool blocks. Both use MemPool's aggregated layout: one block a
-page, layer-major, K before V, each segment [kv_heads, page_size, head_dim] contiguous.
+`DynamicCache` and runs the model only on the rest of the prompt; a chunked prefill runs one
+chunk a step on the same cache and samples the first token after the last one; `store_pages`
+copies a sequence's K/V back out into MemPool blocks. Both use MemPool's aggregated layout:
+one block a page, layer-major, K before V, each segment [kv_heads, page_size, head_dim]
+contiguous.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +67,8 @@ class HFBackend(Backend):
     """
 
     name = "hf"
+    # Prefill seconds per token before any is measured (one core of this CPU measures ~3 ms).
+    prefill_s_per_token = 2e-3
 
     def __init__(
         self, model_path: Path | None = None, page_size: int = 16, threads: int | None = None
@@ -121,20 +126,37 @@ class HFBackend(Backend):
         for seq, token, state in results:
             if state is not None:
                 seq.backend_state = state
-            seq.output_ids.append(token)
+            if token is not None:
+                seq.output_ids.append(token)
 
     def _step_sync(
         self, prefills: list[Sequence], decodes: list[Sequence]
-    ) -> list[tuple[Sequence, int, HFState | None]]:
-        results: list[tuple[Sequence, int, HFState | None]] = []
+    ) -> list[tuple[Sequence, int | None, HFState | None]]:
+        results: list[tuple[Sequence, int | None, HFState | None]] = []
         with torch.inference_mode():
             for seq in prefills:
-                state, logits = self._prefill(seq)
-                results.append((seq, _sample(logits, seq.sampling, state.generator), state))
+                state, logits = self._timed_prefill(seq)
+                token = _sample(logits, seq.sampling, state.generator) if seq.ends_prompt else None
+                results.append((seq, token, state))
             for seq in decodes:
                 state, logits = self._decode(seq)
                 results.append((seq, _sample(logits, seq.sampling, state.generator), None))
         return results
+
+    def _timed_prefill(self, seq: Sequence) -> tuple[HFState, torch.Tensor]:
+        """`_prefill`, keeping its seconds per token (an exponential average over chunks long
+        enough to measure) for `recompute_s`."""
+        start, end = seq.chunk
+        began = time.perf_counter()
+        out = self._prefill(seq)
+        if end - start >= 32:
+            rate = (time.perf_counter() - began) / (end - start)
+            self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * rate
+        return out
+
+    def recompute_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Measured on this machine: recent prefills' seconds per token, times the tokens."""
+        return new_tokens * self.prefill_s_per_token
 
     def _prefill(self, seq: Sequence) -> tuple[HFState, torch.Tensor]:
         from transformers import DynamicCache
@@ -144,13 +166,20 @@ class HFBackend(Backend):
             raise ValueError(f"request {seq.rid}: empty prompt")
         if len(prompt) >= self.context_length:
             raise ValueError(f"request {seq.rid}: prompt of {len(prompt)} tokens too long")
-        cache = DynamicCache(config=self.model.config)
+        start, end = seq.chunk
         # The last prompt token is always recomputed: its logits give the first output token.
-        start = min(seq.cached_tokens, len(prompt) - 1)
-        if start > 0:
-            self._load_kv(seq.rid, seq.prefix.addrs if seq.prefix else [], cache, start)
-        logits = self._forward(prompt[start:], start, cache)
-        return HFState(cache, self._generator(seq.sampling)), logits
+        if not 0 <= start < end <= len(prompt) or start < min(seq.cached_tokens, len(prompt) - 1):
+            raise ValueError(f"request {seq.rid}: bad prefill chunk {start}..{end}")
+        state = seq.backend_state
+        if start > seq.cached_tokens:  # a later chunk: continue the earlier chunks' cache
+            if not isinstance(state, HFState) or state.cache.get_seq_length() != start:
+                raise RuntimeError(f"request {seq.rid}: chunk at {start} without the KV before")
+        else:
+            cache = DynamicCache(config=self.model.config)
+            if start > 0:
+                self._load_kv(seq.rid, seq.prefix.addrs if seq.prefix else [], cache, start)
+            state = HFState(cache, self._generator(seq.sampling))
+        return state, self._forward(prompt[start:end], start, state.cache)
 
     @staticmethod
     def _generator(sampling: SamplingParams) -> torch.Generator | None:

@@ -5,12 +5,17 @@ depends only on the prompt's last page and i, so reruns and multi-turn replays a
 stored page is stamped with its page hash (first 8 bytes) instead of being filled.
 
 A colocated sim's blocks have the real size of the modelled model's pages (2 MiB per
-16-token Llama-3.1-8B page, mapped without reserving memory). One side of a disaggregated
-pair (`stand_in=True`) stores a 256-byte stand-in page instead (same page count), so the real
-transfer path (agents, TCP, insert, write-back) runs on small bytes, and the time the real
-bytes would take on the modelled interconnect is `wire_s`, slept by the sender between the
-allocation and the data of each transfer. Stamps of KV that arrived or was cached are
-checked before it is used: a transfer that moved the wrong bytes fails the step.
+16-token Llama-3.1-8B page, mapped without reserving memory). Wherever KV moves (one side of
+a disaggregated pair, a host tier, pulls between instances: `stand_in=True`) it stores a
+256-byte stand-in page instead (same page count), so the real paths (agents, TCP, insert,
+write-back, swaps between tiers) run on small bytes, and the time the real bytes would take
+is modelled: `wire_s` on the interconnect, slept by the sender between the allocation and the
+data of each transfer; `host_copy_s` over PCIe for a load from the host tier, added to the
+step that prefills the request. Stamps of KV that arrived or was cached are checked before
+it is used: a transfer or swap that moved the wrong bytes fails the step.
+
+A prefill computes the chunk `seq.extend_from`.. of `seq.extend_len` tokens (chunked
+prefill); its first output token comes with the chunk that ends the prompt.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class SimBackend(Backend):
         self.eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self._words = _word_tokens(tokenizer)
         self.simulated_busy_s = 0.0
+        self.simulated_load_s = 0.0  # of which: waiting for host-tier KV
         self.verified_pages = 0
 
     @staticmethod
@@ -84,6 +90,21 @@ class SimBackend(Backend):
     def wire_model(self) -> Callable[[int], float]:
         return self.wire_s
 
+    def recompute_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Modelled seconds (unscaled) to prefill `new_tokens` after `cached_tokens`."""
+        return self.latency.prefill_s(new_tokens, cached_tokens)
+
+    def host_copy_s(self, pages: int) -> float:
+        """Modelled seconds (unscaled) to copy `pages` real-size pages host <-> device."""
+        return self.latency.host_copy_s(pages, self.spec.page_size)
+
+    def host_copy_model(self) -> Callable[[int], float]:
+        return self.host_copy_s
+
+    def kv_bytes_per_token(self) -> int:
+        """The modelled model's, whatever size the stored stand-in pages have."""
+        return self.modelled_spec.bytes_per_token
+
     def default_kv_tokens(self) -> int:
         """What the modelled GPU holds."""
         return self.latency.kv_capacity_tokens(self.spec.page_size)
@@ -97,13 +118,22 @@ class SimBackend(Backend):
         if self.stand_in:
             for seq in (*prefills, *decodes):
                 self._check_loaded(seq)
-        work = [(len(s.prompt_ids) - s.cached_tokens, s.cached_tokens) for s in prefills]
+        chunks = [s.chunk for s in prefills]
+        work = [(end - start, start) for start, end in chunks]
+        # KV loaded from the host tier for a request is waited for before its first chunk.
+        loads = [
+            s.host_cached_tokens // self.spec.page_size
+            for s, (start, _) in zip(prefills, chunks, strict=True)
+            if s.host_cached_tokens and start == s.cached_tokens
+        ]
+        load_s = sum(self.host_copy_s(pages) for pages in loads)
         context = sum(s.num_computed for s in decodes)
-        seconds = self.latency.step_s(work, len(decodes), context)
+        seconds = self.latency.step_s(work, len(decodes), context, load_s)
         self.simulated_busy_s += seconds
+        self.simulated_load_s += load_s
         if seconds and self.time_scale:
             await asyncio.sleep(seconds * self.time_scale)
-        for seq in (*prefills, *decodes):
+        for seq in (*[s for s in prefills if s.ends_prompt], *decodes):
             seq.output_ids.append(self._next_token(seq))
 
     def store_pages(
@@ -152,13 +182,15 @@ class SimBackend(Backend):
             "time_scale": self.time_scale,
             "latency_model": self.latency.describe(),
             "simulated_busy_s": round(self.simulated_busy_s, 6),
+            "simulated_load_s": round(self.simulated_load_s, 6),
             "kv_page_bytes": self.spec.page_bytes,
             "modelled_kv_page_bytes": self.modelled_spec.page_bytes,
         }
         if self.stand_in:
             info["kv_bytes"] = (
-                "stand-in: each page stores and moves kv_page_bytes; transfer time is "
-                "modelled for modelled_kv_page_bytes a page on the latency model's interconnect"
+                "stand-in: each page stores and moves kv_page_bytes; transfer and host-tier "
+                "copy times are modelled for modelled_kv_page_bytes a page on the latency "
+                "model's interconnect and host link"
             )
             info["verified_pages"] = self.verified_pages
         return info

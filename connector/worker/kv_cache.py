@@ -1,21 +1,66 @@
-"""The worker's KV memory on MemPool: request blocks, the prefix index, KV events.
+"""The worker's KV memory on MemPool: request blocks, the prefix index, tiers, KV events.
 
 One owner for everything the scheduler, admission and the PD hooks do to MemPool: allocate
-(evicting least-recently-used historical KV when memory runs short), match a prompt's cached
-prefix, write a request's pages and insert them into the index, publish each change as a KV
-event. A host DRAM tier (evicted device blocks swapped out to host, host hits swapped back in
-before prefill) changes `alloc` and `match` here and nothing in the scheduler.
+(making room from historical KV when memory runs short), match a prompt's cached prefix,
+write a request's pages and insert them into the index, publish each change as a KV event.
+
+With a host tier (SGLang's hierarchical cache) requests compute into device blocks. Room on
+the device is made by swapping the least recently used historical device pages out to the
+host tier (`swap_out`), and room on the host by dropping its least recently used leaves, so
+host eviction drops last. A matched prefix that reaches host pages is swapped back in
+(`load`) before its request prefills, pinned by the request's lock. Every move is published
+as KV events with SGLang's `medium`: BlockRemoved(GPU) + BlockStored(CPU_PINNED) for a
+swap-out, the reverse for a swap-in, BlockRemoved(CPU_PINNED) for a host drop. Without a
+host tier nothing carries a medium and memory is made by dropping, as before.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
 from typing import Any
 
 from connector.kv_events import KVEventPublisher, page_hashes
 from connector.worker.backend import Backend
 from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
+from mempool.address import mem_type_of
+from mempool.pool import Moved
+
+# SGLang's StorageMedium names for our tiers (KV events' `medium`).
+MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What moved between the tiers so far (pages), and the time it took: modelled seconds
+    for the sim (its pages stand in for bigger ones), measured copy time otherwise."""
+
+    swapped_out_pages: int = 0
+    swapped_in_pages: int = 0
+    dropped_device_pages: int = 0
+    dropped_host_pages: int = 0
+    load_s: float = 0.0  # host -> device, on the critical path of the request that loads
+    swap_out_s: float = 0.0  # device -> host, off the critical path (its own stream)
+
+
+def host_tier_tokens(
+    device_tokens: int, ratio: float | None, size_gb: int | None, bytes_per_token: int
+) -> int:
+    """Host tier capacity in tokens from SGLang's flags: `size_gb` (decimal GB of KV at
+    `bytes_per_token`) when > 0, else `ratio` x the device tier; ValueError naming the flag
+    when a value is unusable."""
+    if size_gb is not None and size_gb < 0:
+        raise ValueError(f"--hicache-size must be >= 0 GB, got {size_gb}")
+    if size_gb:
+        return int(size_gb * 1e9 // bytes_per_token)
+    ratio = 2.0 if ratio is None else ratio
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise ValueError(f"--hicache-ratio must be a positive number, got {ratio}")
+    return int(device_tokens * ratio)
 
 
 class KVCache:
@@ -28,51 +73,87 @@ class KVCache:
         self.backend = backend  # writes a request's KV into blocks
         self.events = events
         self.page = pool.spec.page_size
+        self.bpp = pool.blocks_per_page
+        self.tiered = pool.tiered
+        # The tier requests compute into: the device when there is a host tier behind it.
+        self.request_tier = MemType.DEVICE if self.tiered else next(iter(pool.allocators))
         self.evicted_blocks = 0
-        self._hash_of_block: dict[int, int] = {}  # historical block -> page hash (events)
+        self.tiers = TierCounters()
+        # Seconds to copy so many pages between host and device, when modelled.
+        self.copy_model: Callable[[int], float] | None = backend.host_copy_model()
+        self._hash_of_block: dict[int, int] = {}  # historical page's first block -> page hash
+        self._parent_hash: dict[int, int | None] = {}  # page hash -> the previous page's
 
     # ----------------------------------------------------------------- capacity
 
     @property
     def request_capacity_blocks(self) -> int:
         """Blocks one request can ever hold (the tier requests allocate from)."""
-        return self.pool.allocators[next(iter(self.pool.allocators))].num_blocks
+        return self.pool.allocators[self.request_tier].num_blocks
 
     @property
     def capacity_tokens(self) -> int:
-        return sum(a.num_blocks for a in self.pool.allocators.values()) * self.page
+        """KV capacity of the tier requests compute into (SGLang's max_total_num_tokens)."""
+        return self.request_capacity_blocks // self.bpp * self.page
 
     @property
     def used_tokens(self) -> int:
-        return sum(a.num_used for a in self.pool.allocators.values()) * self.page
+        return self.pool.allocators[self.request_tier].num_used // self.bpp * self.page
+
+    def host_tokens(self) -> tuple[int, int]:
+        """(used, capacity) of the host tier in tokens; (0, 0) without one."""
+        if not self.tiered:
+            return 0, 0
+        host = self.pool.allocators[MemType.HOST]
+        return host.num_used // self.bpp * self.page, host.num_blocks // self.bpp * self.page
 
     def stats(self) -> dict[str, Any]:
         """MemPool's own report (tiers, index)."""
         return self.pool.stats()
 
+    def tier_report(self, device_hits: int, host_hits: int) -> dict[str, Any]:
+        """/get_server_info's `kv_tiers`: each tier's capacity, use and hits (tokens)."""
+        used, capacity = self.used_tokens, self.capacity_tokens
+        out: dict[str, Any] = {
+            "device": {"capacity_tokens": capacity, "used_tokens": used, "hit_tokens": device_hits}
+        }
+        if self.tiered:
+            host_used, host_capacity = self.host_tokens()
+            t = self.tiers
+            out["host"] = {
+                "capacity_tokens": host_capacity,
+                "used_tokens": host_used,
+                "hit_tokens": host_hits,
+                "swapped_out_tokens": t.swapped_out_pages * self.page,
+                "swapped_in_tokens": t.swapped_in_pages * self.page,
+                "dropped_tokens": t.dropped_host_pages * self.page,
+                "load_s": round(t.load_s, 6),
+                "swap_out_s": round(t.swap_out_s, 6),
+                "seconds": "modelled" if self.copy_model is not None else "measured",
+            }
+            out["device"]["dropped_tokens"] = t.dropped_device_pages * self.page
+        return out
+
     # ----------------------------------------------------------------- blocks
 
-    def alloc(self, count: int, tier: MemType = MemType.HOST) -> list[int] | None:
-        """`count` blocks, evicting historical KV if needed; None if requests hold the memory."""
+    def alloc(self, count: int, tier: MemType | None = None) -> list[int] | None:
+        """`count` blocks, making room from historical KV if needed; None if requests hold
+        the memory."""
         if count <= 0:
             return []
+        tier = self.request_tier if tier is None else tier
         try:
             return self.pool.alloc_blocks(count, tier)
         except OutOfBlocks:
             pass
-        freed = self.pool.evict(count)
-        self.evicted_blocks += len(freed)
-        if self.events is not None:
-            self.events.removed(
-                self._hash_of_block.pop(a) for a in freed if a in self._hash_of_block
-            )
+        self._make_room(count, tier)
         try:
             return self.pool.alloc_blocks(count, tier)
         except OutOfBlocks:
             return None
 
     def alloc_for_peer(self, count: int, tier: MemType) -> list[int]:
-        """Blocks for KV a peer sends: evicting cache like any request; OutOfBlocks if held."""
+        """Blocks for KV a peer sends: room made like any request's; OutOfBlocks if held."""
         blocks = self.alloc(count, tier)
         if blocks is None:
             raise OutOfBlocks(
@@ -84,11 +165,100 @@ class KVCache:
         if blocks:
             self.pool.free_mem(blocks)
 
+    def _make_room(self, count: int, tier: MemType) -> None:
+        """Free `count` blocks of `tier` from historical KV (as SGLang evicts what it
+        allocates): device pages go to the host tier when there is one, else they are
+        dropped."""
+        allocator = self.pool.allocators[tier]
+        if self.tiered and tier is MemType.DEVICE:
+            self._swap_out(count)
+        else:
+            self._drop(count, tier)
+        while allocator.num_free < count:
+            if not self._drop(count - allocator.num_free, tier):
+                return
+
+    def _swap_out(self, count: int) -> int:
+        """Move `count` device blocks of historical KV to the host tier, dropping host leaves
+        for room first; returns the blocks moved."""
+        host = self.pool.allocators[MemType.HOST]
+        if host.num_free < count:
+            self._drop(count - host.num_free, MemType.HOST)
+        count = min(count, host.num_free)
+        if count <= 0:
+            return 0
+        started = time.perf_counter()
+        runs = self.pool.swap_out_runs(count)
+        pages = sum(len(run.new) for run in runs) // self.bpp
+        self.tiers.swapped_out_pages += pages
+        self.tiers.swap_out_s += self._copy_seconds(pages, started)
+        self._publish_moves(runs, MemType.DEVICE, MemType.HOST)
+        return pages * self.bpp
+
+    def _drop(self, count: int, tier: MemType) -> int:
+        """Drop at least `count` historical blocks of `tier` (what hangs below them too);
+        returns the blocks freed."""
+        freed = self.pool.evict(count, tier)
+        self.evicted_blocks += len(freed)
+        gone: dict[MemType, list[int]] = {}
+        for addr in freed[:: self.bpp] if self.bpp > 1 else freed:
+            page_hash = self._hash_of_block.pop(addr, None)
+            mem = MemType(mem_type_of(addr))
+            if mem is MemType.HOST:
+                self.tiers.dropped_host_pages += 1
+            else:
+                self.tiers.dropped_device_pages += 1
+            if page_hash is not None:
+                self._parent_hash.pop(page_hash, None)
+                gone.setdefault(mem, []).append(page_hash)
+        if self.events is not None:
+            for mem, hashes in gone.items():
+                self.events.removed(hashes, self._medium(mem))
+        return len(freed)
+
+    def _copy_seconds(self, pages: int, started: float) -> float:
+        if self.copy_model is not None:
+            return self.copy_model(pages) if pages else 0.0
+        return time.perf_counter() - started
+
     # ----------------------------------------------------------------- the prefix index
 
-    def match(self, tokens: Tokens[int]) -> PrefixMatch:
-        """The longest cached prefix of `tokens`, pinned until `release`."""
+    def match(self, tokens: Tokens[int], max_tokens: int | None = None) -> PrefixMatch:
+        """The longest cached prefix of `tokens[:max_tokens]`, pinned until `release`. Its
+        pages may be on the host tier (`host_pages`) until `load` brings them in."""
+        if max_tokens is not None:
+            tokens = tokens[: max(max_tokens, 1)]  # (one token matches no page)
         return self.pool.match(tokens, lock=True)
+
+    def host_pages(self, prefix: PrefixMatch) -> int:
+        """Pages of a match that are on the host tier."""
+        if not self.tiered:
+            return 0
+        host = int(MemType.HOST)
+        return sum(1 for a in prefix.addrs[:: self.bpp] if mem_type_of(a) == host)
+
+    def load(self, prefix: PrefixMatch, then: int = 0) -> int | None:
+        """Swap a pinned match's host pages into device blocks, with room for `then` more
+        blocks after them; returns the tokens loaded, None when the device has no room (the
+        match is unchanged). A host page someone else is reading is not moved: the match is
+        cut before it."""
+        pages = self.host_pages(prefix)
+        if not pages:
+            return 0
+        need = pages * self.bpp + then
+        device = self.pool.allocators[MemType.DEVICE]
+        if device.num_free < need:
+            self._make_room(need, MemType.DEVICE)
+        started = time.perf_counter()
+        try:
+            runs = self.pool.swap_in_match(prefix)
+        except OutOfBlocks:
+            return None
+        loaded = sum(len(run.new) for run in runs) // self.bpp
+        self.tiers.swapped_in_pages += loaded
+        self.tiers.load_s += self._copy_seconds(loaded, started)
+        self._publish_moves(runs, MemType.HOST, MemType.DEVICE)
+        return loaded * self.page
 
     def lookup(self, tokens: Tokens[int]) -> list[int]:
         """The index's blocks for `tokens` (all cached), not pinned."""
@@ -119,24 +289,64 @@ class KVCache:
             self.write(seq, cached_pages, adopt, partial=False)
         addrs = (seq.prefix.addrs if seq.prefix is not None else []) + adopt
         tokens = seq.all_ids[: full * self.page]
+        if self.tiered:  # pages cached on the host that this request recomputed
+            self._publish_moves(self.pool.promote(tokens, addrs), MemType.HOST, MemType.DEVICE)
         result = self.pool.insert(tokens, addrs, flags)  # validates before it changes anything
         stored = result.new_tokens // self.page
         if stored:
-            hashes = page_hashes(tokens, self.page)[full - stored :]
-            self._hash_of_block.update(zip(addrs[full - stored :], hashes, strict=True))
-            if self.events is not None:
-                self.events.stored(tokens, full - stored, stored)
+            self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :])
         return result
+
+    def note_inserted(self, tokens: Tokens[int], first_page: int, num_pages: int) -> None:
+        """Pages `first_page`.. of `tokens` entered the index by another path (a transfer or
+        pull inserted them): learn their blocks and publish them, so that their later moves
+        and drops are published too."""
+        if num_pages <= 0:
+            return
+        addrs = self.pool.match(tokens[: (first_page + num_pages) * self.page]).addrs
+        self._learn(tokens, first_page, addrs[first_page * self.bpp :])
+
+    def _learn(self, tokens: Tokens[int], first: int, blocks: list[int]) -> None:
+        """Remember pages first.. of `tokens` (in `blocks`) by hash and publish them."""
+        pages = len(blocks) // self.bpp
+        hashes = page_hashes(tokens[: (first + pages) * self.page], self.page)
+        firsts = blocks[:: self.bpp]
+        for i in range(first, first + pages):
+            self._hash_of_block[firsts[i - first]] = hashes[i]
+            self._parent_hash[hashes[i]] = hashes[i - 1] if i else None
+        if self.events is not None and pages:
+            medium = self._medium(MemType(mem_type_of(firsts[0])))
+            self.events.stored(tokens, first, pages, medium)
 
     def flush(self) -> None:
         """Drop all historical KV."""
         self.pool.flush()
         self._hash_of_block.clear()
+        self._parent_hash.clear()
         if self.events is not None:
             self.events.cleared()
             self.events.flush()
 
     # ----------------------------------------------------------------- events
+
+    def _medium(self, mem: MemType) -> str | None:
+        return MEDIUM[mem] if self.tiered else None
+
+    def _publish_moves(self, runs: Iterable[Moved], src: MemType, dst: MemType) -> None:
+        """Pages that changed tier: their hashes follow the blocks; one BlockRemoved from the
+        old tier and one BlockStored in the new tier per run of pages."""
+        for run in runs:
+            hashes = [self._hash_of_block.pop(a, None) for a in run.old[:: self.bpp]]
+            for addr, page_hash in zip(run.new[:: self.bpp], hashes, strict=True):
+                if page_hash is not None:
+                    self._hash_of_block[addr] = page_hash
+            known = [h for h in hashes if h is not None]
+            if self.events is None or len(known) != len(hashes) or not known:
+                continue  # pages never published (inserted behind our back) stay unpublished
+            self.events.removed(known, MEDIUM[src])
+            self.events.moved(
+                known, self._parent_hash.get(known[0]), run.tokens.tolist(), MEDIUM[dst]
+            )
 
     def publish(self) -> None:
         """Send the KV events of this step."""

@@ -11,7 +11,14 @@ The parameters are derived from the H100's published peak figures (989 TFLOPS de
 - a fixed per-step cost for scheduling and kernel launches;
 - KV moving between a prefill and a decode instance (disaggregation) crosses one RDMA NIC
   per GPU, 200 Gb/s (25 GB/s, ConnectX-7 / HDR class), after a fixed per-transfer cost of
-  100 us for the allocation and commit round trips of MemServe's three-step transfer.
+  100 us for the allocation and commit round trips of MemServe's three-step transfer;
+- KV moving between host DRAM and the GPU (the hierarchical cache's host tier) crosses the
+  H100's PCIe Gen5 x16 host link: 64 GB/s a direction raw, about 50 GB/s for pinned-memory
+  copies as measured (nvbandwidth's host-to-device copy), after a fixed 50 us per load:
+  SGLang copies the KV back one layer at a time (32 copy kernels of a few us, then a wait).
+  A load from the host tier is on the critical path of the request that needs it (added to
+  the step that prefills it); a swap-out to the host runs on its own stream (SGLang's
+  write-through), so it is counted, not waited for.
 The model is a model: /get_server_info and every benchmark print these parameters.
 """
 
@@ -41,6 +48,9 @@ class LatencyModel:
     interconnect: str = "RDMA, one 200 Gb/s NIC per GPU"
     interconnect_bytes_per_s: float = 25e9
     transfer_latency_s: float = 1.0e-4
+    host_link: str = "PCIe Gen5 x16, GPU <-> host DRAM"
+    host_link_bytes_per_s: float = 50e9
+    host_copy_latency_s: float = 5.0e-5
 
     def kv_spec(self, page_size: int) -> KVBlockSpec:
         return KVBlockSpec(self.layers, self.kv_heads, self.head_dim, self.dtype, page_size)
@@ -61,6 +71,13 @@ class LatencyModel:
         nbytes = pages * self.kv_spec(page_size).page_bytes
         return self.transfer_latency_s + nbytes / self.interconnect_bytes_per_s
 
+    def host_copy_s(self, pages: int, page_size: int) -> float:
+        """Copying `pages` pages of the modelled KV between host DRAM and the GPU, in one go."""
+        if pages <= 0:
+            return 0.0
+        nbytes = pages * self.kv_spec(page_size).page_bytes
+        return self.host_copy_latency_s + nbytes / self.host_link_bytes_per_s
+
     def kv_capacity_tokens(self, page_size: int, memory_fraction: float = 0.9) -> int:
         """Tokens of KV an instance holds: HBM x fraction minus weights, as SGLang sizes it."""
         free = self.hbm_bytes * memory_fraction - self.weights_bytes
@@ -77,10 +94,19 @@ class LatencyModel:
             return 0.0
         return self.decode_weights_s + context_tokens * self.decode_per_context_token_s
 
-    def step_s(self, prefills: list[tuple[int, int]], decode_batch: int, decode_ctx: int) -> float:
-        """One engine step: the prefills (new, cached) and one decode token per running seq."""
-        work = sum(self.prefill_s(n, c) for n, c in prefills) + self.decode_s(
-            decode_batch, decode_ctx
+    def step_s(
+        self,
+        prefills: list[tuple[int, int]],
+        decode_batch: int,
+        decode_ctx: int,
+        load_s: float = 0.0,
+    ) -> float:
+        """One engine step: the prefills (new, cached), one decode token per running seq,
+        and `load_s` of host-tier KV the prefills wait for."""
+        work = (
+            sum(self.prefill_s(n, c) for n, c in prefills)
+            + self.decode_s(decode_batch, decode_ctx)
+            + load_s
         )
         return self.step_overhead_s + work if work else 0.0
 

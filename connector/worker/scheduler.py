@@ -1,8 +1,10 @@
 """Continuous batching over MemPool: requests join and leave the running batch at step bounds.
 
-Admission matches the prompt in MemPool (pinning the cached prefix) and allocates blocks for
-the rest, evicting least-recently-used historical KV when memory runs short; each step
-prefills the admitted requests and decodes one token for every running one; a finished
+Admission matches the prompt in MemPool (pinning the cached prefix, loading its pages on the
+host tier back to the device) and allocates blocks for the rest, making room from
+least-recently-used historical KV when memory runs short; each step prefills the admitted
+requests (a long prompt one chunk a step, chunked prefill as SGLang does it) and decodes one
+token for every running one in the same step (SGLang's --enable-mixed-chunk); a finished
 request's prompt and output become historical KV through `insert` (context caching), and
 the cache changes are published as KV events. Hooks (`RequestHooks`) take a request over on
 submit or on finish, as one side of a disaggregated pair does; they call back through the
@@ -18,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import Admission
@@ -38,6 +41,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_prefill_tokens: int = 16384  # new prompt tokens admitted per step (SGLang's name)
     enable_cache: bool = True  # False: SGLang's --disable-radix-cache
+    chunked_prefill_size: int | None = None  # prompt tokens prefilled per step; None: all
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class SchedulerStats:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens: loaded from the host tier
     generation_tokens: int = 0
     aborted: int = 0
 
@@ -68,11 +73,16 @@ class Scheduler:
         self.config = config
         self.hooks = hooks if hooks is not None else RequestHooks()
         self.admission = Admission(
-            kv, config.max_running_requests, config.max_prefill_tokens, config.enable_cache
+            kv,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            config.enable_cache,
+            config.chunked_prefill_size,
         )
         self.page = kv.page
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.chunked: Sequence | None = None  # its prompt is part prefilled (at most one)
         self.stats = SchedulerStats()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -125,7 +135,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drop all historical KV; refused (False) while requests wait or run, as in SGLang."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self.chunked is not None:
             return False
         self.kv.flush()
         return True
@@ -134,17 +144,22 @@ class Scheduler:
         """SGLang's /get_load entry for this (only) data-parallel rank."""
         return {
             "dp_rank": 0,
-            "num_reqs": len(self.running),
+            "num_reqs": len(self.running) + (self.chunked is not None),
             "num_waiting_reqs": len(self.waiting),
             "num_tokens": self.kv.used_tokens,
             "num_pending_tokens": sum(len(s.prompt_ids) for s in self.waiting),
         }
 
+    def kv_tiers(self) -> dict[str, Any]:
+        """/get_server_info's `kv_tiers`: capacity, use and hits of the device and host tiers."""
+        host = self.stats.host_cached_tokens
+        return self.kv.tier_report(self.stats.cached_tokens - host, host)
+
     # ----------------------------------------------------------------- the loop
 
     async def _loop(self) -> None:
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and self.chunked is None:
                 self._wake.clear()
                 await self._wake.wait()
             prefills = self._admit()
@@ -160,15 +175,18 @@ class Scheduler:
                     seq.finish_reason = {"type": "abort", "message": f"model error: {exc}"}
                     if seq.prefilled:
                         self.running.remove(seq)
+                    if seq is self.chunked:
+                        self.chunked = None
                     self._finish(seq, cache=False)
                 continue
             now = time.perf_counter()
-            for seq in prefills:
+            prefilled = [seq for seq in prefills if seq.ends_prompt]  # the rest: chunks to go
+            for seq in prefilled:
                 self._first_token(seq, now)
                 if seq.sampling.max_new_tokens == 0:
                     seq.output_ids.pop()  # a prefill-only request returns no token
                 self.running.append(seq)
-            for seq in (*prefills, *decodes):
+            for seq in (*prefilled, *decodes):
                 self._after_step(seq)
             for seq in [s for s in self.running if s.finish_reason is not None]:
                 self.running.remove(seq)
@@ -178,11 +196,16 @@ class Scheduler:
 
     def _admit(self) -> list[Sequence]:
         """This step's prefills; requests that can never fit end here."""
-        step = self.admission.admit(self.waiting, len(self.running))
+        chunked = self.chunked
+        if chunked is not None and chunked.finish_reason is not None:  # aborted mid-prompt
+            self.chunked = None
+            self._finish(chunked, cache=False)
+        step = self.admission.admit(self.waiting, len(self.running), self.chunked)
+        self.chunked = step.chunked
         for seq in step.refused:
             seq.finish_reason = {"type": "abort", "message": "out of KV cache memory"}
             seq.events.put_nowait(DONE)
-        for seq in step.prefills:
+        for seq in step.new:
             self._count(seq)
         return step.prefills
 
@@ -190,6 +213,7 @@ class Scheduler:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(seq.prompt_ids)
         self.stats.cached_tokens += seq.report_cached
+        self.stats.host_cached_tokens += seq.host_cached_tokens
 
     def _first_token(self, seq: Sequence, now: float) -> None:
         seq.prefilled = True

@@ -62,11 +62,38 @@ class Sequence:
     reported_cached: int | None = None
     prefill_id: int | None = None
     handoff_error: str | None = None  # the KV could not move between the two instances
+    # Chunked prefill: this step computes prompt tokens [extend_from, extend_from +
+    # extend_len) (`chunk`); the ones before have KV (cached prefix, earlier chunks). The
+    # first output token comes after the chunk that ends the prompt.
+    extend_from: int = 0
+    extend_len: int = 0
+    # Hierarchical cache: tokens of the cached prefix that were loaded from the host tier.
+    host_cached_tokens: int = 0
 
     @property
     def report_cached(self) -> int:
         """cached_tokens as the response reports it: prompt tokens whose prefill was skipped."""
         return self.cached_tokens if self.reported_cached is None else self.reported_cached
+
+    @property
+    def cached_tokens_details(self) -> dict[str, int]:
+        """cached_tokens by where the KV was found (SGLang's meta_info name)."""
+        host = self.host_cached_tokens
+        return {"device": self.report_cached - host, "host": host}
+
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """Prompt tokens [start, end) this step's prefill computes: the chunk admission set,
+        or (none set) everything after the cached prefix."""
+        n = len(self.prompt_ids)
+        if self.extend_len:
+            return self.extend_from, self.extend_from + self.extend_len
+        return min(self.cached_tokens, n - 1), n  # the last token's logits give the first
+
+    @property
+    def ends_prompt(self) -> bool:
+        """This step's prefill reaches the end of the prompt (its first token comes out)."""
+        return self.chunk[1] >= len(self.prompt_ids)
 
     @property
     def kv_addrs(self) -> list[int]:

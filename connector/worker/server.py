@@ -132,9 +132,23 @@ class WorkerMetrics:
         yield counter("sglang:num_requests", "Requests admitted", stats.requests)
         yield counter("sglang:prompt_tokens", "Prompt tokens", stats.prompt_tokens)
         yield counter("sglang:generation_tokens", "Generated tokens", stats.generation_tokens)
-        yield counter(
-            "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
-        )
+        if s.kv.tiered:  # SGLang's split by where the hit was found
+            cached = CounterMetricFamily(
+                "sglang:cached_tokens",
+                "Prompt tokens served from cache",
+                labels=["model_name", "cache_source"],
+            )
+            host = stats.host_cached_tokens
+            cached.add_metric([*labels, "device"], stats.cached_tokens - host)
+            cached.add_metric([*labels, "host"], host)
+            yield cached
+            host_used, host_total = s.kv.host_tokens()
+            yield gauge("sglang:hicache_host_used_tokens", "Host tier tokens in use", host_used)
+            yield gauge("sglang:hicache_host_total_tokens", "Host tier capacity", host_total)
+        else:
+            yield counter(
+                "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
+            )
         yield counter("sglang:num_aborted_requests", "Aborted requests", stats.aborted)
         yield counter("memserve:evicted_blocks", "KV blocks evicted", s.kv.evicted_blocks)
         yield gauge("sglang:num_running_reqs", "Running requests", len(s.running))
@@ -196,6 +210,7 @@ class WorkerServer:
             "prompt_tokens": len(seq.prompt_ids),
             "completion_tokens": len(seq.output_ids),
             "cached_tokens": seq.report_cached,
+            "cached_tokens_details": seq.cached_tokens_details,
             "e2e_latency": time.perf_counter() - seq.arrival,
         }
 
@@ -433,7 +448,8 @@ class WorkerServer:
                 "version": f"memserve-worker {VERSION}",
                 "context_length": self.scheduler.backend.context_length,
                 "page_size": kv.page,
-                "max_total_num_tokens": kv.capacity_tokens,
+                "max_total_num_tokens": kv.capacity_tokens,  # the device tier's
+                "kv_tiers": self.scheduler.kv_tiers(),
                 "backend": self.scheduler.backend.info(),
                 "mempool": kv.stats(),
                 "disaggregation": self.scheduler.hooks.info(),
