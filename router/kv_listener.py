@@ -5,7 +5,10 @@ The router binds one SUB socket; each worker publishes to it with its own URL as
 "topic": "http://WORKER:PORT"}). BlockStored names pages by chained hashes plus their
 tokens, so the listener keeps, per worker, each page's parent and tokens to rebuild the full
 prefix a hash stands for; BlockRemoved drops that prefix's tail for the worker;
-AllBlocksCleared forgets the worker.
+AllBlocksCleared forgets the worker. SGLang's `medium` says which tier an event is about
+(GPU, or CPU_PINNED for a host tier): a page swapped out to host is BlockRemoved(GPU) then
+BlockStored(CPU_PINNED), and the trees follow it to the worker's host tier; a page's record
+is kept while any tier holds it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from connector.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.trees import PromptTrees
+from router.trees import PromptTrees, Tier
 from router.workers import WorkerRegistry, WorkerType, normalize_url
 
 log = logging.getLogger(__name__)
@@ -27,10 +30,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Pages:
-    """One worker's pages by hash: (parent hash, the page's tokens)."""
+    """One worker's pages by hash: (parent hash, the page's tokens, the tiers holding it)."""
 
     parent: dict[int, int | None] = field(default_factory=dict)
     tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    tiers: dict[int, set[Tier]] = field(default_factory=dict)
+
+    def gone_from(self, block_hash: int, tier: Tier) -> None:
+        """`tier` no longer holds the page; forget it once no tier does."""
+        held = self.tiers.get(block_hash)
+        if held is not None:
+            held.discard(tier)
+            if held:
+                return
+        self.tokens.pop(block_hash, None)
+        self.parent.pop(block_hash, None)
+        self.tiers.pop(block_hash, None)
 
     def prefix(self, block_hash: int) -> list[int] | None:
         """All tokens from the root to the end of this page; None if a link is unknown."""
@@ -96,13 +111,13 @@ class KVEventListener:
             if isinstance(event, BlockStored):
                 self._stored(url, worker.type, pages, event)
             elif isinstance(event, BlockRemoved):
+                tier = Tier.of_medium(event.medium)
                 for block_hash in event.block_hashes:
                     tokens = pages.prefix(block_hash)
                     if tokens is not None:
                         keep = len(tokens) - len(pages.tokens[block_hash])
-                        self.trees.drop(worker.type, url, tokens, keep)
-                    pages.tokens.pop(block_hash, None)
-                    pages.parent.pop(block_hash, None)
+                        self.trees.drop(worker.type, url, tokens, keep, tier)
+                    pages.gone_from(block_hash, tier)
             elif isinstance(event, AllBlocksCleared):
                 self.pages[url] = _Pages()
                 self.trees.forget(url)
@@ -110,10 +125,12 @@ class KVEventListener:
     def _stored(self, url: str, type: WorkerType, pages: _Pages, event: BlockStored) -> None:
         size = event.block_size
         parent = event.parent_block_hash
+        tier = Tier.of_medium(event.medium)
         for i, block_hash in enumerate(event.block_hashes):
             pages.parent[block_hash] = parent
             pages.tokens[block_hash] = tuple(event.token_ids[i * size : (i + 1) * size])
+            pages.tiers.setdefault(block_hash, set()).add(tier)
             parent = block_hash
         tokens = pages.prefix(parent) if parent is not None else None
         if tokens:
-            self.trees.record(type, url, tokens)
+            self.trees.record(type, url, tokens, tier)

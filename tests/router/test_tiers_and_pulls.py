@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+import urllib.request
+from pathlib import Path
 
+from connector.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from router.dispatch import with_prefix_holders
+from router.kv_listener import KVEventListener
 from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
-from router.workers import Agent, Worker, WorkerType
+from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
+from tests.http_client import call
+from tests.procs import free_port, running
 
 C = WorkerType.COLOCATED
 
@@ -127,3 +135,106 @@ def test_agents_are_learned_only_from_workers_that_serve_pulls() -> None:
     assert Agent.from_server_info(None) is None
     bad = {"memserve": {"kv_pull": True, "agent": {"instance_id": "3", "host": "h", "port": 9}}}
     assert Agent.from_server_info(bad) is None
+
+
+def test_kv_events_move_a_workers_pages_between_its_tiers() -> None:
+    """SGLang's events for a swap (removed from GPU, stored on CPU_PINNED), then a host drop."""
+    registry = WorkerRegistry(BreakerConfig())
+    worker = registry.add("http://127.0.0.1:9200")
+    trees = PromptTrees(page_size=4)
+    listener = KVEventListener("inproc://tiers-test", trees, registry)
+    try:
+        tokens = list(range(16))
+        hashes = page_hashes(tokens, 4)
+
+        def send(*events: BlockStored | BlockRemoved) -> None:
+            listener.apply(worker.url, KVEventBatch(0.0, list(events)))
+
+        send(BlockStored(hashes, None, tokens, 4, None, "GPU"))
+        assert trees.match(C, tokens).device == {worker.url: 16}
+        send(
+            BlockRemoved(hashes[2:], "GPU"),
+            BlockStored(hashes[2:], hashes[1], tokens[8:], 4, None, "CPU_PINNED"),
+        )
+        view = trees.match(C, tokens)
+        assert view.held[worker.url] == 16 and view.host(worker.url) == 8
+        send(BlockRemoved(hashes[3:], "CPU_PINNED"))  # the host tier dropped the last page
+        view = trees.match(C, tokens)
+        assert view.held[worker.url] == 12 and view.device[worker.url] == 8
+        send(BlockRemoved(hashes[:2]))  # no medium: the GPU, as SGLang without HiCache
+        assert trees.match(C, tokens).held.get(worker.url, 0) == 0 or (
+            trees.match(C, tokens).device.get(worker.url, 0) == 0
+        )
+    finally:
+        asyncio.run(listener.stop())
+
+
+def test_the_router_routes_to_a_host_tier_hit_it_heard_of(model_dir: Path, tmp_path: Path) -> None:
+    """A worker with a GPU KV of 1,024 tokens and a host tier: a long history pushed to the
+    host by other traffic is still found there (KV events with the medium tell the router),
+    and the answer reports it as a host hit."""
+    events_port, port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": url}
+    worker = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
+    worker += ["--max-total-tokens", "1024", "--enable-hierarchical-cache", "--hicache-ratio", "8"]
+    worker += ["--kv-events-config", json.dumps(config)]
+    router = ["--policy", "prompt_tree", "--worker-urls", url]
+    router += ["--kv-events-bind", f"tcp://127.0.0.1:{events_port}"]
+    with (
+        running("connector.worker", worker, tmp_path, port=port),
+        running("router", router, tmp_path) as r,
+    ):
+        history = list(range(1000, 1600))
+        one = {"max_new_tokens": 1}
+        # Until the router's subscription has formed (a page chain it never heard of cannot
+        # be followed between tiers), then the history, heard whole.
+        deadline = time.monotonic() + 20
+        warm = 9000
+        while kv_batches(r.url) == 0 and time.monotonic() < deadline:
+            warm += 40  # two pages nobody else uses
+            call(
+                r.url + "/generate",
+                {"input_ids": list(range(warm, warm + 40)), "sampling_params": one},
+            )
+            time.sleep(0.2)
+        call(r.url + "/generate", {"input_ids": history, "sampling_params": one})
+        events_settle(r.url)
+        for k in range(3):  # other prompts push the history out to the host tier
+            other = list(range(5000 + 700 * k, 5600 + 700 * k))
+            call(r.url + "/generate", {"input_ids": other, "sampling_params": one})
+        events_settle(r.url)
+        turn = {"input_ids": history + [7, 8, 9], "sampling_params": one}
+        status, answer = call(r.url + "/generate", turn)
+        assert status == 200
+        assert answer["meta_info"]["cached_tokens_details"]["host"] > 0
+        assert reasons(r.url).get("host_hit", 0) >= 1
+
+
+def kv_batches(router_url: str) -> int:
+    return int(call(router_url + "/get_server_info")[1]["kv_events"]["batches"])
+
+
+def events_settle(router_url: str, quiet_s: float = 0.5, timeout_s: float = 10.0) -> None:
+    """Wait until the router has heard no new KV-event batch for `quiet_s`."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        batches = kv_batches(router_url)
+        if batches != last:
+            last, since = batches, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
+def reasons(router_url: str) -> dict[str, float]:
+    """sgl_router_load_balancing_events by reason, from the router's /metrics."""
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sgl_router_load_balancing_events_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
