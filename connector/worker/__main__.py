@@ -6,8 +6,9 @@ Flags keep SGLang's names where the meaning is the same (--model-path, --host, -
 --chunked-prefill-size, --kv-events-config, --disaggregation-mode,
 --disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
 --context-length). Ours: --pd-caching (MemServe's caching modes of a disaggregated pair),
---mempool-port, --mempool-secret, --cluster-redis, --tokenizer-cache, --backend,
---time-scale, --sim-interconnect-gbps.
+--mempool-port, --mempool-secret, --cluster-redis, --enable-mempool-pull,
+--mempool-pull-timeout-secs, --tokenizer-cache, --backend, --time-scale,
+--sim-interconnect-gbps.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache, host_tier_tokens
 from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.pd_hooks import PDHooks
+from connector.worker.pull import PullConfig, PullHooks
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
@@ -149,9 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-redis",
         default=None,
         metavar="URL",
-        help="PD: join MemPool membership in Redis (e.g. redis://127.0.0.1:6379/0): "
+        help="PD or pulls: join MemPool membership in Redis (e.g. redis://127.0.0.1:6379/0): "
         "heartbeats, peers looked up there, a dead peer's allocations freed (default: "
-        "in-process, peers known from room claims)",
+        "in-process, peers known from room claims or the router's hints)",
+    )
+    p.add_argument(
+        "--enable-mempool-pull",
+        action="store_true",
+        help="colocated: run a MemPool agent that serves this instance's cached prefixes to "
+        "peers, and pull a longer prefix the router names (memserve.prefix_holders) before "
+        "prefill when moving it is expected faster than computing it",
+    )
+    p.add_argument(
+        "--mempool-pull-timeout-secs",
+        type=float,
+        default=3.0,
+        help="longest pull of a remote prefix (plus its modelled wire time); a holder that "
+        "refuses, dies or stalls costs a recompute",
     )
     p.add_argument(
         "--disaggregation-timeout-secs",
@@ -218,7 +234,9 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
         time_scale=args.time_scale,
         model=model,
         # KV that moves (PD, host tier, pulls) is stand-in bytes, its time modelled.
-        stand_in=args.disaggregation_mode != "null" or args.enable_hierarchical_cache,
+        stand_in=args.disaggregation_mode != "null"
+        or args.enable_hierarchical_cache
+        or args.enable_mempool_pull,
         **({"context_length": args.context_length} if args.context_length else {}),
     )
 
@@ -243,6 +261,23 @@ def check_tier_args(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"--chunked-prefill-size {args.chunked_prefill_size} is below a page "
             f"(--page-size {args.page_size}): use >= {args.page_size}, or <= 0 to disable"
+        )
+
+
+def check_pull_args(args: argparse.Namespace, mode: PDMode) -> None:
+    """Pulls of remote prefixes: a colocated instance with its radix cache."""
+    if not args.enable_mempool_pull:
+        return
+    if mode is not PDMode.NULL:
+        raise SystemExit(
+            "--enable-mempool-pull: only a colocated instance pulls (a disaggregated pair "
+            "moves its KV with --pd-caching)"
+        )
+    if args.disable_radix_cache:
+        raise SystemExit("--enable-mempool-pull needs the radix cache (drop --disable-radix-cache)")
+    if not args.mempool_pull_timeout_secs > 0:
+        raise SystemExit(
+            f"--mempool-pull-timeout-secs must be positive, got {args.mempool_pull_timeout_secs}"
         )
 
 
@@ -275,10 +310,15 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     mode = PDMode(args.disaggregation_mode)
     if args.page_size <= 0:
         raise SystemExit("--page-size must be positive")
+    check_pull_args(args, mode)
     if args.instance_id is None:  # a pair of defaults would both be 0 and refuse each other
-        args.instance_id = 0 if mode is PDMode.NULL else random.randrange(1, 1 << 16)
-    if args.cluster_redis and mode is PDMode.NULL:
-        raise SystemExit("--cluster-redis: only prefill and decode instances join membership")
+        alone = mode is PDMode.NULL and not args.enable_mempool_pull
+        args.instance_id = 0 if alone else random.randrange(1, 1 << 16)
+    if args.cluster_redis and mode is PDMode.NULL and not args.enable_mempool_pull:
+        raise SystemExit(
+            "--cluster-redis: only prefill and decode instances, and colocated ones with "
+            "--enable-mempool-pull, join membership"
+        )
     check_tier_args(args)
     if args.model_path is None:
         from connector.model_files import ensure_hf_model
@@ -341,6 +381,16 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         if args.disaggregation_transfer_backend == "mempool":
             side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches
             enable_cache = enable_cache and side
+    if args.enable_mempool_pull:
+        pull_config = PullConfig(
+            args.host,
+            args.mempool_port,
+            args.mempool_secret,
+            args.mempool_transport,
+            args.cluster_redis,
+            args.mempool_pull_timeout_secs,
+        )
+        hooks = PullHooks(pull_config, kv, backend, args.time_scale)
     scheduler = Scheduler(
         backend,
         kv,

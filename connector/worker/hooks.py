@@ -1,10 +1,10 @@
 """Where a deployment changes a request's path through the scheduler, and what it may do there.
 
 The scheduler runs every request the same way: submit, admission, steps, finish. A hook
-object is called at the two points where one side of a disaggregated pair (or, later, a pull
-of a remote prefix before prefill) takes a request over: on submit, before it is queued, and
-on finish, before its KV becomes cache. What a hook may do to the scheduler in return is the
-`Engine` protocol, so hooks never reach into the scheduler's state.
+object is called at the two points where one side of a disaggregated pair (or a pull of a
+remote prefix before prefill, `pull.PullHooks`) takes a request over: on submit, before it
+is queued, and on finish, before its KV becomes cache. What a hook may do to the scheduler
+in return is the `Engine` protocol, so hooks never reach into the scheduler's state.
 """
 
 from __future__ import annotations
@@ -54,3 +54,9 @@ class RequestHooks:
     def info(self) -> dict[str, Any] | None:
         """What /get_server_info reports under `disaggregation`."""
         return None
+
+    def server_info(self) -> dict[str, Any]:
+        """Top-level /get_server_info entries about pulls of remote prefixes (`memserve`,
+        `pull`): this instance neither pulls nor serves pulls."""
+        pulls = dict.fromkeys(("pulls", "pulled_tokens", "failures", "refused_slower"), 0)
+        return {"memserve": {"kv_pull": False}, "pull": {**pulls, "modelled_s": 0.0}}

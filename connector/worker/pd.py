@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import aiohttp
 import msgspec
@@ -36,7 +36,7 @@ from mempool import MemPool, MemType
 from mempool.transfer.agent import TransferAgent, TransferResult
 from mempool.transfer.base import DataTransport, PeerInfo, TransferFailed
 from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
-from mempool.transfer.receiver import Received, TransferFlags
+from mempool.transfer.receiver import OnReceived, Received, TransferFlags
 
 log = logging.getLogger(__name__)
 _peer_json = msgspec.json.Decoder(PeerInfo)
@@ -144,22 +144,10 @@ class PDLink:
             raise
 
     async def _start_agent(self) -> None:
-        if self.config.cluster_redis:
-            self.membership = RedisCluster(self.config.cluster_redis)
-            await self._check_id_free(self.membership)
-        agent = TransferAgent(
-            self.pool,
-            host=self.config.agent_host,
-            port=self.config.agent_port,
-            transport=make_transport(self.config.transport, self.pool),
-            membership=self.membership,
-            secret=self.config.secret,
-            timeout_s=min(self.config.timeout_s, 10.0),
-            on_received=self._on_received,
-            allocate=self.allocate,
-        )
-        await agent.start()  # closes itself when it fails
+        timeout = min(self.config.timeout_s, 10.0)
+        agent = await start_agent(self.pool, self.config, timeout, self._on_received, self.allocate)
         self.agent = agent
+        self.membership = agent.membership if self.config.cluster_redis else None
         agent.membership.on_dead(self._peer_dead)
 
     async def _start_bootstrap(self) -> None:
@@ -172,19 +160,6 @@ class PDLink:
         await self._bootstrap.setup()
         site = web.TCPSite(self._bootstrap, self.config.bootstrap_host, self.config.bootstrap_port)
         await site.start()
-
-    async def _check_id_free(self, membership: ClusterManager) -> None:
-        """Two live members with one id would take each other's transfers: refuse to start."""
-        me = self.pool.instance_id
-        try:
-            other = await membership.lookup(me)
-        except UnknownPeer:
-            return
-        raise TransferFailed(
-            f"instance id {me} is already a live member of {self.config.cluster_redis} (at "
-            f"{other.host}:{other.port}); give each worker its own --instance-id (a previous "
-            f"run's record expires {membership.ttl_s:g} s after it stopped)"
-        )
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -430,13 +405,7 @@ class PDLink:
         self.free_received(received)
 
     def free_received(self, received: Received) -> None:
-        """Give back what an arrival holds: its lock on indexed pages, its engine blocks."""
-        page = self.pool.spec.page_size
-        whole = received.num_tokens // page if received.inserted else 0
-        if received.lock is not None:
-            self.pool.release(received.lock)
-        if received.addrs[whole:]:
-            self.pool.free_mem(received.addrs[whole:])
+        free_arrival(self.pool, received)
 
     def _peer_dead(self, instance_id: int) -> None:
         """Membership lost an instance: rooms waiting for its KV fail now."""
@@ -574,6 +543,79 @@ def bootstrap_fields(extras: dict[str, Any]) -> Bootstrap | None:
     if not isinstance(host, str) or (port is not None and not isinstance(port, int)):
         raise ValueError("'bootstrap_host' must be a string and 'bootstrap_port' an int or null")
     return Bootstrap(room, host, port)
+
+
+class AgentSettings(Protocol):
+    """Where an instance's MemPool agent listens, how it authenticates and moves bytes, and
+    the shared membership it joins (None: a private table fed with peers as they appear)."""
+
+    agent_host: str
+    agent_port: int
+    secret: str | None
+    transport: str
+    cluster_redis: str | None
+
+
+async def start_agent(
+    pool: MemPool,
+    settings: AgentSettings,
+    timeout_s: float,
+    on_received: OnReceived | None,
+    allocate: Allocate | None,
+) -> TransferAgent:
+    """This instance's MemPool agent, started and a member of `settings.cluster_redis` when
+    given (`agent.membership`, closed by the caller after the agent); TransferFailed or
+    OSError, nothing left open, when that cannot be done."""
+    membership = None
+    if settings.cluster_redis:
+        membership = await redis_membership(settings.cluster_redis, pool.instance_id)
+    try:
+        agent = TransferAgent(
+            pool,
+            host=settings.agent_host,
+            port=settings.agent_port,
+            transport=make_transport(settings.transport, pool),
+            membership=membership,
+            secret=settings.secret,
+            timeout_s=timeout_s,
+            on_received=on_received,
+            allocate=allocate,
+        )
+        await agent.start()  # closes itself when it fails
+    except BaseException:
+        if membership is not None:
+            await membership.close()
+        raise
+    return agent
+
+
+async def redis_membership(url: str, instance_id: int) -> RedisCluster:
+    """Membership in Redis for this instance; TransferFailed when the store is down or
+    another live member has its id (two would take each other's transfers)."""
+    membership = RedisCluster(url)
+    try:
+        other = await membership.lookup(instance_id)
+    except UnknownPeer:
+        return membership
+    except BaseException:
+        await membership.close()
+        raise
+    await membership.close()
+    raise TransferFailed(
+        f"instance id {instance_id} is already a live member of {url} (at "
+        f"{other.host}:{other.port}); give each worker its own --instance-id (a previous "
+        f"run's record expires {membership.ttl_s:g} s after it stopped)"
+    )
+
+
+def free_arrival(pool: MemPool, received: Received) -> None:
+    """Give back what an arrival holds: its lock on indexed pages, its engine blocks."""
+    page = pool.spec.page_size
+    whole = received.num_tokens // page if received.inserted else 0
+    if received.lock is not None:
+        pool.release(received.lock)
+    if received.addrs[whole:]:
+        pool.free_mem(received.addrs[whole:])
 
 
 def make_transport(kind: str, pool: MemPool) -> str | DataTransport:

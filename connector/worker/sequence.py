@@ -69,11 +69,23 @@ class Sequence:
     extend_len: int = 0
     # Hierarchical cache: tokens of the cached prefix that were loaded from the host tier.
     host_cached_tokens: int = 0
+    # A pull from a peer before admission: prompt tokens [pulled_from, pulled_to) whose KV it
+    # brought into this instance's cache for this request.
+    pulled_from: int = 0
+    pulled_to: int = 0
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Prompt tokens of the reused prefix whose KV was pulled from a peer for this request."""
+        return max(0, min(self.cached_tokens, self.pulled_to) - self.pulled_from)
 
     @property
     def report_cached(self) -> int:
-        """cached_tokens as the response reports it: prompt tokens whose prefill was skipped."""
-        return self.cached_tokens if self.reported_cached is None else self.reported_cached
+        """cached_tokens as the response reports it: prompt tokens whose prefill was skipped
+        thanks to this instance's own cache (pulled tokens are reported apart)."""
+        if self.reported_cached is not None:
+            return self.reported_cached
+        return self.cached_tokens - self.pulled_tokens
 
     @property
     def cached_tokens_details(self) -> dict[str, int]:

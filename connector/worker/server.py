@@ -211,6 +211,7 @@ class WorkerServer:
             "completion_tokens": len(seq.output_ids),
             "cached_tokens": seq.report_cached,
             "cached_tokens_details": seq.cached_tokens_details,
+            "pulled_tokens": seq.pulled_tokens,
             "e2e_latency": time.perf_counter() - seq.arrival,
         }
 
@@ -304,7 +305,10 @@ class WorkerServer:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": seq.report_cached},
+            "prompt_tokens_details": {
+                "cached_tokens": seq.report_cached,
+                "pulled_tokens": seq.pulled_tokens,
+            },
         }
 
     async def _openai(
@@ -453,6 +457,7 @@ class WorkerServer:
                 "backend": self.scheduler.backend.info(),
                 "mempool": kv.stats(),
                 "disaggregation": self.scheduler.hooks.info(),
+                **self.scheduler.hooks.server_info(),
                 "internal_states": [self.scheduler.load()],
             }
         )
