@@ -10,6 +10,7 @@ with one line.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from connector.kv_events import BlockRemoved, BlockStored, decode_batch, page_ha
 from connector.tokenizer import ChatTokenizer
 from connector.worker.latency_model import LatencyModel
 from tests.http_client import call
-from tests.procs import ROOT, TEST_ENV, free_port, running
+from tests.procs import ROOT, TEST_ENV, Server, free_port, running
 
 PAGE = 16
 
@@ -94,115 +96,99 @@ def assert_no_leak(info: dict[str, Any]) -> None:
     assert used * PAGE == mempool["cached_tokens"] and mempool["protected_pages"] == 0
 
 
-def test_host_tier_hit_after_eviction_with_events(model_dir: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def hicache_worker(
+    model_dir: Path, log_dir: Path, flag: str, ratio: str
+) -> Iterator[tuple[Server, Events]]:
+    """A sim worker with 256 tokens of device KV and a host tier of `ratio` x that, its KV
+    events heard on a SUB socket of ours."""
     events = Events()
-    args = sim_args(
-        model_dir,
-        "--enable-hierarchical-cache",
-        "--max-total-tokens",
-        "256",
-        "--hicache-ratio",
-        "2",
-        "--kv-events-config",
-        events.config(),
-    )
+    args = sim_args(model_dir, flag, "--max-total-tokens", "256", "--hicache-ratio", ratio)
+    args += ["--kv-events-config", events.config()]
     try:
-        with running("connector.worker", args, tmp_path) as worker:
-            events.hear(worker.url)
-            info = server_info(worker.url)
-            assert info["max_total_num_tokens"] == 256
-            assert info["kv_tiers"]["host"]["capacity_tokens"] == 512
-            assert info["backend"]["kv_page_bytes"] == 256  # stand-in pages where KV moves
-            for name in ("device", "host"):
-                assert info["mempool"]["tiers"][name]["block_bytes"] == 256
-
-            prompt = ids(1, 100)
-            assert generate(worker.url, prompt)["meta_info"]["cached_tokens"] == 0
-            for seed in (2, 3, 4):  # 7 blocks each on a 16-block device: `prompt` goes out
-                generate(worker.url, ids(seed, 100))
-            again = generate(worker.url, prompt)["meta_info"]
-            assert again["cached_tokens"] == 96
-            assert again["cached_tokens_details"] == {"device": 0, "host": 96}
-
-            info = server_info(worker.url)
-            host = info["kv_tiers"]["host"]
-            model = LatencyModel()
-            assert host["hit_tokens"] == 96 and host["swapped_in_tokens"] >= 96
-            assert host["seconds"] == "modelled"
-            load = model.host_copy_s(96 // PAGE, PAGE)
-            assert host["load_s"] == pytest.approx(load, abs=2e-6)
-            assert info["backend"]["simulated_load_s"] == pytest.approx(load, abs=2e-6)
-            assert host["swap_out_s"] > 0 and host["swapped_out_tokens"] >= 96
-            metrics = call(worker.url + "/metrics")[1]
-            assert (
-                'cache_source="host"' in metrics and "sglang:hicache_host_total_tokens" in metrics
-            )
-            assert_no_leak(info)
-
-            hashes = page_hashes(prompt[:96], PAGE)
-            seen = events.drain()
-
-            def where(kind: type[BlockStored | BlockRemoved], medium: str) -> list[Any]:
-                found: list[BlockStored | BlockRemoved] = [e for e in seen if isinstance(e, kind)]
-                return [e for e in found if e.medium == medium and hashes[0] in e.block_hashes]
-
-            stored_gpu = where(BlockStored, "GPU")
-            out_gpu, in_cpu = where(BlockRemoved, "GPU"), where(BlockStored, "CPU_PINNED")
-            out_cpu = where(BlockRemoved, "CPU_PINNED")
-            assert stored_gpu and out_gpu and in_cpu and out_cpu  # stored, out, back in
-            assert seen.index(out_gpu[0]) + 1 == seen.index(in_cpu[0])  # removed, then stored
-            moved = in_cpu[0]
-            assert moved.parent_block_hash is None and moved.block_size == PAGE
-            first = moved.block_hashes.index(hashes[0])
-            assert moved.token_ids[first * PAGE : (first + 1) * PAGE] == prompt[:PAGE]
-            loaded = seen[seen.index(out_cpu[0]) :]  # the load: back from host, in on device
-            assert isinstance(loaded[1], BlockStored) and loaded[1].medium == "GPU"
-            back = {h for e in loaded if isinstance(e, BlockStored) for h in e.block_hashes}
-            left = {h for e in loaded if isinstance(e, BlockRemoved) for h in e.block_hashes}
-            assert set(hashes) <= back & left
+        with running("connector.worker", args, log_dir) as w:
+            events.hear(w.url)
+            yield w, events
     finally:
         events.close()
+
+
+def test_host_tier_hit_after_eviction_with_events(model_dir: Path, tmp_path: Path) -> None:
+    flag = "--enable-hierarchical-cache"
+    with hicache_worker(model_dir, tmp_path, flag, "2") as (worker, events):
+        info = server_info(worker.url)
+        assert info["max_total_num_tokens"] == 256
+        assert info["kv_tiers"]["host"]["capacity_tokens"] == 512
+        assert info["backend"]["kv_page_bytes"] == 256  # stand-in pages where KV moves
+        for name in ("device", "host"):
+            assert info["mempool"]["tiers"][name]["block_bytes"] == 256
+
+        prompt = ids(1, 100)
+        assert generate(worker.url, prompt)["meta_info"]["cached_tokens"] == 0
+        for seed in (2, 3, 4):  # 7 blocks each on a 16-block device: `prompt` goes out
+            generate(worker.url, ids(seed, 100))
+        again = generate(worker.url, prompt)["meta_info"]
+        assert again["cached_tokens"] == 96
+        assert again["cached_tokens_details"] == {"device": 0, "host": 96}
+
+        info = server_info(worker.url)
+        host = info["kv_tiers"]["host"]
+        model = LatencyModel()
+        assert host["hit_tokens"] == 96 and host["swapped_in_tokens"] >= 96
+        assert host["seconds"] == "modelled"
+        load = model.host_copy_s(96 // PAGE, PAGE)
+        assert host["load_s"] == pytest.approx(load, abs=2e-6)
+        assert info["backend"]["simulated_load_s"] == pytest.approx(load, abs=2e-6)
+        assert host["swap_out_s"] > 0 and host["swapped_out_tokens"] >= 96
+        metrics = call(worker.url + "/metrics")[1]
+        assert 'cache_source="host"' in metrics and "sglang:hicache_host_total_tokens" in metrics
+        assert_no_leak(info)
+
+        hashes = page_hashes(prompt[:96], PAGE)
+        seen = events.drain()
+
+        def where(kind: type[BlockStored | BlockRemoved], medium: str) -> list[Any]:
+            found: list[BlockStored | BlockRemoved] = [e for e in seen if isinstance(e, kind)]
+            return [e for e in found if e.medium == medium and hashes[0] in e.block_hashes]
+
+        stored_gpu = where(BlockStored, "GPU")
+        out_gpu, in_cpu = where(BlockRemoved, "GPU"), where(BlockStored, "CPU_PINNED")
+        out_cpu = where(BlockRemoved, "CPU_PINNED")
+        assert stored_gpu and out_gpu and in_cpu and out_cpu  # stored, out, back in
+        assert seen.index(out_gpu[0]) + 1 == seen.index(in_cpu[0])  # removed, then stored
+        moved = in_cpu[0]
+        assert moved.parent_block_hash is None and moved.block_size == PAGE
+        first = moved.block_hashes.index(hashes[0])
+        assert moved.token_ids[first * PAGE : (first + 1) * PAGE] == prompt[:PAGE]
+        loaded = seen[seen.index(out_cpu[0]) :]  # the load: back from host, in on device
+        assert isinstance(loaded[1], BlockStored) and loaded[1].medium == "GPU"
+        back = {h for e in loaded if isinstance(e, BlockStored) for h in e.block_hashes}
+        left = {h for e in loaded if isinstance(e, BlockRemoved) for h in e.block_hashes}
+        assert set(hashes) <= back & left
 
 
 def test_full_host_tier_drops_its_oldest_pages_and_leaks_nothing(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    events = Events()
-    args = sim_args(
-        model_dir,
-        "--enable-hicache",
-        "--max-total-tokens",
-        "256",
-        "--hicache-ratio",
-        "1",
-        "--kv-events-config",
-        events.config(),
-    )
-    try:
-        with running("connector.worker", args, tmp_path) as worker:
-            events.hear(worker.url)
-            prompts = [ids(100 + i, 100) for i in range(8)]  # 8 x 6 pages on 16 + 16
-            for p in prompts:
-                generate(worker.url, p)
-            info = server_info(worker.url)
-            tiers = info["kv_tiers"]
-            assert tiers["host"]["used_tokens"] <= tiers["host"]["capacity_tokens"] == 256
-            assert tiers["host"]["dropped_tokens"] > 0 and tiers["device"]["dropped_tokens"] == 0
-            assert_no_leak(info)
-            oldest, newest = prompts[0], prompts[-1]
-            assert generate(worker.url, newest)["meta_info"]["cached_tokens_details"] == {
-                "device": 96,
-                "host": 0,
-            }
-            assert (
-                generate(worker.url, prompts[4])["meta_info"]["cached_tokens_details"]["host"] == 96
-            )
-            assert generate(worker.url, oldest)["meta_info"]["cached_tokens"] == 0  # dropped
-            seen = events.drain(1000)
-            assert any(isinstance(e, BlockRemoved) and e.medium == "CPU_PINNED" for e in seen)
-            assert_no_leak(server_info(worker.url))
-    finally:
-        events.close()
+    with hicache_worker(model_dir, tmp_path, "--enable-hicache", "1") as (worker, events):
+        prompts = [ids(100 + i, 100) for i in range(8)]  # 8 x 6 pages on 16 + 16
+        for p in prompts:
+            generate(worker.url, p)
+        info = server_info(worker.url)
+        tiers = info["kv_tiers"]
+        assert tiers["host"]["used_tokens"] <= tiers["host"]["capacity_tokens"] == 256
+        assert tiers["host"]["dropped_tokens"] > 0 and tiers["device"]["dropped_tokens"] == 0
+        assert_no_leak(info)
+        oldest, newest = prompts[0], prompts[-1]
+        assert generate(worker.url, newest)["meta_info"]["cached_tokens_details"] == {
+            "device": 96,
+            "host": 0,
+        }
+        assert generate(worker.url, prompts[4])["meta_info"]["cached_tokens_details"]["host"] == 96
+        assert generate(worker.url, oldest)["meta_info"]["cached_tokens"] == 0  # dropped
+        seen = events.drain(1000)
+        assert any(isinstance(e, BlockRemoved) and e.medium == "CPU_PINNED" for e in seen)
+        assert_no_leak(server_info(worker.url))
 
 
 def test_chunked_prefill_takes_exactly_the_modelled_steps(model_dir: Path, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -277,6 +277,28 @@ def test_discrete_layout_indexes_2l_blocks_per_page() -> None:
         pool.insert(list(range(20, 28)), pool.alloc_blocks(2))
 
 
+# Prompts of three pages that share first pages in several ways (random-use tests).
+PROMPTS = [[i % 3] * 4 + [i] * 4 + [j] * 4 for i in range(3) for j in range(2)]
+
+
+def finish(
+    pool: MemPool, prompt: list[int], tier: str, page: Callable[[list[int]], bytes] | None = None
+) -> None:
+    """A request over `prompt` finishes: blocks for its pages not cached yet (their bytes
+    `page(tokens so far)` if given), then insert; short of memory, evict and give up."""
+    cached = pool.match(prompt)
+    need = 3 - len(cached.addrs)
+    try:
+        fresh = pool.alloc_blocks(need, tier) if need else []
+    except OutOfBlocks:
+        pool.evict(need, tier)
+        return
+    if page is not None:
+        for i, addr in enumerate(fresh, start=len(cached.addrs)):
+            pool.write_block(addr, page(prompt[: 4 * (i + 1)]))
+    pool.insert(prompt, cached.addrs + fresh)
+
+
 @given(
     st.lists(
         st.tuples(
@@ -290,19 +312,11 @@ def test_discrete_layout_indexes_2l_blocks_per_page() -> None:
 def test_no_block_leaks_under_random_use(ops: list[tuple[str, int]]) -> None:
     """Whatever the engine does, released state returns every block to the free lists."""
     pool = MemPool(0, SPEC, host_blocks=64)
-    prompts = [[i % 3] * 4 + [i] * 4 + [j] * 4 for i in range(3) for j in range(2)]
     held = []
     for op, k in ops:
-        prompt = prompts[k % len(prompts)]
+        prompt = PROMPTS[k % len(PROMPTS)]
         if op == "insert":
-            cached = pool.match(prompt)
-            need = 3 - len(cached.addrs)
-            try:
-                fresh = pool.alloc_blocks(need) if need else []
-            except OutOfBlocks:
-                pool.evict(need)
-                continue
-            pool.insert(prompt, cached.addrs + fresh)
+            finish(pool, prompt, "host")
         elif op == "match_lock":
             held.append(pool.match(prompt, lock=True))
         elif op == "release" and held:
@@ -556,7 +570,6 @@ def test_tiers_stay_consistent_under_random_use(ops: list[tuple[str, int]]) -> N
     """Random engine use of a two-tier pool: tiers, heaps and block counts stay exact, every
     page keeps its bytes wherever it moves, and releasing everything frees every block."""
     pool = tiered(device=6, host=6)
-    prompts = [[i % 3] * 4 + [i] * 4 + [j] * 4 for i in range(3) for j in range(2)]
     held = []
     stamps: dict[tuple[int, ...], bytes] = {}
 
@@ -564,18 +577,9 @@ def test_tiers_stay_consistent_under_random_use(ops: list[tuple[str, int]]) -> N
         return bytes(tokens) + bytes(pool.block_size - len(tokens))
 
     for op, k in ops:
-        prompt = prompts[k % len(prompts)]
+        prompt = PROMPTS[k % len(PROMPTS)]
         if op == "insert":
-            cached = pool.match(prompt)
-            need = 3 - len(cached.addrs)
-            try:
-                fresh = pool.alloc_blocks(need, "device") if need else []
-            except OutOfBlocks:
-                pool.evict(need, "device")
-                continue
-            for i, addr in enumerate(fresh, start=len(cached.addrs)):
-                pool.write_block(addr, page_bytes(prompt[: 4 * (i + 1)]))
-            pool.insert(prompt, cached.addrs + fresh)
+            finish(pool, prompt, "device", page_bytes)
         elif op == "lock":
             found = pool.match(prompt, lock=True)
             with contextlib.suppress(OutOfBlocks):
