@@ -7,17 +7,25 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
 
 from benchmarks.harness import progress_bar
-from benchmarks.multiturn.plan import make_plan
+from benchmarks.harness import step as advance
+from benchmarks.multiturn.plan import Plan, make_plan
 from benchmarks.multiturn.results import sim_model, write_all
 from benchmarks.multiturn.runner import Context, execute
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus, peer_status
 
+DEFAULT_OUT = Path("benchmarks/results/multiturn")
+CAPACITY_OUT = Path("benchmarks/results/multiturn_capacity")
 WORKLOAD_NAMES = ("trace", "multi_round_qa", "sharegpt", "loogle", "react", "share_ratio", "pd")
 
 
@@ -26,8 +34,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.multiturn",
         description="Multi-turn cache benchmarks: policies, peers and PD caching modes.",
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multiturn"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results directory (default: benchmarks/results/multiturn, or "
+        "benchmarks/results/multiturn_capacity with --capacity)",
+    )
     parser.add_argument("--quick", action="store_true", help="the < 5 minute preset")
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="the capacity-bound preset: device KV sized so the working set is 2x, 4x and "
+        "8x the cluster's, with and without a host tier, 3 paired seeds (~2.5 h; with "
+        "--quick: one multiple, one seed, three systems)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="--capacity: these workload seeds"
+    )
+    parser.add_argument(
+        "--multiples",
+        type=float,
+        nargs="+",
+        default=None,
+        help="--capacity: these working-set multiples of the cluster's device KV",
+    )
     parser.add_argument(
         "--trace", type=Path, default=DEFAULT_TRACE, help="a trace in Mooncake's format"
     )
@@ -63,10 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep every worker's and router's log here (default: a temporary directory)",
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = CAPACITY_OUT if args.capacity else DEFAULT_OUT
     if not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
+    if not args.capacity and (args.seeds or args.multiples):
+        parser.error("--seeds and --multiples belong to --capacity")
+    if any(m <= 0 for m in args.multiples or ()):
+        parser.error("--multiples must be positive")
     if args.report_only:
         return report_only(parser, args.out, args.trace)
+    if args.capacity:
+        return run_capacity(parser, args, argv)
     started = time.perf_counter()
     plan = make_plan(
         args.quick,
@@ -77,41 +116,117 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.max_total_tokens:
         plan.max_total_tokens = args.max_total_tokens
-    from connector.model_files import ensure_hf_model
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
-
-    model_dir = ensure_hf_model()
-    tokenizer = ChatTokenizer(model_dir)
-    peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
-    with (
-        tempfile.TemporaryDirectory(prefix="multiturn-") as tmp,
-        progress_bar(46) as progress,
-    ):
-        log_dir = args.log_dir or Path(tmp)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        ctx = Context(
-            plan,
-            model_dir,
-            log_dir,
-            tokenizer,
-            CachedEncoder(tokenizer),
-            Vocab.from_tokenizer(tokenizer),
-            progress,
-            peers,
-        )
-        records = execute(ctx)
+    with Session.open(args.log_dir) as session:
+        records = execute(session.context(plan))
     elapsed = time.perf_counter() - started
-    write_all(
+    write_all(args.out, plan, records, session.peers, elapsed, command_line(argv))
+    return finished(plan.preset, len(records), elapsed, args.out)
+
+
+def run_capacity(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
+) -> int:
+    """The capacity-bound preset: workloads built and sized first, then the same runner."""
+    from benchmarks.multiturn import capacity
+    from benchmarks.multiturn.capacity_report import write_capacity
+
+    started = time.perf_counter()
+    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(args.trace)
+    preset = capacity.narrowed(preset, args.seeds, args.multiples)
+    if args.max_total_tokens:
+        parser.error("--max-total-tokens: --capacity sizes the KV from the working set")
+    features = capacity.Features.detect()
+    with Session.open(args.log_dir) as session:
+        names = [n for n in preset.workloads if not args.workloads or n in args.workloads]
+        task = session.progress.add_task(
+            "plan: build and size workloads", total=len(names) * len(preset.seeds)
+        )
+        try:
+            sized = capacity.make_capacity_plan(
+                preset,
+                session.vocab,
+                session.encoder,
+                features,
+                set(args.workloads) if args.workloads else None,
+                set(args.systems) if args.systems else None,
+                on_seed=lambda: advance(session.progress, task),
+            )
+        except ValueError as exc:
+            parser.error(f"--capacity: {exc}")
+        records = execute(session.context(sized.plan))
+    elapsed = time.perf_counter() - started
+    write_capacity(
         args.out,
-        plan,
+        sized.plan.preset,
         records,
-        peers,
+        sized.setup(),
+        sized.plan.notes,
+        session.peers,
         elapsed,
-        " ".join(["python -m benchmarks.multiturn", *(argv or sys.argv[1:])]),
+        command_line(argv),
     )
-    print(f"multiturn: {plan.preset} run, {len(records)} runs in {elapsed:.0f} s -> {args.out}")
-    print((args.out / "results.md").read_text().split("\n## Notes")[0])
+    return finished(sized.plan.preset, len(records), elapsed, args.out)
+
+
+@dataclass
+class Session:
+    """What every run of a plan shares: the model's tokenizer (the oracle's encodes), the
+    workloads' vocabulary, the peers' status, the progress bars and the log directory."""
+
+    model_dir: Path
+    tokenizer: Any  # ChatTokenizer
+    encoder: Any  # CachedEncoder
+    vocab: Vocab
+    peers: dict[str, PeerStatus]
+    progress: Progress
+    log_dir: Path
+
+    @classmethod
+    @contextmanager
+    def open(cls, log_dir: Path | None) -> Iterator[Session]:
+        from connector.model_files import ensure_hf_model
+        from connector.token_cache import CachedEncoder
+        from connector.tokenizer import ChatTokenizer
+
+        model_dir = ensure_hf_model()
+        tokenizer = ChatTokenizer(model_dir)
+        peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
+        with (
+            tempfile.TemporaryDirectory(prefix="multiturn-") as tmp,
+            progress_bar(46) as progress,
+        ):
+            logs = log_dir or Path(tmp)
+            logs.mkdir(parents=True, exist_ok=True)
+            yield cls(
+                model_dir,
+                tokenizer,
+                CachedEncoder(tokenizer),
+                Vocab.from_tokenizer(tokenizer),
+                peers,
+                progress,
+                logs,
+            )
+
+    def context(self, plan: Plan) -> Context:
+        return Context(
+            plan,
+            self.model_dir,
+            self.log_dir,
+            self.tokenizer,
+            self.encoder,
+            self.vocab,
+            self.progress,
+            self.peers,
+        )
+
+
+def command_line(argv: Sequence[str] | None) -> str:
+    return " ".join(["python -m benchmarks.multiturn", *(argv or sys.argv[1:])])
+
+
+def finished(preset: str, runs: int, elapsed: float, out: Path) -> int:
+    print(f"multiturn: {preset} run, {runs} runs in {elapsed:.0f} s -> {out}")
+    print((out / "results.md").read_text().split("\n## Notes")[0])
     return 0
 
 
@@ -124,14 +239,21 @@ def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
         runs, preset = figures["runs"], figures["preset"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
+    peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
+    machine = figures.get("machine") or None  # where the runs were measured
+    elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
+    if str(preset).startswith("capacity"):
+        from benchmarks.multiturn.capacity_report import write_capacity
+
+        setup, missing = figures.get("setup") or {}, figures.get("missing") or []
+        write_capacity(out, preset, runs, setup, missing, peers, elapsed, command, machine)
+        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
+        return 0
     plan = make_plan(preset == "quick", trace)
     capacity = figures.get("kv_capacity_tokens")  # the preset's, or --max-total-tokens
     plan.max_total_tokens = (
         None if capacity == sim_model()["kv_capacity_tokens_default"] else capacity
     )
-    peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
-    machine = figures.get("machine") or None  # where the runs were measured
-    elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
     write_all(out, plan, runs, peers, elapsed, command, machine)
     print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
     return 0

@@ -2,22 +2,26 @@
 
 Each request waits for its parent's answer, then for its arrival time (and the parent's
 answer plus `gap_s`). TTFT is the time to the first chunk carrying content, JCT the time to
-the end of the stream, TPOT (JCT - TTFT) / (completion tokens - 1); prompt, cached and
-completion tokens come from the usage the workers report in the last chunk.
+the end of the stream, TPOT (JCT - TTFT) / (completion tokens - 1). Requests go through
+OpenAI's chat and completions routes, or SGLang's /generate (a chat rendered to text with
+the model's template, as SGLang's own multi-turn benchmark sends it). Prompt, cached and
+completion tokens come from the answer: OpenAI's usage in the last chunk, or SGLang's
+meta_info, which also says where the cached tokens came from (device or host tier) and
+how many were pulled from a peer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import msgspec
 
-from benchmarks.multiturn.workloads import CHAT, Request, Workload
+from benchmarks.multiturn.workloads import CHAT, OPENAI, SGLANG, Request, Workload
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 _decode = msgspec.json.Decoder().decode
@@ -37,6 +41,12 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Where the reused prompt tokens came from, when the answer says (None: it did not):
+    # this instance's device and host tiers (cached_tokens = device + host), and a peer's
+    # cache by a MemPool pull (not in cached_tokens).
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    pulled_tokens: int | None = None
     answer: str = ""
     messages: list[dict[str, str]] | None = None  # chat: what was sent
     error: str | None = None
@@ -61,7 +71,25 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def body_for(request: Request, model: str, messages: list[dict[str, str]] | None) -> bytes:
+def body_for(
+    request: Request,
+    model: str,
+    messages: list[dict[str, str]] | None,
+    api: str = OPENAI,
+    render: Callable[[list[dict[str, str]]], str] | None = None,
+) -> bytes:
+    """The request's body for `api`: OpenAI chat or completions, or SGLang's /generate with
+    the chat rendered to text by `render` (the model's chat template), as SGLang's own
+    multi-turn benchmark sends it."""
+    if api == SGLANG:
+        if messages is not None:
+            if render is None:
+                raise ValueError("SGLang's /generate needs the chat rendered: give `render`")
+            text = render(messages)
+        else:
+            text = request.prompt or ""
+        sampling = {"max_new_tokens": request.max_tokens, "temperature": 0, "ignore_eos": True}
+        return _encode({"text": text, "sampling_params": sampling, "stream": True})
     common = {
         "model": model,
         "max_tokens": request.max_tokens,
@@ -74,6 +102,56 @@ def body_for(request: Request, model: str, messages: list[dict[str, str]] | None
         # `user` names the session: our `session` policy sticks by it (X-Session-Id too).
         return _encode({**common, "messages": messages, "user": request.session})
     return _encode({**common, "prompt": request.prompt, "user": request.session})
+
+
+def path_for(request: Request, api: str) -> str:
+    if api == SGLANG:
+        return "/generate"
+    return "/v1/chat/completions" if request.route == CHAT else "/v1/completions"
+
+
+@dataclass
+class Stream:
+    """What the chunks of one streamed answer said so far."""
+
+    pieces: list[str] = field(default_factory=list)  # OpenAI: text deltas
+    text: str = ""  # SGLang: the answer so far (each chunk carries all of it)
+    usage: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+
+    def take(self, chunk: dict[str, Any], chat: bool) -> bool:
+        """Read one chunk; True when it carried answer content."""
+        content = False
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if piece:
+                content = True
+                self.pieces.append(piece)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if isinstance(chunk.get("meta_info"), dict):
+            self.meta = chunk["meta_info"]
+            text = chunk.get("text")
+            if isinstance(text, str) and (text or chunk.get("output_ids")):
+                content, self.text = True, text
+        return content
+
+    def answer(self) -> str:
+        return self.text or "".join(self.pieces)
+
+    def finish(self, outcome: Outcome) -> str | None:
+        """Token counts and the split into `outcome`; an error when the answer has none."""
+        if self.meta is not None:  # SGLang: meta_info in every chunk, the last one final
+            counts, details = self.meta, self.meta
+        elif isinstance(self.usage, dict):
+            counts, details = self.usage, self.usage.get("prompt_tokens_details") or {}
+        else:
+            return "no usage in the stream"
+        outcome.prompt_tokens = int(counts.get("prompt_tokens") or 0)
+        outcome.cached_tokens = int(details.get("cached_tokens") or 0)
+        outcome.completion_tokens = int(counts.get("completion_tokens") or 0)
+        read_split(outcome, [details, counts])
+        return None
 
 
 def messages_for(request: Request, parent: Outcome | None) -> list[dict[str, str]]:
@@ -92,13 +170,12 @@ async def send_one(
     outcome: Outcome,
     body: bytes,
     started: float,
+    path: str,
 ) -> None:
     t0 = time.perf_counter()
     outcome.sent_s = t0 - started
-    path = "/v1/chat/completions" if request.route == CHAT else "/v1/completions"
     chat = request.route == CHAT
-    pieces: list[str] = []
-    usage = None
+    stream = Stream()
     try:
         async with session.post(url + path, data=body, headers=JSON_HEADERS) as resp:
             if resp.status != 200:
@@ -120,32 +197,34 @@ async def send_one(
                         continue
                     if chunk.get("error"):
                         outcome.error = f"stream error: {str(chunk['error'])[:200]}"
-                    for choice in chunk.get("choices") or ():
-                        piece = (choice.get("delta") or {}).get("content") if chat else None
-                        if not chat:
-                            piece = choice.get("text")
-                        if piece:
-                            if outcome.ttft_s is None:
-                                outcome.ttft_s = time.perf_counter() - t0
-                            pieces.append(piece)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
+                    if stream.take(chunk, chat) and outcome.ttft_s is None:
+                        outcome.ttft_s = time.perf_counter() - t0
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"[:300]
         return
     outcome.jct_s = time.perf_counter() - t0
-    outcome.answer = "".join(pieces)
+    outcome.answer = stream.answer()
     if outcome.error is not None:
         return
-    if not isinstance(usage, dict):
-        outcome.error = "no usage in the stream"
-        return
-    details = usage.get("prompt_tokens_details") or {}
-    outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    outcome.cached_tokens = int(details.get("cached_tokens") or 0)
-    outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
-    if outcome.ttft_s is None:
+    outcome.error = stream.finish(outcome)
+    if outcome.error is None and outcome.ttft_s is None:
         outcome.error = "no content in the stream"
+
+
+def read_split(outcome: Outcome, places: Sequence[dict[str, Any]]) -> None:
+    """The tier split and the pulled tokens from the first of `places` that has each:
+    `cached_tokens_details` {device, host} and `pulled_tokens` (SGLang's meta_info names;
+    OpenAI usage carries them in its prompt_tokens_details)."""
+    for place in places:
+        tiers = place.get("cached_tokens_details")
+        if isinstance(tiers, dict):
+            outcome.device_tokens = int(tiers.get("device") or 0)
+            outcome.host_tokens = int(tiers.get("host") or 0)
+            break
+    for place in places:
+        if place.get("pulled_tokens") is not None:
+            outcome.pulled_tokens = int(place["pulled_tokens"])
+            break
 
 
 async def run_workload(
@@ -154,8 +233,10 @@ async def run_workload(
     model: str,
     on_done: Callable[[Outcome], None] | None = None,
     timeout_s: float = 600,
+    render: Callable[[list[dict[str, str]]], str] | None = None,
 ) -> RunResult:
-    """Send every request of `workload` to `url` as its plan says; wait for all answers."""
+    """Send every request of `workload` to `url` as its plan says, through the workload's
+    API (`render` makes a chat's text for SGLang's /generate); wait for all answers."""
     requests = workload.requests
     outcomes = [Outcome(r.rid, r.session, r.turn) for r in requests]
     done = [asyncio.Event() for _ in requests]
@@ -185,8 +266,9 @@ async def run_workload(
                 if request.route == CHAT:
                     messages = messages_for(request, parent)
                     outcome.messages = messages
-                body = body_for(request, model, messages)
-                await send_one(session, url, request, outcome, body, started)
+                body = body_for(request, model, messages, workload.api, render)
+                path = path_for(request, workload.api)
+                await send_one(session, url, request, outcome, body, started, path)
             finally:
                 done[request.rid].set()
                 if on_done is not None:

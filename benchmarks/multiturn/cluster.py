@@ -2,9 +2,11 @@
 
 A `Cluster` is one set of sim workers (N colocated, or prefill/decode pairs in one caching
 mode) started once and shared by every system compared on it; caches are flushed between
-systems so each starts cold. A `RouterSpec` says how to start one system in front of a
-cluster: ours (`python -m router`), sglang-router or smg; each run gets a fresh router
-process, so no router carries a tree over from another run.
+systems so each starts cold. A cluster may size its device KV, add a host tier, let its
+workers pull prefixes from each other (MemPool) and publish KV events to whichever of our
+routers runs in front of it (the peers do not listen). A `RouterSpec` says how to start
+one system in front of a cluster: ours (`python -m router`), sglang-router or smg; each run
+gets a fresh router process, so no router carries a tree over from another run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
+import socket
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -21,6 +25,7 @@ from typing import Any
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, peer_command
 from router.procs import (
+    LOOPBACK,
     Launch,
     Server,
     free_port,
@@ -44,6 +49,10 @@ class ClusterSpec:
     radix_cache: bool = True
     label: str = ""  # MemServe's name for it: PD, PD-CC, 1P1D, 1P1D-CC
     time_scale: float = 1.0  # the sim's --time-scale: >1 is a slower GPU (more load per rate)
+    max_total_tokens: int | None = None  # device KV per worker (None: the plan's, or the sim's)
+    hicache_ratio: float = 0.0  # > 0: a host tier of this many times the device KV
+    mempool_pull: bool = False  # workers pull longer prefixes from peers (--enable-mempool-pull)
+    kv_events: bool = False  # workers publish KV events to our router (--kv-events-bind)
 
     @property
     def pd(self) -> bool:
@@ -79,6 +88,7 @@ class Cluster:
     spec: ClusterSpec
     workers: list[Worker]
     model_dir: Path
+    events_endpoint: str | None = None  # where workers publish KV events (our router binds)
 
     @classmethod
     def create(
@@ -93,15 +103,29 @@ class Cluster:
             ["colocated"] * spec.colocated + ["prefill"] * spec.prefills + ["decode"] * spec.decodes
         )
         workers = []
+        capacity = spec.max_total_tokens or max_total_tokens
+        events = f"tcp://{LOOPBACK}:{events_port()}" if spec.kv_events else None
         for i, role in enumerate(roles):
             port = free_port()
             args = ["--backend", "sim", "--time-scale", f"{spec.time_scale:g}"]
             args += ["--model-path", str(model_dir), "--tokenizer-cache"]
             args += ["--instance-id", str(first_id + i), "--log-level", "warning"]
-            if max_total_tokens:
-                args += ["--max-total-tokens", str(max_total_tokens)]
+            if capacity:
+                args += ["--max-total-tokens", str(capacity)]
             if not spec.radix_cache:
                 args.append("--disable-radix-cache")
+            if spec.hicache_ratio > 0:
+                args += [
+                    "--enable-hierarchical-cache",
+                    "--hicache-ratio",
+                    f"{spec.hicache_ratio:g}",
+                ]
+            if spec.mempool_pull:
+                args.append("--enable-mempool-pull")
+            if events is not None:
+                url = f"http://{LOOPBACK}:{port}"
+                config = {"publisher": "zmq", "endpoint": events, "topic": url, "hwm": EVENTS_HWM}
+                args += ["--kv-events-config", json.dumps(config)]
             bootstrap = None
             if role != "colocated":
                 args += ["--disaggregation-mode", role, "--pd-caching", spec.caching or "basic"]
@@ -112,7 +136,7 @@ class Cluster:
             command = module_command("connector.worker", port, args)
             proc = launch(name, command, port, log_dir / f"{name}.log")
             workers.append(Worker(proc, role, bootstrap))
-        return cls(spec, workers, model_dir)
+        return cls(spec, workers, model_dir, events)
 
     def start(self, timeout_s: float = 120) -> None:
         servers = start_all([w.launch for w in self.workers], timeout_s)
@@ -162,6 +186,24 @@ class Cluster:
             out.append({short: metrics.get(name, 0.0) for name, short in names.items()})
         return out
 
+    def tier_counters(self) -> dict[str, float]:
+        """Summed over the workers, so far: pulls and pulled tokens, the tiers' hit tokens,
+        swaps and drops, and the modelled bytes of KV pulled (from /get_server_info)."""
+        out: dict[str, float] = {}
+        for info in self.server_info():
+            pull = info.get("pull") or {}
+            tiers = info.get("kv_tiers") or {}
+            page_bytes = (info.get("backend") or {}).get("modelled_kv_page_bytes") or 0
+            token_bytes = page_bytes / (info.get("page_size") or 16)
+            values = {f"pull_{k}": v for k, v in pull.items()}
+            for tier, figures in tiers.items():
+                values.update({f"{tier}_{k}": v for k, v in (figures or {}).items()})
+            values["pulled_bytes"] = float(pull.get("pulled_tokens") or 0) * token_bytes
+            for key, value in values.items():
+                if isinstance(value, int | float) and not key.endswith("capacity_tokens"):
+                    out[key] = out.get(key, 0.0) + float(value)
+        return out
+
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(w.pid) for w in self.workers)
 
@@ -204,14 +246,16 @@ class Cluster:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """One system: a router implementation and its policy."""
+    """One system: a router implementation and its policy (ours: with or without pulls)."""
 
     router: str  # memserve-router | sglang-router | smg
     policy: str
+    pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
 
     @property
     def name(self) -> str:
-        return f"{'ours' if self.router == OURS else self.router} {self.policy}"
+        name = f"{'ours' if self.router == OURS else self.router} {self.policy}"
+        return name if self.pull else f"{name} (no pull)"
 
 
 @dataclass
@@ -245,6 +289,10 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args += ["--pd-caching", cluster.spec.caching or "basic"]
         else:
             args += ["--worker-urls", *colocated]
+        if cluster.events_endpoint is not None:
+            args += ["--kv-events-bind", cluster.events_endpoint]
+        if not spec.pull:
+            args.append("--disable-mempool-pull")
         return module_command("router", port, args)
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
@@ -264,7 +312,7 @@ def start_router(
     """Start one router and wait until a tiny chat request goes through it; RuntimeError
     (with the log's tail) when it does not come up."""
     port = free_port()
-    slug = spec.name.replace(" ", "-")
+    slug = "".join(c if c.isalnum() or c in "_-" else "-" for c in spec.name)
     log = log_dir / f"{cluster.spec.name}-{slug}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
     probe = json.dumps(
@@ -276,6 +324,55 @@ def start_router(
         server.stop()
         raise RuntimeError(why)
     return RunningRouter(spec, server)
+
+
+# Batches a worker queues for a router that is not listening (the peers' runs): a bound on
+# the stale backlog our next router receives before `sync_events` clears it.
+EVENTS_HWM = 5000
+
+
+def events_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, so no `free_port()` of a
+    later router or worker can land on it while no router of ours has it bound."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for the KV events endpoint in 20000..32000")
+
+
+def sync_events(router_url: str, cluster: Cluster, timeout_s: float = 20) -> bool:
+    """Our router has just bound the events endpoint: let the workers' stale backlog (what
+    they queued while a peer ran) drain into it, then flush every cache and wait until each
+    worker's clear event has arrived, so the trees start as empty as the caches. False
+    when that did not happen in time (the run goes on; the record says so)."""
+
+    def batches() -> int:
+        try:
+            with urllib.request.urlopen(router_url + "/get_server_info", timeout=5) as resp:
+                return int((json.load(resp).get("kv_events") or {}).get("batches") or 0)
+        except (OSError, ValueError):
+            return -1
+
+    deadline = time.monotonic() + timeout_s
+    last, stable_since = batches(), time.monotonic()
+    while time.monotonic() - stable_since < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = batches()
+        if now != last:
+            last, stable_since = now, time.monotonic()
+    cluster.flush()
+    want = last + len(cluster.workers)
+    while time.monotonic() < deadline:
+        if batches() >= want:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def cpu_seconds(pid: int | None) -> float:

@@ -46,6 +46,7 @@ def summarize(
         if o.ttft_s is not None:
             per_turn.setdefault(o.turn, []).append(o.ttft_s)
     out: dict[str, Any] = {
+        **split(ok),
         "requests": len(outcomes),
         "completed": len(ok),
         "errors": len(outcomes) - len(ok),
@@ -70,6 +71,31 @@ def summarize(
     return out
 
 
+def split(ok: Sequence[Outcome]) -> dict[str, Any]:
+    """Where the prompt tokens of answered requests came from: this instance's device tier,
+    its host tier, a peer (pulled), or recomputed. A reused token counts wherever it came
+    from (`reuse_ratio`); an answer that does not say its tiers counts its cached tokens as
+    device ones, and `split_reported` says how many did."""
+    prompt = sum(o.prompt_tokens for o in ok)
+    device = sum(o.cached_tokens if o.device_tokens is None else o.device_tokens for o in ok)
+    host = sum(o.host_tokens or 0 for o in ok)
+    pulled = sum(o.pulled_tokens or 0 for o in ok)
+    recomputed = prompt - device - host - pulled
+    out: dict[str, Any] = {
+        "device_tokens": device,
+        "host_tokens": host,
+        "pulled_tokens": pulled,
+        "recomputed_tokens": recomputed,
+        "split_reported": sum(1 for o in ok if o.device_tokens is not None),
+        "pulls_reported": sum(1 for o in ok if o.pulled_tokens is not None),
+        "reuse_ratio": (device + host + pulled) / prompt if prompt else None,
+    }
+    for name, value in (("device", device), ("host", host), ("pulled", pulled)):
+        out[f"{name}_share"] = value / prompt if prompt else None
+    out["recomputed_share"] = recomputed / prompt if prompt else None
+    return out
+
+
 def active_span(outcomes: Sequence[Outcome], wall_s: float) -> float:
     """From the first send to the last answer's end (`wall_s` if nothing was answered)."""
     sent = [o.sent_s for o in outcomes if o.sent_s is not None]
@@ -88,6 +114,8 @@ def tail(ok: Sequence[Outcome], fraction: float = 0.05) -> list[dict[str, Any]]:
             "ttft_s": o.ttft_s,
             "prompt_tokens": o.prompt_tokens,
             "cached_tokens": o.cached_tokens,
+            "host_tokens": o.host_tokens or 0,
+            "pulled_tokens": o.pulled_tokens or 0,
         }
         for o in timed[:n]
     ]

@@ -10,6 +10,7 @@ instance: no routing or capacity can do better, so this bounds every system's hi
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.multiturn.client import Outcome
@@ -28,7 +29,8 @@ def page_keys(ids: Sequence[int], page: int = PAGE) -> list[int]:
 
 
 class PrefixOracle:
-    """An infinite page cache: `hit(ids)` (page-aligned, last token computed), `add(ids)`."""
+    """An infinite page cache: `hit(ids)` (page-aligned, last token computed), `add(ids)`;
+    `tokens`, the distinct tokens it holds: the workload's working set."""
 
     def __init__(self, page: int = PAGE) -> None:
         self.page = page
@@ -45,6 +47,10 @@ class PrefixOracle:
     def add(self, ids: Sequence[int]) -> None:
         self.pages.update(page_keys(ids, self.page))
 
+    @property
+    def tokens(self) -> int:
+        return len(self.pages) * self.page
+
 
 def prompt_ids(tokenizer: Any, request: Request, outcome: Outcome) -> list[int] | None:
     """The prompt's token ids as the worker computes them."""
@@ -55,10 +61,18 @@ def prompt_ids(tokenizer: Any, request: Request, outcome: Outcome) -> list[int] 
     return list(tokenizer.encode_chat(outcome.messages))
 
 
-def oracle_hits(
-    tokenizer: Any, requests: Sequence[Request], outcomes: Sequence[Outcome]
-) -> tuple[list[int | None], list[int | None]]:
-    """Per request: (oracle cached tokens, prompt tokens), None for one never sent."""
+@dataclass
+class Replay:
+    """The oracle's figures for one run: per request its cached and prompt tokens (None for
+    one never sent), and the distinct tokens of everything cached (the working set)."""
+
+    hits: list[int | None]
+    lengths: list[int | None]
+    distinct_tokens: int
+
+
+def replay(tokenizer: Any, requests: Sequence[Request], outcomes: Sequence[Outcome]) -> Replay:
+    """The requests replayed in the order they were sent into one infinite cache."""
     oracle = PrefixOracle()
     hits: list[int | None] = [None] * len(requests)
     lengths: list[int | None] = [None] * len(requests)
@@ -74,7 +88,7 @@ def oracle_hits(
         lengths[rid] = len(ids)
         for seq in _cached_sequences(tokenizer, request, outcome, ids):
             oracle.add(seq)
-    return hits, lengths
+    return Replay(hits, lengths, oracle.tokens)
 
 
 def _cached_sequences(

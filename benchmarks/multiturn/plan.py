@@ -63,8 +63,9 @@ class Step:
     cluster: str
     workload: Any  # a builder: MultiRoundQA, TraceReplay, ...
     systems: tuple[RouterSpec, ...]
-    group: str  # main | rate_sweep | share_ratio | no_cache | pd
+    group: str  # main | rate_sweep | share_ratio | no_cache | pd | capacity
     rate: float
+    labels: dict[str, Any] = field(default_factory=dict)  # copied into each run's record
 
 
 @dataclass

@@ -21,9 +21,11 @@ from benchmarks.multiturn.cluster import (
     model_name,
     scrape,
     start_router,
+    sync_events,
 )
+from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
-from benchmarks.multiturn.oracle import oracle_hits
+from benchmarks.multiturn.oracle import replay
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
@@ -62,6 +64,7 @@ def execute(ctx: Context) -> list[dict[str, Any]]:
             advance(ctx.progress, boot)
             model = model_name(cluster.workers[0].url)
             info = cluster.server_info()[0]
+            floor = Floor.of_worker(info)
             for step in steps:
                 workload = built.get(id(step.workload))
                 if workload is None:
@@ -70,7 +73,7 @@ def execute(ctx: Context) -> list[dict[str, Any]]:
                 k = rotation % len(systems)
                 rotation += 1
                 for system in systems[k:] + systems[:k]:
-                    record = run_one(ctx, cluster, step, system, workload, model)
+                    record = run_one(ctx, cluster, step, system, workload, model, floor)
                     record["worker_capacity_tokens"] = info.get("max_total_num_tokens")
                     records.append(record)
                     advance(ctx.progress, overall)
@@ -99,6 +102,7 @@ def base_record(
         "sessions": workload.sessions,
         "available": True,
         "reason": None,
+        **step.labels,
     }
 
 
@@ -109,6 +113,7 @@ def run_one(
     system: RouterSpec,
     workload: Workload,
     model: str,
+    floor: Floor,
 ) -> dict[str, Any]:
     record = base_record(step, system, cluster, workload)
     record["requests"] = len(workload.requests)
@@ -128,9 +133,13 @@ def run_one(
         if system.router == OURS:
             raise
         return {**record, "available": False, "reason": f"failed to start: {exc}"[:500]}
-    cluster.flush()  # the start-up probe must not warm anyone's cache
+    if system.router == OURS and cluster.events_endpoint is not None:
+        record["events_synced"] = sync_events(router.url, cluster)
+    else:
+        cluster.flush()  # the start-up probe must not warm anyone's cache
     pages_before, bytes_before = cluster.kv_moved()
     counters_before = cluster.worker_counters()
+    tiers_before = cluster.tier_counters()
     workers_cpu = cluster.cpu_seconds()
     busy_before = cluster.busy_seconds()
     client_cpu = time.process_time()
@@ -145,7 +154,8 @@ def run_one(
 
     router_metrics: dict[str, float] = {}
     try:
-        result = run_async(run_workload(router.url, workload, model, on_done))
+        render = ctx.tokenizer.render_chat
+        result = run_async(run_workload(router.url, workload, model, on_done, render=render))
         client_cpu = time.process_time() - client_cpu
         workers_cpu = cluster.cpu_seconds() - workers_cpu
         router_cpu = cpu_seconds(router.server.proc.pid)
@@ -155,13 +165,20 @@ def run_one(
         router.server.stop()
     pages_after, bytes_after = cluster.kv_moved()
     counters_after = cluster.worker_counters()
+    tiers_after = cluster.tier_counters()
     busy = [b - a for a, b in zip(busy_before, cluster.busy_seconds(), strict=True)]
     ctx.progress.remove_task(task)
     ctx.progress.refresh()
-    hits, lengths = oracle_hits(ctx.encoder, workload.requests, result.outcomes)
+    oracle = replay(ctx.encoder, workload.requests, result.outcomes)
+    hits, lengths = oracle.hits, oracle.lengths
     warmups = [o for o in result.outcomes if workload.requests[o.rid].warmup]
     measured = [o for o in result.outcomes if not workload.requests[o.rid].warmup]
     record.update(summarize(measured, hits, lengths, result.wall_s))
+    record.update(floor.stats(hits, lengths, [o.rid for o in measured if o.ok]))
+    record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
+    record["oracle_distinct_tokens"] = oracle.distinct_tokens
+    record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
+    record["kv_pulled_bytes"] = record["tiers"].get("pulled_bytes", 0.0)
     if warmups:  # a failed warm-up is a failure like any other (the targets say so)
         failed = [o.error for o in warmups if not o.ok]
         record["warmup_requests"], record["warmup_errors"] = len(warmups), len(failed)

@@ -28,19 +28,19 @@ def check(value: Any, op: str, limit: float, about: str) -> dict[str, Any]:
     return {"value": value, "op": op, "limit": limit, "met": met, "about": about}
 
 
-def _ratio(a: Any, b: Any) -> float | None:
+def ratio(a: Any, b: Any) -> float | None:
     return a / b if finite(a) and finite(b) and b else None
 
 
-def _pct(x: Any) -> str:
+def pct(x: Any) -> str:
     return f"{x:.0%}" if finite(x) else "?"
 
 
-def _s(x: Any) -> str:
+def secs(x: Any) -> str:
     return f"{x:.3f} s" if finite(x) else "?"
 
 
-def _balance(run: dict[str, Any]) -> str:
+def balance(run: dict[str, Any]) -> str:
     shares = [w.get("requests", 0.0) for w in run.get("per_worker") or []]
     total = sum(shares)
     if not total:
@@ -48,7 +48,7 @@ def _balance(run: dict[str, Any]) -> str:
     return "/".join(f"{s / total:.0%}" for s in shares)
 
 
-def _reasons(run: dict[str, Any]) -> str:
+def reasons(run: dict[str, Any]) -> str:
     d = run.get("router_decisions") or {}
     parts = [
         f"{k.split(':', 1)[1]} {v:.0f}" for k, v in sorted(d.items()) if k.startswith("reason:")
@@ -65,11 +65,11 @@ def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str
     out: dict[str, Any] = {}
     if pt is None:
         return out
-    hit = _ratio(pt.get("hit_ratio"), pt.get("oracle_hit_ratio"))
+    hit = ratio(pt.get("hit_ratio"), pt.get("oracle_hit_ratio"))
     t = check(hit, ">=", HIT_FRACTION, f"{workload}: prompt_tree hit ratio / oracle hit ratio")
     t["detail"] = (
-        f"hit {_pct(pt.get('hit_ratio'))}, oracle {_pct(pt.get('oracle_hit_ratio'))}; "
-        f"requests per worker {_balance(pt)}; decisions: {_reasons(pt)}"
+        f"hit {pct(pt.get('hit_ratio'))}, oracle {pct(pt.get('oracle_hit_ratio'))}; "
+        f"requests per worker {balance(pt)}; decisions: {reasons(pt)}"
     )
     if t["met"] is False:
         t["why"] = _why_hit(pt)
@@ -85,18 +85,18 @@ def colocated_targets(runs: Sequence[dict[str, Any]], workload: str) -> dict[str
                 runs, f"sglang-router {name}", base
             )
         else:
-            t = check(_ratio(pt.get("ttft_p99_s"), peer.get("ttft_p99_s")), "<=", limit, about)
+            t = check(ratio(pt.get("ttft_p99_s"), peer.get("ttft_p99_s")), "<=", limit, about)
             t["detail"] = (
-                f"p99 {_s(pt.get('ttft_p99_s'))} vs {_s(peer.get('ttft_p99_s'))}; hit "
-                f"{_pct(pt.get('hit_ratio'))} vs {_pct(peer.get('hit_ratio'))}; mean "
-                f"{_s(pt.get('ttft_mean_s'))} vs {_s(peer.get('ttft_mean_s'))}"
+                f"p99 {secs(pt.get('ttft_p99_s'))} vs {secs(peer.get('ttft_p99_s'))}; hit "
+                f"{pct(pt.get('hit_ratio'))} vs {pct(peer.get('hit_ratio'))}; mean "
+                f"{secs(pt.get('ttft_mean_s'))} vs {secs(peer.get('ttft_mean_s'))}"
             )
             if t["met"] is False:
                 t["why"] = _why_p99(pt, peer)
         out[f"{workload}_p99_vs_{name}"] = with_errors(t, [pt, peer])
     if ours_rr is not None:
         t = check(
-            _ratio(pt.get("ttft_p99_s"), ours_rr.get("ttft_p99_s")),
+            ratio(pt.get("ttft_p99_s"), ours_rr.get("ttft_p99_s")),
             "<=",
             P99_VS_ROUND_ROBIN,
             f"{workload}: p99 TTFT, ours prompt_tree / ours round_robin (same rule, our proxy)",
@@ -118,9 +118,9 @@ def _why_hit(pt: dict[str, Any]) -> str:
     d = pt.get("router_decisions") or {}
     predicted, reported = d.get("predicted_cached_tokens"), d.get("reported_cached_tokens")
     parts = [
-        f"prompt_tree reused {_pct(pt.get('hit_ratio'))} of prompt tokens against the "
-        f"oracle's {_pct(pt.get('oracle_hit_ratio'))}",
-        f"decisions: {_reasons(pt)}",
+        f"prompt_tree reused {pct(pt.get('hit_ratio'))} of prompt tokens against the "
+        f"oracle's {pct(pt.get('oracle_hit_ratio'))}",
+        f"decisions: {reasons(pt)}",
     ]
     if finite(predicted) and finite(reported):
         parts.append(
@@ -147,19 +147,19 @@ def tail_summary(run: dict[str, Any]) -> str:
 
 def _why_p99(pt: dict[str, Any], peer: dict[str, Any]) -> str:
     parts = [
-        f"p99 TTFT {_s(pt.get('ttft_p99_s'))} vs {_s(peer.get('ttft_p99_s'))}",
+        f"p99 TTFT {secs(pt.get('ttft_p99_s'))} vs {secs(peer.get('ttft_p99_s'))}",
         f"prompt_tree's slowest 5%: {tail_summary(pt)}; {peer['system']}'s: {tail_summary(peer)}",
-        f"hit {_pct(pt.get('hit_ratio'))} vs {_pct(peer.get('hit_ratio'))} (oracle "
-        f"{_pct(pt.get('oracle_hit_ratio'))})",
-        f"prompt_tree's decisions: {_reasons(pt)}",
+        f"hit {pct(pt.get('hit_ratio'))} vs {pct(peer.get('hit_ratio'))} (oracle "
+        f"{pct(pt.get('oracle_hit_ratio'))})",
+        f"prompt_tree's decisions: {reasons(pt)}",
     ]
     sent, peer_sent = pt.get("offered_rps"), peer.get("offered_rps")
     if finite(sent) and finite(peer_sent) and peer_sent < 0.9 * sent:
         parts.append(
             f"{peer['system']} fell behind: its users, who wait for each answer, sent "
             f"{peer_sent:.2f} req/s against prompt_tree's {sent:.2f}, which caps its queue "
-            f"and so its TTFT (its mean JCT {_s(peer.get('jct_mean_s'))} vs "
-            f"{_s(pt.get('jct_mean_s'))})"
+            f"and so its TTFT (its mean JCT {secs(peer.get('jct_mean_s'))} vs "
+            f"{secs(pt.get('jct_mean_s'))})"
         )
     return "; ".join(parts)
 
@@ -172,18 +172,18 @@ def pd_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         t = check(None, ">=", PD_TTFT_CUT, about)
         t["why"] = "a 1P1D run is missing"
         return {"pd_caching3_ttft_cut": t}
-    ratio = _ratio(c3.get("ttft_mean_s"), basic.get("ttft_mean_s"))
-    t = check(None if ratio is None else 1 - ratio, ">=", PD_TTFT_CUT, about)
+    kept = ratio(c3.get("ttft_mean_s"), basic.get("ttft_mean_s"))
+    t = check(None if kept is None else 1 - kept, ">=", PD_TTFT_CUT, about)
     t["detail"] = (
-        f"mean TTFT {_s(c3.get('ttft_mean_s'))} vs {_s(basic.get('ttft_mean_s'))}; hit "
-        f"{_pct(c3.get('hit_ratio'))} vs {_pct(basic.get('hit_ratio'))}; KV moved "
+        f"mean TTFT {secs(c3.get('ttft_mean_s'))} vs {secs(basic.get('ttft_mean_s'))}; hit "
+        f"{pct(c3.get('hit_ratio'))} vs {pct(basic.get('hit_ratio'))}; KV moved "
         f"{(c3.get('kv_bytes_moved') or 0) / 2**30:.2f} vs "
         f"{(basic.get('kv_bytes_moved') or 0) / 2**30:.2f} GiB (MemServe: 58% on ShareGPT)"
     )
     if t["met"] is False:
         t["why"] = (
-            f"caching-3 reused {_pct(c3.get('hit_ratio'))} of prompt tokens; what is left of "
-            f"basic's TTFT ({_s(basic.get('ttft_mean_s'))}) is queueing and the first turns"
+            f"caching-3 reused {pct(c3.get('hit_ratio'))} of prompt tokens; what is left of "
+            f"basic's TTFT ({secs(basic.get('ttft_mean_s'))}) is queueing and the first turns"
         )
     return {"pd_caching3_ttft_cut": with_errors(t, [basic, c3])}
 
@@ -194,16 +194,16 @@ def share_ratio_target(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     involved: list[dict[str, Any]] = []
     for run in runs:
         if run.get("group") == "share_ratio" and run.get("system") == "ours prompt_tree":
-            ratio = (run.get("workload_params") or {}).get("share_ratio")
+            share = (run.get("workload_params") or {}).get("share_ratio")
             session = find(
                 runs, group="share_ratio", system="ours session", workload=run.get("workload")
             )
-            if session is not None and ratio is not None:
-                cut = _ratio(run.get("ttft_p99_s"), session.get("ttft_p99_s"))
-                rows.append((ratio, None if cut is None else 1 - cut))
-                mean = _ratio(run.get("ttft_mean_s"), session.get("ttft_mean_s"))
+            if session is not None and share is not None:
+                cut = ratio(run.get("ttft_p99_s"), session.get("ttft_p99_s"))
+                rows.append((share, None if cut is None else 1 - cut))
+                mean = ratio(run.get("ttft_mean_s"), session.get("ttft_mean_s"))
                 hit = (run.get("hit_ratio") or 0) - (session.get("hit_ratio") or 0)
-                context.append((ratio, None if mean is None else 1 - mean, hit))
+                context.append((share, None if mean is None else 1 - mean, hit))
                 involved += [run, session]
     rows.sort()
     about = (

@@ -22,6 +22,8 @@ from benchmarks.multiturn.text import Vocab
 
 CHAT = "chat"
 COMPLETION = "completion"
+OPENAI = "openai"  # /v1/chat/completions, /v1/completions
+SGLANG = "sglang"  # /generate: text (a chat rendered with the chat template), meta_info
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Workload:
     title: str
     requests: list[Request]
     params: dict[str, Any] = field(default_factory=dict)
+    api: str = OPENAI  # how the client sends it: OPENAI or SGLANG
 
     @property
     def sessions(self) -> int:

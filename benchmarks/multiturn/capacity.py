@@ -1,0 +1,330 @@
+"""The capacity-bound preset: caches smaller than the working set, with and without a host tier.
+
+For each workload (production-stack's multi-round QA, the Mooncake conversation trace) and
+each seed, the workload is built and its working set estimated (`working_set`); the median
+over the seeds sizes the workers' device KV so that the working set is 2x, 4x and 8x the
+cluster's. Each (workload, multiple, host tier) is one cluster of 4 colocated sim workers,
+started once; on it every system runs every seed's workload, caches flushed in between, in
+an order rotated per step. Workers pull prefixes from each other (`--enable-mempool-pull`)
+and publish KV events to our router; the peers route as they always do. The same seed gives
+every system the same workload, so ratios between systems are paired per seed.
+
+Parts the worker or router do not offer yet (detected from their `--help`) are left out and
+the results say so.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import REPO_ROOT
+from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.plan import Plan, Step, rate_of
+from benchmarks.multiturn.text import Vocab
+from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
+from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
+from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA, Workload
+from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+
+CAPACITY = "capacity"
+CAPACITY_QUICK = "capacity-quick"
+INSTANCES = 4
+HOST_RATIO = 4.0  # the host tier, in device KVs (`--hicache-ratio`)
+
+PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
+COST = RouterSpec(OURS, "cost")
+NO_PULL = RouterSpec(OURS, "prompt_tree", pull=False)
+CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
+ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
+SMG_CACHE_AWARE = RouterSpec(SMG, "cache_aware")
+SYSTEMS = (PROMPT_TREE, COST, NO_PULL, CACHE_AWARE, ROUND_ROBIN, SMG_CACHE_AWARE)
+OURS_WITH_PULLS = (PROMPT_TREE, COST)  # the systems the targets are about
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """A workload built (and measured) while planning, handed to the runner as a builder."""
+
+    workload: Workload
+    rate: float
+
+    def build(self, vocab: Vocab) -> Workload:
+        return self.workload
+
+
+@dataclass(frozen=True)
+class CapacityPreset:
+    name: str
+    # workload name -> (seed -> builder); every builder has `rate` or `qps`
+    workloads: dict[str, Callable[[int], Any]]
+    time_scales: dict[str, float]  # per workload: the sim's --time-scale
+    multiples: tuple[float, ...]
+    host_ratios: tuple[float, ...]  # 0: no host tier
+    seeds: tuple[int, ...]
+    systems: tuple[RouterSpec, ...]
+
+
+def full_preset(trace: Path = DEFAULT_TRACE) -> CapacityPreset:
+    return CapacityPreset(
+        CAPACITY,
+        {
+            "multi_round_qa": lambda seed: MultiRoundQA(
+                users=24,
+                rounds=4,
+                history_tokens=6000,
+                answer_tokens=64,
+                qps=6.0,
+                requests=150,
+                seed=seed,
+            ),
+            "trace": lambda seed: TraceReplay(
+                trace,
+                sessions=200,
+                rate=6.0,
+                max_input_tokens=8192,
+                max_output_tokens=64,
+                seed=seed,
+            ),
+        },
+        {"multi_round_qa": 1.0, "trace": 1.0},
+        (2.0, 4.0, 8.0),
+        (0.0, HOST_RATIO),
+        (1, 2, 3),
+        SYSTEMS,
+    )
+
+
+def quick_preset(trace: Path = DEFAULT_TRACE) -> CapacityPreset:
+    return CapacityPreset(
+        CAPACITY_QUICK,
+        {
+            "multi_round_qa": lambda seed: MultiRoundQA(
+                users=12,
+                rounds=3,
+                history_tokens=3000,
+                answer_tokens=32,
+                qps=5.0,
+                requests=48,
+                seed=seed,
+            ),
+        },
+        {"multi_round_qa": 1.0},
+        (4.0,),
+        (HOST_RATIO,),
+        (1,),
+        (PROMPT_TREE, NO_PULL, CACHE_AWARE),
+    )
+
+
+# --------------------------------------------------------------------------- what can run
+
+
+def _flags(module: str) -> frozenset[str]:
+    """The long options `python -m module --help` lists (empty if it cannot start)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(re.findall(r"--[a-z][a-z0-9-]*", done.stdout))
+
+
+@cache
+def worker_flags() -> frozenset[str]:
+    return _flags("connector.worker")
+
+
+@cache
+def router_flags() -> frozenset[str]:
+    return _flags("router")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the worker and router in this tree offer of the preset's needs."""
+
+    host_tier: bool  # worker: --enable-hierarchical-cache, --hicache-ratio
+    pulls: bool  # worker: --enable-mempool-pull
+    no_pull_router: bool  # router: --disable-mempool-pull
+    kv_events: bool  # worker: --kv-events-config; router: --kv-events-bind
+
+    @classmethod
+    def detect(cls) -> Features:
+        worker, router = worker_flags(), router_flags()
+        return cls(
+            {"--enable-hierarchical-cache", "--hicache-ratio"} <= worker,
+            "--enable-mempool-pull" in worker,
+            "--disable-mempool-pull" in router,
+            "--kv-events-config" in worker and "--kv-events-bind" in router,
+        )
+
+    def missing(self) -> list[str]:
+        """What the run leaves out, said for the results."""
+        out = []
+        if not self.host_tier:
+            out.append(
+                "host tier: the worker has no --enable-hierarchical-cache/--hicache-ratio, "
+                "so only the configurations without a host tier ran"
+            )
+        if not self.pulls:
+            out.append(
+                "pulls: the worker has no --enable-mempool-pull, so no worker pulled a "
+                "prefix (pulled tokens are 0)"
+            )
+        if not self.no_pull_router:
+            out.append("ours without pulls: the router has no --disable-mempool-pull")
+        if not self.kv_events:
+            out.append("KV events: the worker or router lacks the flags; our trees learn alone")
+        return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Sized:
+    """One workload's seeds, built and estimated, and the working set that sizes it."""
+
+    name: str
+    time_scale: float
+    per_seed: dict[int, Prebuilt]
+    estimates: dict[int, int]  # seed -> estimated working set, tokens
+    largest: int  # the largest request's prompt + answer over the seeds
+
+    @property
+    def working_set(self) -> int:
+        """The seeds' median: what sizes the clusters."""
+        return int(statistics.median(self.estimates.values()))
+
+
+def size_workload(
+    name: str, preset: CapacityPreset, vocab: Vocab, encoder: Any, on_seed: Callable[[], None]
+) -> Sized:
+    per_seed: dict[int, Prebuilt] = {}
+    estimates: dict[int, int] = {}
+    largest = 0
+    for seed in preset.seeds:
+        builder = preset.workloads[name](seed)
+        workload = builder.build(vocab)
+        planned = estimate(workload, vocab, encoder)
+        workload.params = {**workload.params, "seed": seed}
+        workload.api = SGLANG  # /generate: the answers' meta_info splits the cached tokens
+        per_seed[seed] = Prebuilt(workload, rate_of(builder))
+        estimates[seed] = planned.distinct_tokens
+        largest = max(largest, largest_request(workload, planned))
+        on_seed()
+    return Sized(name, preset.time_scales[name], per_seed, estimates, largest)
+
+
+@dataclass
+class CapacityPlan:
+    """The preset made concrete: the plan the runner executes, and how it was sized."""
+
+    plan: Plan
+    features: Features
+    sized: dict[str, Sized]
+    sizings: dict[tuple[str, float], Sizing] = field(default_factory=dict)
+
+    def setup(self) -> dict[str, Any]:
+        """For results.json: per workload its estimates and per multiple the KV sizes."""
+        return {
+            name: {
+                "time_scale": s.time_scale,
+                "working_set_estimates": {str(k): v for k, v in s.estimates.items()},
+                "working_set_sizing": s.working_set,
+                "largest_request_tokens": s.largest,
+                "instance_kv_tokens": {
+                    f"{m:g}": self.sizings[(name, m)].instance_tokens
+                    for (n, m) in self.sizings
+                    if n == name
+                },
+            }
+            for name, s in self.sized.items()
+        }
+
+
+def cluster_name(workload: str, multiple: float, host_ratio: float) -> str:
+    host = f", host tier {host_ratio:g}x" if host_ratio else ", no host tier"
+    return f"{workload} {multiple:g}x{host}"
+
+
+def make_capacity_plan(
+    preset: CapacityPreset,
+    vocab: Vocab,
+    encoder: Any,
+    features: Features,
+    workloads: set[str] | None = None,
+    systems: set[str] | None = None,
+    on_seed: Callable[[], None] = lambda: None,
+) -> CapacityPlan:
+    """Build and size every workload, then one cluster per (workload, multiple, host tier)
+    and one step per seed on it. ValueError when a size cannot work (a request larger than
+    an instance's KV)."""
+    names = [n for n in preset.workloads if workloads is None or n in workloads]
+    specs = tuple(s for s in preset.systems if systems is None or s.name in systems)
+    if not features.no_pull_router:
+        specs = tuple(s for s in specs if s.pull)
+    # without a host tier in the worker, its configurations run without one (once)
+    ratios = tuple(dict.fromkeys(r if features.host_tier else 0.0 for r in preset.host_ratios))
+    if not names or not specs or not ratios:
+        raise ValueError("nothing to run: no workload, system or host tier configuration left")
+    sized = {n: size_workload(n, preset, vocab, encoder, on_seed) for n in names}
+    clusters: dict[str, ClusterSpec] = {}
+    steps: list[Step] = []
+    sizings: dict[tuple[str, float], Sizing] = {}
+    for name in names:
+        s = sized[name]
+        for multiple in preset.multiples:
+            sizing = Sizing(s.working_set, multiple, INSTANCES)
+            sizing.check_fits(s.largest)
+            sizings[(name, multiple)] = sizing
+            for ratio in ratios:
+                key = cluster_name(name, multiple, ratio)
+                clusters[key] = ClusterSpec(
+                    f"cap-{name[:5]}-{multiple:g}x-h{ratio:g}",
+                    colocated=INSTANCES,
+                    label=key,
+                    time_scale=s.time_scale,
+                    max_total_tokens=sizing.instance_tokens,
+                    hicache_ratio=ratio,
+                    mempool_pull=features.pulls,
+                    kv_events=features.kv_events,
+                )
+                for seed, prebuilt in s.per_seed.items():
+                    labels = {
+                        "seed": seed,
+                        "multiple": multiple,
+                        "hicache_ratio": ratio,
+                        "working_set_estimate": s.estimates[seed],
+                        "working_set_sizing": s.working_set,
+                        "instance_kv_tokens": sizing.instance_tokens,
+                        "cluster_kv_tokens": sizing.cluster_tokens,
+                        "host_kv_tokens": int(sizing.instance_tokens * ratio) * INSTANCES,
+                    }
+                    steps.append(Step(key, prebuilt, specs, CAPACITY, prebuilt.rate, labels=labels))
+    plan = Plan(preset.name, clusters, steps, None, features.missing())
+    return CapacityPlan(plan, features, sized, sizings)
+
+
+def narrowed(
+    preset: CapacityPreset, seeds: Sequence[int] | None, multiples: Sequence[float] | None
+) -> CapacityPreset:
+    """The preset with other seeds or multiples, when given."""
+    if seeds:
+        preset = replace(preset, seeds=tuple(dict.fromkeys(seeds)))
+    if multiples:
+        preset = replace(preset, multiples=tuple(dict.fromkeys(multiples)))
+    return preset
