@@ -30,7 +30,7 @@ from connector.worker.hooks import Engine, RequestHooks
 from connector.worker.kv_cache import KVCache
 from connector.worker.pd import WireModel, free_arrival, start_agent
 from connector.worker.protocol import BadRequest
-from connector.worker.sequence import Sequence
+from connector.worker.sequence import DONE, Sequence
 from mempool.transfer.agent import PullResult, TransferAgent
 from mempool.transfer.base import PeerInfo
 from mempool.transfer.membership import ClusterManager
@@ -160,7 +160,6 @@ class PullCost:
 class Plan(NamedTuple):
     holder: Holder
     limit: int  # prompt tokens offered to the holder: whole pages, the last token left out
-    pages: int  # pages expected to move
 
 
 class PullHooks(RequestHooks):
@@ -249,7 +248,7 @@ class PullHooks(RequestHooks):
         if not self.cost.pays(pages, page, have):
             self.stats.refused_slower += 1
             return None
-        return Plan(holder, limit, pages)
+        return Plan(holder, limit)
 
     async def _pull(self, seq: Sequence, plan: Plan, engine: Engine) -> None:
         """Pull, then hand the request back to the scheduler, whatever happened."""
@@ -275,7 +274,9 @@ class PullHooks(RequestHooks):
                 result = await agent.pull(
                     holder.instance_id, seq.prompt_ids[: plan.limit], before_read=on_the_wire
                 )
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the worker is stopping: the client hears it now
+            seq.finish_reason = {"type": "abort", "message": "the worker is shutting down"}
+            seq.events.put_nowait(DONE)
             raise
         except Exception as exc:
             self._failed(seq, holder, exc)
