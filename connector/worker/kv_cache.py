@@ -201,9 +201,9 @@ class KVCache:
         freed = self.pool.evict(count, tier)
         self.evicted_blocks += len(freed)
         gone: dict[MemType, list[int]] = {}
-        for addr in freed[:: self.bpp] if self.bpp > 1 else freed:
+        for addr in freed[:: self.bpp]:  # a page's first block names it
             page_hash = self._hash_of_block.pop(addr, None)
-            mem = MemType(mem_type_of(addr))
+            mem = MemType(mem_type_of(addr)) if self.tiered else self.request_tier
             if mem is MemType.HOST:
                 self.tiers.dropped_host_pages += 1
             else:
