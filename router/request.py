@@ -43,6 +43,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+ROUTER_FIELDS = ("memserve",)  # what the router tells workers; never taken from a client
+
+
+def without_router_fields(body: dict[str, Any], raw: bytes) -> bytes:
+    """The body as a worker may get it from a client: a client's own `memserve` hint (which
+    holders to pull a prefix from) is dropped, or it could aim a worker's MemPool
+    connections at any address."""
+    if not any(f in body for f in ROUTER_FIELDS):
+        return raw
+    for f in ROUTER_FIELDS:
+        body.pop(f, None)
+    return msgspec.json.encode(body)
+
+
 def check_model(body: Mapping[str, Any], served: set[str]) -> None:
     """404 for a model no worker serves ('default' and no model at all always pass)."""
     model = body.get("model")

@@ -37,6 +37,7 @@ from router.request import (
     parse_json_object,
     route_request,
     session_key,
+    without_router_fields,
 )
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
@@ -238,6 +239,7 @@ class Router:
             async with self.admission.slot():
                 raw = await request.read()
                 body = parse_json_object(raw)
+                raw = without_router_fields(body, raw)
                 check_model(body, self.model_ids)
                 encoder = self.encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from array import array
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from router.request import (
     parse_json_object,
     route_request,
     session_key,
+    without_router_fields,
 )
 
 
@@ -137,3 +139,13 @@ def test_a_chat_is_known_in_part_then_completed_exactly(encoder: CachedEncoder) 
     assert list(tokens) == encoder.encode_chat(prompt.chat)
     again = route_request(CHAT, {"messages": messages}, encoder)
     assert again.rest is None and list(again.tokens or []) == list(tokens)  # all known now
+
+
+def test_a_clients_own_pull_hint_never_reaches_a_worker() -> None:
+    body = {"text": "hi", "memserve": {"prefix_holders": [{"host": "10.0.0.1", "port": 22}]}}
+    raw = json.dumps(body).encode()
+    cleaned = without_router_fields(body, raw)
+    assert json.loads(cleaned) == {"text": "hi"} and "memserve" not in body
+    plain = {"text": "hi"}
+    raw = json.dumps(plain).encode()
+    assert without_router_fields(plain, raw) is raw  # untouched bodies are not re-encoded
