@@ -13,6 +13,10 @@ trace in its format, `--trace FILE`), production-stack's multi-round QA, ShareGP
 LooGLE-like document QA (with MemServe's share ratio), ReAct-like agent loops. Poisson
 arrivals; sessions are causal (a turn goes after the previous answer and carries it).
 
+`--capacity` (module `capacity`) is the capacity-bound preset: the workers' device KV
+sized so the working set is 2x, 4x and 8x the cluster's, with and without a host tier, every
+system on the same workers over paired seeds, against the oracle and the TTFT floor.
+
 Writes DIR/results.json (one object per run, the targets, the sim's parameters),
 DIR/results.md and PNG plots. Targets are reported, never asserted.
 """

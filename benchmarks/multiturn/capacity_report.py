@@ -16,14 +16,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table, write_results
+from benchmarks.harness import finite, markdown_table
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
-from benchmarks.multiturn.results import sim_model
+from benchmarks.multiturn.results import publish, sim_model, target_rows
 from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
 from benchmarks.peers import PeerStatus
 
-NAME = "results"
 TARGET_MULTIPLE = 4.0
 HIT_VS_ORACLE = 0.9  # ours >= this x the oracle's hit ratio
 HIT_VS_CACHE_AWARE = 2.0  # ours >= this x cache_aware's
@@ -298,24 +297,6 @@ def spread_text(figure: dict[str, Any] | None) -> str | None:
     return f"{figure['median']:.2f} [{figure['min']:.2f}..{figure['max']:.2f}]"
 
 
-def target_rows(targets: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for name, t in targets.items():
-        lo, hi = t.get("spread") or [None, None]
-        rows.append(
-            {
-                "target": name,
-                "median": _r(t.get("value")),
-                "seeds min..max": f"{lo:.2f}..{hi:.2f}" if finite(lo) and finite(hi) else None,
-                "limit": f"{t['op']} {t['limit']:g}",
-                "met": t.get("met"),
-                "figures": t.get("detail", ""),
-                "why missed": t.get("why", "") if t.get("met") is not True else "",
-            }
-        )
-    return rows
-
-
 def ratio_rows(summary: Sequence[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
     rows = []
     for e in summary:
@@ -521,21 +502,16 @@ def write_capacity(
         "peers": {name: s.__dict__ for name, s in peers.items()},
         "plots": plots,
     }
-    body = [
-        f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs).",
-        "",
-        *sections(runs, summary, targets),
-        *[f"![{p}]({p})" for p in plots],
-        "",
-    ]
-    write_results(
+    publish(
         out_dir,
-        NAME,
         figures,
-        None,
         "Multi-turn capacity-bound benchmark: caches smaller than the working set",
+        [
+            f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs).",
+            "",
+            *sections(runs, summary, targets),
+        ],
         notes(preset, runs, setup, missing, peers),
         machine,
-        body,
     )
     return figures

@@ -151,6 +151,9 @@ class Stream:
         outcome.cached_tokens = int(details.get("cached_tokens") or 0)
         outcome.completion_tokens = int(counts.get("completion_tokens") or 0)
         read_split(outcome, [details, counts])
+        finish = (self.meta or {}).get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":  # SGLang's abort
+            return f"aborted by the engine: {str(finish.get('message'))[:200]}"
         return None
 
 

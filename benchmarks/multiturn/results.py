@@ -66,17 +66,15 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
 def target_rows(targets: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, t in targets.items():
-        value = t.get("value")
-        rows.append(
-            {
-                "target": name,
-                "value": _r(value, 3),
-                "limit": f"{t['op']} {t['limit']:g}",
-                "met": t.get("met"),
-                "figures": t.get("detail", ""),
-                "why missed": t.get("why", "") if t.get("met") is not True else "",
-            }
-        )
+        row = {"target": name, "value": _r(t.get("value"), 3)}
+        if "spread" in t:  # a median over seeds: their min..max too
+            lo, hi = t["spread"]
+            row["seeds min..max"] = f"{lo:.2f}..{hi:.2f}" if finite(lo) and finite(hi) else None
+        row["limit"] = f"{t['op']} {t['limit']:g}"
+        row["met"] = t.get("met")
+        row["figures"] = t.get("detail", "")
+        row["why missed"] = t.get("why", "") if t.get("met") is not True else ""
+        rows.append(row)
     return rows
 
 
@@ -204,6 +202,20 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
     return out
 
 
+def publish(
+    out_dir: Path,
+    figures: dict[str, Any],
+    title: str,
+    body: list[str],
+    notes: list[str],
+    machine: dict[str, Any] | None,
+) -> None:
+    """results.json and results.md: `body` (Markdown lines), then the plots named in
+    `figures["plots"]`, the notes and the machine (no headline table: the body holds it)."""
+    plots = [f"![{p}]({p})" for p in figures.get("plots") or ()]
+    write_results(out_dir, NAME, figures, None, title, notes, machine, [*body, *plots, ""])
+
+
 def write_all(
     out_dir: Path,
     plan: Plan,
@@ -229,21 +241,12 @@ def write_all(
         "peers": {name: s.__dict__ for name, s in peers.items()},
         "plots": plots,
     }
-    body = [
-        f"`{command}` ({elapsed_s / 60:.1f} min).",
-        "",
-        *sections(runs, targets),
-        *[f"![{p}]({p})" for p in plots],
-        "",
-    ]
-    write_results(
+    publish(
         out_dir,
-        NAME,
         figures,
-        None,  # no headline table: the sections hold every run
         "Multi-turn cache benchmarks: policies, peers and PD caching modes",
+        [f"`{command}` ({elapsed_s / 60:.1f} min).", "", *sections(runs, targets)],
         notes(plan, runs, peers),
         machine,
-        body,
     )
     return figures

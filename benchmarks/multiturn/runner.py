@@ -97,6 +97,7 @@ def base_record(
         "time_scale": cluster.spec.time_scale,
         "workload": workload.name,
         "workload_title": workload.title,
+        "api": workload.api,
         "group": step.group,
         "rate": step.rate,
         "sessions": workload.sessions,

@@ -226,18 +226,354 @@ def test_report_only_rewrites_the_report_from_the_same_runs(
     out_dir: Path, results: dict[str, Any], tmp_path: Path
 ) -> None:
     """--report-only makes the report again from results.json: same runs, same machine."""
-    copy = tmp_path / "again"
-    copy.mkdir()
-    (copy / "results.json").write_text((out_dir / "results.json").read_text())
-    done = benchmark("multiturn", copy, "--report-only", timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    again = json.loads((copy / "results.json").read_text())
+    copy, again = report_again(out_dir, tmp_path)
     assert again["runs"] == results["runs"] and again["machine"] == results["machine"]
     assert again["targets"].keys() == results["targets"].keys()
     assert "## Targets" in (copy / "results.md").read_text()
     assert all((copy / name).read_bytes().startswith(PNG_MAGIC) for name in again["plots"])
 
 
+def report_again(out_dir: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """`--report-only` on a copy of `out_dir`'s results.json: the copy's directory and JSON."""
+    copy = tmp_path / "again"
+    copy.mkdir()
+    (copy / "results.json").write_text((out_dir / "results.json").read_text())
+    done = benchmark("multiturn", copy, "--report-only", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads((copy / "results.json").read_text())
+    assert isinstance(again, dict)
+    return copy, again
+
+
 def test_report_only_without_results_is_a_clear_error(tmp_path: Path) -> None:
     done = benchmark("multiturn", tmp_path, "--report-only", timeout=60)
     assert done.returncode == 2 and "cannot read the runs from" in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------- --capacity
+
+
+@pytest.fixture(scope="module")
+def cap_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The capacity preset's quick variant, run once for every check below."""
+    out = tmp_path_factory.mktemp("multiturn_capacity")
+    done = benchmark("multiturn", out, "--capacity", "--quick", timeout=300)
+    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-5000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def capacity(cap_dir: Path) -> dict[str, Any]:
+    figures = json.loads((cap_dir / "results.json").read_text())
+    assert isinstance(figures, dict)
+    return figures
+
+
+def left_out(capacity: dict[str, Any], part: str) -> str | None:
+    """Why the run left `part` out (the worker or router lacks it), or None."""
+    return next((m for m in capacity["missing"] if m.startswith(part)), None)
+
+
+def test_capacity_answers_split_every_prompt_token(capacity: dict[str, Any]) -> None:
+    """Every answer says where its prompt tokens came from; device + host + pulled +
+    recomputed = prompt tokens; ours without pulls pulls nothing; with a host tier and a
+    device KV a quarter of the working set, the host tier serves hits."""
+    runs = available(capacity)
+    assert {r["system"] for r in runs} == {
+        "ours prompt_tree",
+        "ours prompt_tree (no pull)",
+        "sglang-router cache_aware",
+    }
+    for run in runs:
+        where = f"{run['system']} seed {run['seed']}"
+        assert run["errors"] == 0 and not run.get("warmup_errors"), run["error_samples"]
+        parts = ("device_tokens", "host_tokens", "pulled_tokens", "recomputed_tokens")
+        assert sum(run[k] for k in parts) == run["prompt_tokens"], where
+        assert all(run[k] >= 0 for k in parts), where
+        assert run["split_reported"] == run["completed"], f"{where}: meta_info without the split"
+        assert run["pulls_reported"] == run["completed"], where
+        assert run["reuse_ratio"] <= run["oracle_hit_ratio"] + 1e-9, where
+        assert run["cached_tokens"] == run["device_tokens"] + run["host_tokens"], where
+    no_pull = next(r for r in runs if r["system"] == "ours prompt_tree (no pull)")
+    assert no_pull["pulled_tokens"] == 0 and no_pull["kv_pulled_bytes"] == 0
+    if (why := left_out(capacity, "host tier")) is not None:
+        pytest.skip(why)
+    assert all(r["hicache_ratio"] == 4 for r in runs)
+    assert sum(r["host_tokens"] for r in runs) > 0, "a host tier that never served a hit"
+    assert all(r["tiers"]["host_swapped_out_tokens"] > 0 for r in runs)
+
+
+def test_capacity_floor_bounds_every_run(capacity: dict[str, Any]) -> None:
+    """Each request's TTFT is at least its floor, so every statistic is too."""
+    for run in available(capacity):
+        assert run["floor_model"]["chunked_prefill_size"] == 8192  # the sim's default
+        for stat in ("mean", "p50", "p99"):
+            floor = run[f"floor_ttft_{stat}_s"]
+            assert finite(floor) and floor > 0, run["system"]
+            assert run[f"ttft_{stat}_s"] >= floor, f"{run['system']}: {stat} below the floor"
+
+
+def test_capacity_working_set_is_the_asked_multiple(capacity: dict[str, Any]) -> None:
+    """The estimate before the run is the oracle's measure after it (the answers' words
+    differ, their lengths do not), and the device KV makes it the asked multiple."""
+    for run in available(capacity):
+        assert run["multiple"] == 4
+        measured = run["oracle_distinct_tokens"]
+        assert abs(measured - run["working_set_estimate"]) <= 0.02 * measured
+        assert run["worker_capacity_tokens"] == run["instance_kv_tokens"]
+        assert run["cluster_kv_tokens"] == 4 * run["instance_kv_tokens"]
+        assert 4 <= run["working_set_sizing"] / run["cluster_kv_tokens"] < 4.05
+        assert 3.9 < measured / run["cluster_kv_tokens"] < 4.1
+
+
+def test_capacity_seeds_are_paired(capacity: dict[str, Any]) -> None:
+    """One workload per seed for every system; ratios per seed, then median and spread."""
+    runs = available(capacity)
+    by_seed: dict[int, set[str]] = {}
+    for run in runs:
+        by_seed.setdefault(run["seed"], set()).add(run["system"])
+        assert run["api"] == "sglang"  # /generate: meta_info carries the split
+    assert list(by_seed) == [1] and len(by_seed[1]) == 3
+    prompts = {r["prompt_tokens"] for r in runs}  # the same requests for every system
+    assert len(prompts) == 1, prompts
+    for entry in capacity["summary"]:
+        assert entry["seeds"] == [1]
+        for name in ("hit_vs_oracle", "hit_vs_cache_aware", "p99_vs_cache_aware", "p99_vs_floor"):
+            figure = entry[name]
+            assert set(figure["per_seed"]) == {"1"}, (entry["system"], name)
+            value = figure["per_seed"]["1"]
+            assert figure["median"] == figure["min"] == figure["max"] == value
+    ca = next(e for e in capacity["summary"] if e["system"] == "sglang-router cache_aware")
+    assert ca["p99_vs_cache_aware"]["median"] == 1.0
+
+
+def test_capacity_targets_and_report(cap_dir: Path, capacity: dict[str, Any]) -> None:
+    targets = capacity["targets"]
+    names = {f"multi_round_qa_4x_{'host' if not left_out(capacity, 'host tier') else 'nohost'}"}
+    want = {
+        f"{prefix}_prompt_tree_{name}"
+        for prefix in names
+        for name in ("hit_vs_oracle", "hit_vs_cache_aware", "p99_vs_cache_aware", "p99_vs_floor")
+    }
+    assert want <= set(targets), sorted(targets)
+    for name, t in targets.items():
+        assert {"value", "limit", "met", "spread", "per_seed", "detail"} <= set(t), name
+        if t["met"] is not True:
+            assert t.get("why"), f"{name} missed without a reason"
+    md = (cap_dir / "results.md").read_text()
+    for heading in ("## Targets at 4x", "## Paired ratios", "## Per configuration", "## Notes"):
+        assert heading in md, heading
+    assert "floor p99" in md and "recomputed" in md
+    for name in ("capacity_hit_ratio.png", "capacity_p99_ttft.png"):
+        assert (cap_dir / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert name in capacity["plots"]
+
+
+def test_capacity_report_only(cap_dir: Path, capacity: dict[str, Any], tmp_path: Path) -> None:
+    copy, again = report_again(cap_dir, tmp_path)
+    assert "## Paired ratios" in (copy / "results.md").read_text()
+    assert again["runs"] == capacity["runs"] and again["summary"] == capacity["summary"]
+    assert again["targets"] == capacity["targets"] and again["setup"] == capacity["setup"]
+
+
+def test_floor_by_hand_and_on_a_real_worker(tmp_path: Path, model_dir: Path) -> None:
+    """The floor of one request worked out by hand from the latency model's figures, and
+    equal to the modelled GPU time a real sim worker spends on that request alone."""
+    from benchmarks.multiturn.floor import Floor, floor_ttft_s
+    from connector.worker.latency_model import LatencyModel
+    from tests.procs import running
+
+    model = LatencyModel()
+    # 23,000 tokens, the first 3,000 cached, chunks of 8,192: 8,192 at context 3,000, 8,192
+    # at 11,192, 3,616 at 19,384; each step 1.5 ms + 40 us a token + 1.3 ps a (new, context)
+    # token pair, context counted as before the chunk plus half the chunk.
+    by_hand = sum(
+        0.0015 + n * 40e-6 + n * (c + n / 2) * 1.3e-12
+        for n, c in ((8192, 3000), (8192, 11192), (3616, 19384))
+    )
+    assert floor_ttft_s(model, 23000, 3000, 8192, 1.0) == pytest.approx(by_hand, rel=1e-12)
+    assert floor_ttft_s(model, 23000, 3000, 8192, 2.5) == pytest.approx(2.5 * by_hand)
+    assert floor_ttft_s(model, 23000, 3000, 0, 1.0) == pytest.approx(
+        0.0015 + 20000 * 40e-6 + 20000 * (3000 + 10000) * 1.3e-12
+    )
+    assert Floor.of_worker({"chunked_prefill_size": 8200, "page_size": 16}).chunk == 8192
+
+    args = ["--backend", "sim", "--time-scale", "0", "--model-path", str(model_dir)]
+    args += ["--chunked-prefill-size", "8192", "--log-level", "warning"]
+    with running("connector.worker", args, tmp_path) as worker:
+
+        def busy_for(ids: list[int]) -> tuple[float, dict[str, Any]]:
+            before = info(worker.url)["backend"]["simulated_busy_s"]
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+            answer = post_json(worker.url + "/generate", body)
+            return float(info(worker.url)["backend"]["simulated_busy_s"] - before), answer
+
+        floor = Floor.of_worker(info(worker.url))
+        assert (floor.chunk, floor.time_scale) == (8192, 0.0)
+        ids = [1000 + (i * 7919) % 20000 for i in range(23000)]
+        spent, answer = busy_for(ids[:3008])  # cold: 3,008 computed, 3,008 cached after
+        assert answer["meta_info"]["cached_tokens"] == 0
+        assert spent == pytest.approx(floor_ttft_s(model, 3008, 0, 8192, 1.0), rel=1e-6)
+        spent, answer = busy_for(ids)  # alone, its first 3,008 tokens cached
+        assert answer["meta_info"]["cached_tokens"] == 3008
+        assert spent == pytest.approx(floor_ttft_s(model, 23000, 3008, 8192, 1.0), rel=1e-6)
+
+
+def info(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/get_server_info", timeout=10) as resp:
+        figures = json.load(resp)
+    assert isinstance(figures, dict)
+    return figures
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        answer = json.load(resp)
+    assert isinstance(answer, dict)
+    return answer
+
+
+def test_sizing_gives_the_asked_multiple(model_dir: Path) -> None:
+    """The estimated working set of a real workload, and device KV per instance in whole
+    pages that makes it 2x, 4x and 8x the cluster's; a size no request fits is refused."""
+    from benchmarks.multiturn.text import Vocab
+    from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
+    from benchmarks.multiturn.workloads import MultiRoundQA
+    from connector.token_cache import CachedEncoder
+    from connector.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(model_dir)
+    vocab = Vocab.from_tokenizer(tokenizer)
+    qa = MultiRoundQA(users=4, rounds=3, history_tokens=1500, answer_tokens=20, requests=16)
+    workload = qa.build(vocab)
+    planned = estimate(workload, vocab, CachedEncoder(tokenizer))
+    sessions = {r.session for r in workload.requests}
+    # each session's history once, the shared system prompt once: a lower bound
+    assert planned.distinct_tokens >= len(sessions) * 1500 + 1000
+    assert planned.distinct_tokens % 16 == 0
+    for multiple in (2, 4, 8):
+        sizing = Sizing(planned.distinct_tokens, multiple, 4)
+        exact = planned.distinct_tokens / (4 * multiple)  # tokens per instance
+        assert sizing.instance_tokens % 16 == 0
+        assert sizing.instance_tokens <= exact < sizing.instance_tokens + 16  # a page below
+        assert sizing.multiple_of(planned.distinct_tokens) >= multiple
+    largest = largest_request(workload, planned)
+    assert largest == max(n for n in planned.lengths if n) + 20
+    Sizing(planned.distinct_tokens, 1, 4).check_fits(largest)  # 3,520 a worker: it fits
+    with pytest.raises(ValueError, match="less than the largest request needs"):
+        Sizing(planned.distinct_tokens, 2, 4).check_fits(largest)
+
+
+def test_paired_ratios_and_targets_from_runs() -> None:
+    """Ratios are taken within a seed and summarized as median and min..max; a seed whose
+    cache_aware run is missing drops out of the ratios against it only; a target's figure
+    from runs with failed requests is not a measurement."""
+    from benchmarks.multiturn.capacity_report import capacity_targets, summarize
+
+    def run(system: str, seed: int, p99: float, reuse: float, errors: int = 0) -> dict[str, Any]:
+        return {
+            "system": system,
+            "available": True,
+            "workload": "multi_round_qa",
+            "multiple": 4.0,
+            "hicache_ratio": 4.0,
+            "seed": seed,
+            "ttft_p99_s": p99,
+            "floor_ttft_p99_s": 0.5,
+            "reuse_ratio": reuse,
+            "oracle_hit_ratio": 0.8,
+            "errors": errors,
+            "requests": 100,
+            "cluster": "c",
+        }
+
+    ours, ca = "ours prompt_tree", "sglang-router cache_aware"
+    runs = [
+        run(ours, 1, 1.0, 0.76),
+        run(ours, 2, 0.6, 0.74),
+        run(ours, 3, 0.9, 0.64),
+        run(ca, 1, 2.0, 0.4),
+        run(ca, 2, 3.0, 0.3),
+    ]
+    summary = summarize(runs)
+    mine = next(e for e in summary if e["system"] == ours)
+    assert mine["p99_vs_cache_aware"]["per_seed"] == pytest.approx({1: 0.5, 2: 0.2})  # no 3
+    assert mine["p99_vs_cache_aware"]["median"] == pytest.approx(0.35)
+    assert mine["p99_vs_floor"]["per_seed"] == pytest.approx({1: 2.0, 2: 1.2, 3: 1.8})
+    floor = mine["p99_vs_floor"]
+    assert (floor["median"], floor["min"], floor["max"]) == pytest.approx((1.8, 1.2, 2.0))
+    assert mine["hit_vs_oracle"]["median"] == pytest.approx(0.925)
+    assert mine["hit_vs_cache_aware"]["per_seed"] == pytest.approx({1: 1.9, 2: 0.74 / 0.3})
+    targets = capacity_targets(runs, summary)
+    prefix = "multi_round_qa_4x_host_prompt_tree_"
+    assert targets[prefix + "p99_vs_cache_aware"]["met"] is True
+    assert targets[prefix + "p99_vs_floor"]["met"] is False
+    assert "floor" in targets[prefix + "p99_vs_floor"]["why"]
+    assert targets[prefix + "hit_vs_oracle"]["met"] is True
+    hit = targets[prefix + "hit_vs_cache_aware"]
+    assert hit["spread"] == pytest.approx([1.9, 0.74 / 0.3]) and hit["met"] is True
+    runs[4]["errors"] = 3
+    failed = capacity_targets(runs, summarize(runs))
+    assert failed[prefix + "p99_vs_cache_aware"]["met"] is None
+    assert "not measurable" in failed[prefix + "p99_vs_cache_aware"]["why"]
+    assert failed[prefix + "p99_vs_floor"]["met"] is False  # cache_aware is not involved
+
+
+def test_client_reads_both_apis() -> None:
+    """SGLang's /generate chunks (cumulative text, meta_info with the split) and OpenAI's
+    (deltas, usage in the last chunk); an answer without counts is an error."""
+    from benchmarks.multiturn.client import Outcome, Stream
+
+    sglang = Stream()
+    assert not sglang.take({"text": "", "output_ids": [], "meta_info": {}}, chat=False)
+    assert sglang.take({"text": " a", "output_ids": [5], "meta_info": {}}, chat=False)
+    meta = {
+        "prompt_tokens": 100,
+        "completion_tokens": 2,
+        "cached_tokens": 48,
+        "cached_tokens_details": {"device": 32, "host": 16},
+        "pulled_tokens": 32,
+    }
+    assert sglang.take({"text": " a b", "output_ids": [5, 6], "meta_info": meta}, chat=False)
+    outcome = Outcome(0, "s", 0)
+    assert sglang.finish(outcome) is None and sglang.answer() == " a b"
+    assert (outcome.device_tokens, outcome.host_tokens, outcome.pulled_tokens) == (32, 16, 32)
+    assert (outcome.prompt_tokens, outcome.cached_tokens) == (100, 48)
+
+    openai = Stream()
+    assert openai.take({"choices": [{"delta": {"content": "hi"}}]}, chat=True)
+    details = {"cached_tokens": 0, "pulled_tokens": 0}
+    usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": 1}
+    usage["prompt_tokens_details"] = details
+    openai.take({"choices": [], "usage": usage}, chat=True)
+    plain = Outcome(1, "s", 0)
+    assert openai.finish(plain) is None and openai.answer() == "hi"
+    assert (plain.device_tokens, plain.pulled_tokens) == (None, 0)  # tiers not said
+    assert Stream().finish(Outcome(2, "s", 0)) == "no usage in the stream"
+    aborted = Stream()
+    abort = {"type": "abort", "message": "out of KV cache memory"}
+    aborted.take(
+        {"text": " a", "output_ids": [5], "meta_info": {**meta, "finish_reason": abort}}, chat=False
+    )
+    assert aborted.finish(Outcome(3, "s", 0)) == "aborted by the engine: out of KV cache memory"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seeds", "1"], "--seeds and --multiples belong to --capacity"),
+        (["--capacity", "--multiples", "0"], "--multiples must be positive"),
+        (["--capacity", "--max-total-tokens", "4096"], "sizes the KV from the working set"),
+        (["--capacity", "--quick", "--multiples", "200"], "less than the largest request"),
+    ],
+)
+def test_capacity_command_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    done = benchmark("multiturn", tmp_path, *args, timeout=180)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
