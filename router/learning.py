@@ -45,6 +45,7 @@ class Learner:
         encoder: CachedEncoder | None,
         uses_tokens: bool,
         idle: Callable[[], bool],
+        exact: bool = False,
     ) -> None:
         self.trees = trees
         self.registry = registry
@@ -52,6 +53,10 @@ class Learner:
         self.encoder = encoder
         self.uses_tokens = uses_tokens
         self.idle = idle  # True when the router has CPU to spare for pre-encoding
+        # Workers publish KV events: they tell the trees what each cached, exactly and at
+        # once; recording the answer here too could re-add pages their events already
+        # removed (a full cache evicts within steps), leaving phantom holders until the TTL.
+        self.exact = exact
 
     def learn(
         self,
@@ -80,8 +85,8 @@ class Learner:
         for s in served:
             if s.reported is not None:
                 self.trees.feedback(s.tree, s.worker.url, tokens, s.predicted, s.reported)
-        if holders:
-            prefix = self.next_prefix(prompt, answer)
+        prefix = self.next_prefix(prompt, answer)
+        if not self.exact:
             for tree, worker in holders:
                 self.trees.record(tree, worker.url, prefix)
 

@@ -118,6 +118,7 @@ class Router:
             encoder,
             self.uses_tokens,
             idle=lambda: self._active <= PRIME_WHEN_ACTIVE_AT_MOST,
+            exact=config.kv_events_endpoint is not None,
         )
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
         self.kv_listener: KVEventListener | None = None

@@ -71,26 +71,28 @@ def test_the_cost_model_prices_host_loads_and_pulls() -> None:
 
 
 def test_an_overloaded_holder_hands_its_prefix_on_by_a_pull() -> None:
-    """Behind one queued cold prompt (0.84 s), a 20K history would leave its holder only if
-    another worker recomputed it (0.8 s of work in front of the others: not worth it); with
-    pulls, the history moves for 0.1 s of transfer, and the new worker is told whom to pull
-    from."""
+    """Work leaves a holder as often with pulls as without (the copy displaces other cache
+    where it lands): behind one queued cold prompt (0.84 s) a 20K history stays; behind
+    three (2.5 s) it moves, and with pulls the new worker is told whom to pull it from
+    instead of recomputing it."""
     trees = PromptTrees(page_size=16)
     history = list(range(20_000))
     turn = RouteRequest(history + list(range(900_000, 900_120)), "", None)
-    for pulls, where, reason in ((False, 0, "cache_hit"), (True, 1, "overload_pull")):
-        ws = pulling_workers(3)
-        trees.clear()
-        trees.record(C, ws[0].url, history)
-        ws[0].in_flight, ws[0].in_flight_tokens = 1, 21_000
-        ws[2].in_flight = 1
-        d = PromptTree(trees, Thresholds(), CostModel(), pulls=pulls).select(turn, ws)
-        assert d.worker is ws[where] and d.reason == reason
-        if pulls:
-            assert d.pull_from is ws[0] and d.holders == [(ws[0], 20_000)]
-            assert d.predicted_cached == 0
-        else:
-            assert d.pull_from is None and d.holders == []
+    for pulls in (False, True):
+        for queued, moves in ((1, False), (3, True)):
+            ws = pulling_workers(3)
+            trees.clear()
+            trees.record(C, ws[0].url, history)
+            ws[0].in_flight, ws[0].in_flight_tokens = queued, queued * 21_000
+            ws[2].in_flight = 1
+            d = PromptTree(trees, Thresholds(), CostModel(), pulls=pulls).select(turn, ws)
+            if not moves:
+                assert d.worker is ws[0] and d.reason == "cache_hit" and d.pull_from is None
+            elif pulls:
+                assert d.worker is ws[1] and d.reason == "overload_pull"
+                assert d.pull_from is ws[0] and d.holders == [(ws[0], 20_000)]
+            else:
+                assert d.worker is ws[1] and d.reason == "overload" and d.holders == []
 
 
 def test_a_host_hit_is_named_and_a_no_pull_router_never_names_holders() -> None:
@@ -238,3 +240,25 @@ def reasons(router_url: str) -> dict[str, float]:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def test_with_kv_events_only_the_events_say_what_an_answer_left_cached() -> None:
+    """Recording the answer as well could re-add pages the worker's events already removed
+    (a full cache evicts within steps): phantom holders until the TTL."""
+
+    from router.learning import Learner, Served
+    from router.metrics import RouterMetrics
+    from router.proxy import Outcome
+
+    for exact, recorded in ((False, True), (True, False)):
+        registry = WorkerRegistry(BreakerConfig())
+        worker = registry.add("http://127.0.0.1:9300")
+        trees = PromptTrees(page_size=4)
+        learner = Learner(
+            trees, registry, RouterMetrics(registry, trees), None, True, lambda: True, exact
+        )
+        prompt = RouteRequest(list(range(32)), "", None)
+        answer = Outcome(status=200, output_ids=list(range(100, 108)))
+        served = [Served(worker, C, 0, 0)]
+        learner.learn("/generate", prompt, answer, served, [(C, worker)])
+        assert (trees.match(C, list(range(32)) + list(range(100, 108))).held != {}) is recorded
