@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: a Llama-3.1-8B on an H100, as the sim models it)",
     )
     a(
+        "--prefill-secs-per-token-pair",
+        type=float,
+        default=cost.prefill_s_per_token_pair,
+        help="cost model: attention's seconds per (new token, context token) pair in a prefill",
+    )
+    a(
         "--transfer-secs-per-token",
         type=float,
         default=cost.transfer_s_per_token,
@@ -292,15 +298,17 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         "--transfer-secs-per-token": args.transfer_secs_per_token,
         "--busy-secs-per-request": args.busy_secs_per_request,
         "--host-load-secs-per-token": args.host_load_secs_per_token,
+        "--prefill-secs-per-token-pair": args.prefill_secs_per_token_pair,
     }
     for flag, value in values.items():
         if not value >= 0:
             raise SystemExit(f"{flag} must be a number >= 0, got {value}")
     return CostModel(
-        args.prefill_secs_per_token,
-        args.transfer_secs_per_token,
-        args.busy_secs_per_request,
-        args.host_load_secs_per_token,
+        prefill_s_per_token=args.prefill_secs_per_token,
+        transfer_s_per_token=args.transfer_secs_per_token,
+        busy_s_per_request=args.busy_secs_per_request,
+        host_load_s_per_token=args.host_load_secs_per_token,
+        prefill_s_per_token_pair=args.prefill_secs_per_token_pair,
     )
 
 

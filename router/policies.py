@@ -96,6 +96,15 @@ class CostModel:
     # (6.8 ms) shared by a typical batch puts roughly this much in front of it per request.
     busy_s_per_request: float = 2.0e-3
     host_load_s_per_token: float = 2.6e-6  # 128 KiB per token host -> GPU over 50 GB/s PCIe
+    # Attention: each new token attends to the context before it (0.52 MFLOP a pair).
+    prefill_s_per_token_pair: float = 1.3e-9
+
+    def prefill_s(self, new: int, cached: int) -> float:
+        """Computing `new` prompt tokens after `cached` reused ones."""
+        return (
+            new * self.prefill_s_per_token
+            + new * (cached + new / 2) * self.prefill_s_per_token_pair
+        )
 
     def plan(
         self,
@@ -111,11 +120,11 @@ class CostModel:
         shares the source's link with the pulls already planned from it."""
         queue = worker.queued_tokens * self.prefill_s_per_token
         queue += worker.load * self.busy_s_per_request + host * self.host_load_s_per_token
-        own = Plan(queue + (tokens - cached) * self.prefill_s_per_token, tokens - cached)
+        own = Plan(queue + self.prefill_s(tokens - cached, cached), tokens - cached)
         if source is None or best <= cached or not worker.can_pull:
             return own
         moved = (best - cached) * self.transfer_s_per_token * (1 + source.pulls_served)
-        pull = queue + moved + (tokens - best) * self.prefill_s_per_token
+        pull = queue + moved + self.prefill_s(tokens - best, best)
         return Plan(pull, tokens - best, True) if pull < own.seconds else own
 
 

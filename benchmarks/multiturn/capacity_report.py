@@ -435,7 +435,7 @@ def notes(
         "uncached part prefilled in chunks of the workers' --chunked-prefill-size, one step "
         f"each ({model['step_overhead_s'] * 1e3:g} ms step overhead, "
         f"{model['prefill_per_token_s'] * 1e6:g} µs a token plus "
-        f"{model['prefill_per_token_pair_s'] * 1e12:g} ps per (new, context) pair), times the "
+        f"{model['prefill_per_token_pair_s'] * 1e9:g} ns per (new, context) pair), times the "
         "time scale; `connector/worker/latency_model.py`.",
         "Working set: the distinct tokens the workload caches (prompts and answers, shared "
         "prefixes once, whole pages). Before the run it is estimated by replaying the plan "
@@ -453,6 +453,13 @@ def notes(
         "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
     ]
     out += [f"Left out: {m}" for m in missing]
+    unsynced = [r for r in runs if r.get("events_synced") is False]
+    if unsynced:
+        out.append(
+            f"{len(unsynced)} runs of ours started before every worker's clear event reached "
+            "the router (their trees may have begun with stale entries): "
+            + "; ".join(f"{r['system']} on {r['cluster']} seed {r['seed']}" for r in unsynced)
+        )
     for name, s in setup.items():
         out.append(
             f"Workload `{name}`: time scale {s['time_scale']:g}; working set estimates per "

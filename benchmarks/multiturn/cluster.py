@@ -387,21 +387,30 @@ def cpu_seconds(pid: int | None) -> float:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Prometheus text as {name{labels}: value}, the labels kept verbatim; {} on failure."""
+    """Prometheus text as {name{labels}: value}, the labels kept verbatim, plus each metric's
+    bare name holding the sum over its labelled samples (a worker splits its cached tokens
+    by cache_source: the bare name is their total); {} on failure."""
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
             text = resp.read().decode()
     except (OSError, ValueError):
         return {}
     out: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name, _, value = line.rpartition(" ")
         try:
-            out[name.split("{model_name=")[0]] = float(value)
+            number = float(value)
         except ValueError:
             continue
+        out[name] = number
+        if "{" in name:
+            bare = name.split("{", 1)[0]
+            totals[bare] = totals.get(bare, 0.0) + number
+    for bare, total in totals.items():
+        out.setdefault(bare, total)
     return out
 
 

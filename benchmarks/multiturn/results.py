@@ -154,7 +154,7 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         "prefix cache (16-token pages, last prompt token always computed): the upper bound.",
         "Workers: `python -m connector.worker --backend sim --tokenizer-cache` (the sim models "
         f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
-        f"µs/token + {model['prefill_per_token_pair_s'] * 1e12:g} ps per (new, context) pair, "
+        f"µs/token + {model['prefill_per_token_pair_s'] * 1e9:g} ns per (new, context) pair, "
         f"decode step {model['decode_weights_s'] * 1e3:g} ms + "
         f"{model['decode_per_context_token_s'] * 1e9:g} ns per context token, "
         f"{model['step_overhead_s'] * 1e3:g} ms per step, KV over {model['interconnect']} "

@@ -42,7 +42,7 @@ class LatencyModel:
     hbm_bytes: float = 80e9
     step_overhead_s: float = 0.0015
     prefill_per_token_s: float = 4.0e-5
-    prefill_per_token_pair_s: float = 1.3e-12
+    prefill_per_token_pair_s: float = 1.3e-9
     decode_weights_s: float = 6.8e-3
     decode_per_context_token_s: float = 5.6e-8
     interconnect: str = "RDMA, one 200 Gb/s NIC per GPU"

@@ -8,6 +8,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from connector.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from router.dispatch import with_prefix_holders
 from router.kv_listener import KVEventListener
@@ -58,6 +60,10 @@ def test_the_cost_model_prices_host_loads_and_pulls() -> None:
     a, b = pulling_workers(2)
     recompute = cost.plan(a, 20_000, 0)
     assert not recompute.pull and recompute.computed == 20_000
+    # attention: 20K new tokens form 2e8 (new, context) pairs, 0.26 s beyond the 0.8 s linear
+    assert recompute.seconds == pytest.approx(20_000 * 4e-5 + 20_000 * 10_000 * 1.3e-9)
+    tail = cost.plan(a, 20_000, 16_000)  # the last 4K attend to the 16K before them too
+    assert tail.seconds == pytest.approx(4_000 * 4e-5 + 4_000 * 18_000 * 1.3e-9)
     host = cost.plan(a, 20_000, 19_000, host=19_000)
     assert host.computed == 1_000
     assert host.seconds < recompute.seconds / 5  # loading from DRAM beats recomputing
