@@ -73,14 +73,14 @@ class CapacityPreset:
 
 
 def full_preset(trace: Path = DEFAULT_TRACE) -> CapacityPreset:
-    """About 2 h 10 min on 2 cores: 216 runs of 150-180 requests at 4-6 req/s."""
+    """About 2.5 h on 2 cores: 216 runs of 150-200 requests at 4-6 req/s."""
     return CapacityPreset(
         CAPACITY,
         {
             # production-stack's multi-round QA, scaled so that 8x still leaves an instance
             # 1.5 of the largest request: 24 users, 4 rounds, 6K-token histories
             "multi_round_qa": lambda seed: MultiRoundQA(
-                24, 4, history_tokens=6000, answer_tokens=64, qps=6.0, requests=150, seed=seed
+                24, 4, history_tokens=6000, answer_tokens=64, qps=4.0, requests=150, seed=seed
             ),
             # whole sessions of Mooncake's trace up to 8K-token prompts
             "trace": lambda seed: TraceReplay(
