@@ -113,6 +113,16 @@ SCHEMAS: dict[str, Schema] = {
             "seed": {"type": "integer"},
         },
     },
+    "TokenizeRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string"}},
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {"tokens": TOKEN_IDS},
+    },
     "Answer": {
         "type": "object",
         "description": "SGLang's /generate answer, or an OpenAI completion object.",
@@ -172,6 +182,24 @@ INFERENCE_PATHS: dict[str, Schema] = {
     "/get_server_info": {"get": get("Server arguments and state")},
     "/metrics": {"get": get("Prometheus metrics", "text/plain")},
 }
+
+
+def worker_document(version: str) -> Schema:
+    """Every route the worker serves (SGLang's names)."""
+    paths: dict[str, Schema] = {
+        **INFERENCE_PATHS,
+        "/health_generate": {"get": get("Generate one token end to end", "text/plain")},
+        "/flush_cache": {
+            "get": get("Flush the prefix cache (400 while requests run)", "text/plain"),
+            "post": get("Flush the prefix cache (400 while requests run)", "text/plain"),
+        },
+        "/get_load": {"get": get("Running and waiting requests, tokens in use")},
+        "/v1/loads": {"get": get("Running and waiting requests, tokens in use")},
+        "/tokenize": {"post": post("Token ids of a text", "TokenizeRequest")},
+        "/detokenize": {"post": post("Text of token ids", "DetokenizeRequest")},
+        "/openapi.json": {"get": get("This document")},
+    }
+    return document("memserve-worker", version, paths)
 
 
 def document(title: str, version: str, paths: dict[str, Schema]) -> Schema:

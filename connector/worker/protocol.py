@@ -122,6 +122,13 @@ def _token_ids(name: str, value: Any) -> list[int]:
     return value
 
 
+def check_vocab(name: str, ids: list[int], vocab_size: int) -> None:
+    """SGLang refuses ids the model has no embedding for (its tokenizer manager's check)."""
+    top = max(ids, default=0)
+    if top >= vocab_size:
+        raise BadRequest(f"'{name}': token id {top} is outside the vocabulary (size {vocab_size})")
+
+
 def parse_sampling(raw: Any, default_max_new_tokens: int = 128) -> SamplingParams:
     """SGLang `sampling_params`: known names type-checked, unknown names refused."""
     if raw is None:

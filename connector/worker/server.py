@@ -20,10 +20,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from connector.http_errors import json_error
+from connector.openapi import worker_document
 from connector.tokenizer import ChatTokenizer, IncrementalDecoder, PromptEncoder
 from connector.worker.protocol import (
     BadRequest,
     GenerateInput,
+    check_vocab,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -191,6 +193,7 @@ class WorkerServer:
         r.add_get("/metrics", self.metrics_text)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
+        r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -268,6 +271,7 @@ class WorkerServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         gen = parse_generate(await read_json(request), self.encoder)
+        check_vocab("input_ids", gen.input_ids, self.tokenizer.vocab_size)
         if gen.stream:
 
             def chunk(seq: Sequence, delta: str, finished: bool) -> list[dict[str, Any]]:
@@ -385,6 +389,7 @@ class WorkerServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         gen, include_usage = parse_completion(await read_json(request), self.encoder)
+        check_vocab("prompt", gen.input_ids, self.tokenizer.vocab_size)
         return await self._openai(
             request,
             gen,
@@ -478,6 +483,9 @@ class WorkerServer:
             headers={"Content-Type": "text/plain; version=0.0.4"},
         )
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(worker_document(VERSION))
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         prompt = body.get("prompt") if isinstance(body, dict) else None
@@ -493,4 +501,5 @@ class WorkerServer:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
         ):
             raise BadRequest("'tokens' must be a list of token ids")
+        check_vocab("tokens", tokens, self.tokenizer.vocab_size)
         return web.json_response({"text": self.tokenizer.decode(tokens)})
