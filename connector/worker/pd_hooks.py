@@ -99,11 +99,10 @@ class PDHooks(RequestHooks):
         n = len(seq.prompt_ids)
         if got.num_tokens != n:
             raise ValueError(f"{got.num_tokens} tokens of KV arrived for a {n}-token prompt")
-        whole = 0
-        if got.inserted:
+        whole = n // page if got.inserted else 0  # a prompt under a page inserts nothing
+        if whole:
             if got.lock is None:
                 raise ValueError("the prompt's pages were inserted but not pinned")
-            whole = n // page
             seq.prefix = PrefixMatch(got.addrs[:whole], whole * page, got.lock.node, True)
         seq.blocks = list(got.addrs[whole:])
         seq.cached_tokens = whole * page

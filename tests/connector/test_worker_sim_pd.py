@@ -391,6 +391,20 @@ def test_a_full_decode_cache_makes_room_for_incoming_kv(model_dir: Path, tmp_pat
         no_leak(d)
 
 
+@pytest.mark.parametrize("caching", ["caching-1", "caching-3"])
+def test_a_prompt_shorter_than_a_page_crosses_a_pair(
+    model_dir: Path, tmp_path: Path, caching: str
+) -> None:
+    """No whole page to insert at the decode, so nothing to pin: the decode used to refuse
+    such KV ("inserted but not pinned") and every prompt under 16 tokens failed in PD."""
+    with pd_pair(model_dir, tmp_path, caching) as (p, d, boot):
+        for n in (1, PAGE - 1, PAGE, PAGE + 1):
+            _, answer = pd_generate(p, d, boot, [2000 + i for i in range(n)])
+            assert answer["meta_info"]["prompt_tokens"] == n
+        no_leak(p)
+        no_leak(d)
+
+
 def test_fake_backend_moves_no_kv_and_each_side_computes_alone(
     model_dir: Path, tmp_path: Path, colocated: Server
 ) -> None:
