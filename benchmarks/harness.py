@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -198,6 +199,16 @@ def parse_args(argv: Sequence[str] | None, description: str, quick_help: str) ->
     return parser.parse_args(argv)
 
 
+def stop_children_on_terminate() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks that stop the servers a
+    benchmark started run (killed plainly, it left its workers and routers behind)."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def benchmark_main(
     argv: Sequence[str] | None,
     name: str,
@@ -209,6 +220,7 @@ def benchmark_main(
     """`python -m benchmarks.<name> --out DIR [--quick]`: run, then print where the files
     went and the Markdown page up to `summary_end` (the headline tables)."""
     args = parse_args(argv, (doc or name).splitlines()[0], quick_help)
+    stop_children_on_terminate()
     started = time.perf_counter()
     figures = run(args.out, args.quick)
     wall = time.perf_counter() - started

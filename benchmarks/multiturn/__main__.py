@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from benchmarks.harness import progress_bar
+from benchmarks.harness import progress_bar, stop_children_on_terminate
 from benchmarks.harness import step as advance
 from benchmarks.multiturn.plan import Plan, make_plan
 from benchmarks.multiturn.results import sim_model, write_all
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep every worker's and router's log here (default: a temporary directory)",
     )
     args = parser.parse_args(argv)
+    stop_children_on_terminate()
     if args.out is None:
         args.out = CAPACITY_OUT if args.capacity else DEFAULT_OUT
     if not args.trace.exists():
