@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -82,6 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run nothing: rewrite results.md, the targets and the plots from OUT/results.json",
     )
     parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="with --report-only and --capacity results: add the runs of these other "
+        "capacity runs (say, another multiple) to OUT's before reporting",
+    )
+    parser.add_argument(
         "--max-total-tokens",
         type=int,
         default=None,
@@ -103,8 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--seeds and --multiples belong to --capacity")
     if any(m <= 0 for m in args.multiples or ()):
         parser.error("--multiples must be positive")
+    if args.merge and not args.report_only:
+        parser.error("--merge belongs to --report-only")
     if args.report_only:
-        return report_only(parser, args.out, args.trace)
+        return report_only(parser, args.out, args.trace, args.merge)
     if args.capacity:
         return run_capacity(parser, args, argv)
     started = time.perf_counter()
@@ -231,7 +243,9 @@ def finished(preset: str, runs: int, elapsed: float, out: Path) -> int:
     return 0
 
 
-def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
+def report_only(
+    parser: argparse.ArgumentParser, out: Path, trace: Path, merge: Sequence[Path] = ()
+) -> int:
     """The report of an earlier run, made again from its measurements (say, after the report
     code changed); the runs themselves are kept as they were."""
     source = out / "results.json"
@@ -240,6 +254,12 @@ def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
         runs, preset = figures["runs"], figures["preset"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
+    if merge:
+        try:
+            figures = merged(figures, [json.loads((d / "results.json").read_text()) for d in merge])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--merge: {exc}")
+        runs = figures["runs"]
     peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
     machine = figures.get("machine") or None  # where the runs were measured
     elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
@@ -258,6 +278,38 @@ def report_only(parser: argparse.ArgumentParser, out: Path, trace: Path) -> int:
     write_all(out, plan, runs, peers, elapsed, command, machine)
     print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
     return 0
+
+
+def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Capacity results of several invocations as one: their runs side by side, each
+    workload's sizing per multiple and seed united, the commands and times added up. Runs of
+    one configuration must not appear twice, and the sim's model must be the same."""
+    out = copy.deepcopy(base)
+    if not str(out["preset"]).startswith("capacity"):
+        raise ValueError("only capacity results merge")
+    seen = {run_key(r) for r in out["runs"]}
+    for other in others:
+        if not str(other["preset"]).startswith("capacity"):
+            raise ValueError("only capacity results merge")
+        if other.get("sim_model") != out.get("sim_model"):
+            raise ValueError("the runs were made with different sim latency models")
+        for run in other["runs"]:
+            if run_key(run) in seen:
+                raise ValueError(f"two results hold the same run: {run_key(run)}")
+            seen.add(run_key(run))
+            out["runs"].append(run)
+        for name, setup in (other.get("setup") or {}).items():
+            mine = out["setup"].setdefault(name, copy.deepcopy(setup))
+            for key in ("instance_kv_tokens", "working_set_estimates"):
+                mine.setdefault(key, {}).update(setup.get(key) or {})
+        out["missing"] = list(dict.fromkeys([*out.get("missing", []), *other.get("missing", [])]))
+        out["elapsed_s"] = out.get("elapsed_s", 0.0) + other.get("elapsed_s", 0.0)
+        out["command"] = f"{out.get('command', '')}; {other.get('command', '')}"
+    return out
+
+
+def run_key(run: dict[str, Any]) -> tuple[Any, ...]:
+    return (run["workload"], run["multiple"], run.get("host_ratio"), run["seed"], run["system"])
 
 
 if __name__ == "__main__":

@@ -378,6 +378,26 @@ def test_capacity_report_only(cap_dir: Path, capacity: dict[str, Any], tmp_path:
     assert again["targets"] == capacity["targets"] and again["setup"] == capacity["setup"]
 
 
+def test_capacity_results_merge(cap_dir: Path, capacity: dict[str, Any], tmp_path: Path) -> None:
+    """Runs split over two invocations (say, one multiple each) report as one; a run present
+    in both, or results of another kind, are refused with a reason."""
+    systems = sorted({r["system"] for r in capacity["runs"]})
+    first, second = tmp_path / "first", tmp_path / "second"
+    for where, keep in ((first, systems[:1]), (second, systems[1:])):
+        where.mkdir()
+        part = {**capacity, "runs": [r for r in capacity["runs"] if r["system"] in keep]}
+        (where / "results.json").write_text(json.dumps(part))
+    done = benchmark("multiturn", first, "--report-only", "--merge", str(second), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads((first / "results.json").read_text())
+    assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, capacity["runs"]))
+    assert again["targets"] == capacity["targets"] and again["summary"] == capacity["summary"]
+    twice = benchmark("multiturn", first, "--report-only", "--merge", str(first), timeout=120)
+    assert twice.returncode == 2 and "two results hold the same run" in twice.stderr
+    alone = benchmark("multiturn", first, "--merge", str(second), timeout=60)
+    assert alone.returncode == 2 and "--merge belongs to --report-only" in alone.stderr
+
+
 def test_floor_by_hand_and_on_a_real_worker(tmp_path: Path, model_dir: Path) -> None:
     """The floor of one request worked out by hand from the latency model's figures, and
     equal to the modelled GPU time a real sim worker spends on that request alone."""
