@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import urllib.request
 from pathlib import Path
@@ -42,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cache-threshold", type=float, default=0.3)
     a("--balance-abs-threshold", type=int, default=64)
     a("--balance-rel-threshold", type=float, default=1.5)
-    a("--api-key", default=None)
+    a(
+        "--api-key",
+        default=os.environ.get("MEMSERVE_ROUTER_API_KEY") or None,
+        help="clients must send 'Authorization: Bearer KEY' (default: $MEMSERVE_ROUTER_API_KEY, "
+        "which, unlike a flag, other users' ps does not show)",
+    )
     a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
     a("--request-timeout-secs", type=float, default=1800)
     a("--max-concurrent-requests", type=int, default=0, help="0: unlimited")

@@ -13,8 +13,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from router import procs
 from tests.http_client import call
-from tests.procs import Server, free_port, running
+from tests.procs import ROOT, TEST_ENV, Server, free_port, running
 
 KEY = "sk-kangaroo-5e1f0c2d9b"
 MARKER = "quokka-zebra-7731"  # request content that must not reach a log
@@ -66,6 +67,18 @@ def test_the_api_key_guards_inference_and_is_never_logged_or_shown(
     for server in (router, worker):
         assert server.log is not None
         assert KEY not in server.log.read_text(errors="replace"), server.name
+
+
+def test_the_api_key_can_come_from_the_environment(model_dir: Path, tmp_path: Path) -> None:
+    """A flag shows in every user's `ps`; the environment does not."""
+    env = {**TEST_ENV, "MEMSERVE_ROUTER_API_KEY": KEY}
+    with (
+        running("connector.worker", sim(model_dir), tmp_path) as worker,
+        procs.running("router", ["--worker-urls", worker.url], tmp_path, cwd=ROOT, env=env) as r,
+    ):
+        assert post(r.url + "/generate", {"text": "hi"})[0] == 401
+        assert post(r.url + "/generate", {"text": "hi"}, KEY)[0] == 200
+        assert KEY not in Path(f"/proc/{r.proc.pid}/cmdline").read_text()
 
 
 def test_no_request_content_is_logged_at_the_default_level(model_dir: Path, tmp_path: Path) -> None:
