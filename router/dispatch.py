@@ -147,6 +147,7 @@ class Sender:
                     outcome,
                     flight.prefill_done,
                     inspect=self.uses_tokens,  # only token policies learn from answers
+                    watch=worker.exchanges,
                 )
         except WorkerUnavailable as exc:
             raise AttemptFailed(worker, exc, side) from None

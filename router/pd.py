@@ -24,7 +24,7 @@ from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy
 from router.learning import Served
 from router.policies import Decision, Policy, RouteRequest
-from router.proxy import Outcome, end_stream, read_result
+from router.proxy import Bound, Outcome, end_stream, read_result, timed_out
 from router.request import RequestError
 from router.upstream import UpstreamError, UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -81,20 +81,30 @@ def bootstrap_payload(body: dict[str, Any], prefill: Worker) -> tuple[bytes, int
 
 
 async def drain_prefill(
-    upstream: UpstreamPool, url: str, payload: bytes, timeout_s: float, keep_body: bool
+    upstream: UpstreamPool,
+    url: str,
+    payload: bytes,
+    timeout_s: float,
+    keep_body: bool,
+    watch: set[asyncio.Timeout] | None = None,
 ) -> PrefillResult:
-    """POST to the prefill instance and read its answer to the end (SSE included)."""
+    """POST to the prefill instance and read its answer to the end (SSE included); `watch`:
+    the instance's exchanges, ended early when it fails its health checks."""
     out = PrefillResult()
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        async with asyncio.timeout(timeout_s):
+        async with Bound(deadline, watch):
             resp = await upstream.post(url, payload)
             try:
                 out.status = resp.status
                 raw = await resp.read()
             finally:
                 resp.release()
-    except (UpstreamError, TimeoutError) as exc:
-        out.error = f"prefill {url} failed: {exc or 'timed out'}"
+    except UpstreamError as exc:
+        out.error = f"prefill {url} failed: {exc}"
+        return out
+    except TimeoutError:
+        out.error = "prefill " + timed_out(url, deadline, timeout_s, "did not answer")
         return out
     if out.status != 200:
         message: Any = raw[:200]
@@ -223,6 +233,7 @@ class PrefillDecode(Strategy):
                     payload,
                     self.sender.timeout_s,
                     keep,
+                    worker.exchanges,
                 )
         finally:
             self.sender.metrics.for_worker(worker.url).inc()

@@ -64,6 +64,36 @@ class Outcome:
     client: web.StreamResponse | None = None  # the client's stream, once it has begun
 
 
+class Bound:
+    """`asyncio.timeout_at(deadline)`, registered in `watch` (the worker's exchanges in
+    flight) while it runs, so that the worker's failed health checks can end it early."""
+
+    __slots__ = ("_cm", "_deadline", "_watch")
+
+    def __init__(self, deadline: float, watch: set[asyncio.Timeout] | None) -> None:
+        self._deadline = deadline
+        self._watch = watch
+        self._cm = asyncio.timeout_at(deadline)
+
+    async def __aenter__(self) -> asyncio.Timeout:
+        await self._cm.__aenter__()
+        if self._watch is not None:
+            self._watch.add(self._cm)
+        return self._cm
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._watch is not None:
+            self._watch.discard(self._cm)
+        await self._cm.__aexit__(*exc)  # raises TimeoutError when the deadline passed
+
+
+def timed_out(url: str, deadline: float, timeout_s: float, what: str) -> str:
+    """Why a bounded wait on a worker ended: its deadline, or its failed health checks."""
+    if asyncio.get_running_loop().time() < deadline - 0.001:
+        return f"worker {url} stopped answering (it failed its health checks)"
+    return f"worker {url} {what} within {timeout_s} s"
+
+
 class WorkerUnavailable(Exception):
     """Connecting to the worker failed or it answered with a retryable status."""
 
@@ -143,26 +173,29 @@ async def forward(
     outcome: Outcome,
     on_first_byte: Callable[[], None],
     inspect: bool = True,
+    watch: set[asyncio.Timeout] | None = None,
 ) -> web.StreamResponse:
     """POST `payload` to `url` and relay the answer to the client of `request`.
 
     Raises WorkerUnavailable before anything reached the client (the caller may retry);
     afterwards, failures end the client's stream with an error event instead. `timeout_s`
-    bounds the whole exchange, streaming included (sglang-router's --request-timeout-secs).
+    bounds the whole exchange, streaming included (sglang-router's --request-timeout-secs);
+    `watch` (the worker's exchanges) lets its failed health checks end it sooner.
     """
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        async with asyncio.timeout_at(deadline):
+        async with Bound(deadline, watch):
             resp = await upstream.post(url, payload)
-    except (UpstreamError, TimeoutError) as exc:
-        why = str(exc) or f"no answer within {timeout_s} s"
-        raise WorkerUnavailable(f"cannot reach worker {url}: {why}") from None
+    except UpstreamError as exc:
+        raise WorkerUnavailable(f"cannot reach worker {url}: {exc}") from None
+    except TimeoutError:
+        raise WorkerUnavailable(timed_out(url, deadline, timeout_s, "gave no answer")) from None
     try:
         outcome.status = resp.status
         headers = {k: v for k, v in resp.headers.items() if k not in HOP_HEADERS}
         if resp.status in RETRY_STATUSES:
             try:
-                async with asyncio.timeout_at(deadline):
+                async with Bound(deadline, watch):
                     text = (await resp.read()).decode(errors="replace")
             except (UpstreamError, TimeoutError):
                 text = ""
@@ -172,11 +205,13 @@ async def forward(
         kind = resp.headers.get("content-type", "application/json")
         if not kind.startswith("text/event-stream"):
             try:
-                async with asyncio.timeout_at(deadline):
+                async with Bound(deadline, watch):
                     body = await resp.read()
-            except (UpstreamError, TimeoutError) as exc:
-                why = str(exc) or f"no answer within {timeout_s} s"
-                raise WorkerUnavailable(f"worker {url} failed while answering: {why}") from None
+            except UpstreamError as exc:
+                raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
+            except TimeoutError:
+                why = timed_out(url, deadline, timeout_s, "did not finish its answer")
+                raise WorkerUnavailable(why) from None
             on_first_byte()
             if resp.status == 200 and inspect:
                 with contextlib.suppress(msgspec.DecodeError):
@@ -188,7 +223,7 @@ async def forward(
         outcome.client = client
         watcher = SSEWatcher(outcome, inspect)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with Bound(deadline, watch):
                 async for chunk in resp.iter_chunks():
                     if not outcome.first_byte:
                         outcome.first_byte = True
@@ -198,7 +233,7 @@ async def forward(
         except UpstreamError as exc:
             outcome.error = f"worker {url} failed mid-stream: {exc}"
         except TimeoutError:
-            outcome.error = f"worker {url} did not finish within {timeout_s} s"
+            outcome.error = timed_out(url, deadline, timeout_s, "did not finish")
         if outcome.error is None and not watcher.done:
             outcome.error = f"worker {url} closed the stream before it finished"
         if outcome.error is not None:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from urllib.parse import urlsplit
 
@@ -92,6 +92,9 @@ class Worker:
     processed: int = 0
     agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
     pulls_served: int = 0  # requests in flight that pull a prefix from this worker
+    # the deadlines of the exchanges in flight to it (router.proxy.Bound): a worker that
+    # stops answering its health checks has them ended at once instead of at the timeout
+    exchanges: set[asyncio.Timeout] = field(default_factory=set)
 
     @property
     def load(self) -> int:
@@ -116,6 +119,17 @@ class Worker:
             yield
         finally:
             self.pulls_served -= 1
+
+    def abandon_exchanges(self) -> int:
+        """Stop waiting for it: every exchange in flight ends now with a TimeoutError (a
+        request not yet answered is retried elsewhere, a stream ends with an error event);
+        returns how many."""
+        now = asyncio.get_running_loop().time()
+        pending = [cm for cm in self.exchanges if not cm.expired()]
+        self.exchanges.clear()
+        for cm in pending:
+            cm.reschedule(now)
+        return len(pending)
 
     def request(self, prefill_tokens: int) -> InFlight:
         """Count one request against this worker while it runs (`with worker.request(n):`)."""
@@ -288,6 +302,14 @@ class WorkerRegistry:
                             worker.apply_load(await resp.json(content_type=None))
                             break
         self._apply_health(worker, ok)
+        # A hung worker (it accepts connections, answers nothing) would otherwise hold its
+        # requests until --request-timeout-secs: let them go elsewhere now.
+        if (
+            not ok
+            and worker.health_failures >= self.failure_threshold
+            and (abandoned := worker.abandon_exchanges())
+        ):
+            log.warning("gave up on %d requests waiting on %s", abandoned, worker.url)
 
     def _apply_health(self, worker: Worker, ok: bool) -> None:
         if ok:
