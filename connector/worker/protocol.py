@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,15 @@ def _stop(value: Any) -> list[str]:
     raise _type_error("stop", "a string or a list of strings", value)
 
 
+def _encode(encode: Callable[[str], list[int]], text: str) -> list[int]:
+    """Text -> ids; text no tokenizer takes (a lone surrogate from a JSON escape) is the
+    client's error, a 400, not the worker's 500."""
+    try:
+        return encode(text)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"cannot tokenize the prompt: {exc}") from None
+
+
 def _token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
@@ -192,7 +202,7 @@ def parse_generate(body: Any, tokenizer: PromptEncoder) -> GenerateInput:
     if text is not None:
         if not isinstance(text, str):
             raise _type_error("text", "a string", text)
-        input_ids = tokenizer.encode(text)
+        input_ids = _encode(tokenizer.encode, text)
     else:
         input_ids = _token_ids("input_ids", ids)
     if not input_ids:
@@ -259,7 +269,7 @@ def parse_chat(body: Any, tokenizer: PromptEncoder) -> tuple[GenerateInput, bool
             raise BadRequest(f"messages[{i}] must be an object with a 'role' string")
         clean.append({**msg, "content": _message_text(i, msg.get("content"))})
     try:
-        input_ids = tokenizer.encode_chat(clean, tools=body.get("tools"))
+        input_ids = _encode(lambda _: tokenizer.encode_chat(clean, tools=body.get("tools")), "")
     except ChatTemplateError as exc:
         raise BadRequest(str(exc)) from None
     return _openai_input(body, input_ids, ("max_completion_tokens", "max_tokens"), 128)
@@ -270,7 +280,7 @@ def parse_completion(body: Any, tokenizer: PromptEncoder) -> tuple[GenerateInput
     body = _body(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        input_ids = tokenizer.encode(prompt)
+        input_ids = _encode(tokenizer.encode, prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         input_ids = _token_ids("prompt", prompt)
     elif isinstance(prompt, list):
