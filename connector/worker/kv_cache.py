@@ -100,6 +100,11 @@ class KVCache:
     def used_tokens(self) -> int:
         return self.pool.allocators[self.request_tier].num_used // self.bpp * self.page
 
+    @property
+    def pinned_pages(self) -> int:
+        """Cached pages locked by a request, a transfer or a peer's pull."""
+        return self.pool.index.protected_pages
+
     def host_tokens(self) -> tuple[int, int]:
         """(used, capacity) of the host tier in tokens; (0, 0) without one."""
         if not self.tiered:

@@ -134,8 +134,9 @@ class Scheduler:
             seq.finish_reason = {"type": "abort", "message": "client disconnected"}
 
     def flush_cache(self) -> bool:
-        """Drop all historical KV; refused (False) while requests wait or run, as in SGLang."""
-        if self.waiting or self.running or self.chunked is not None:
+        """Drop all historical KV; refused (False) while requests wait or run, as in SGLang,
+        and while cached pages are pinned (a PD push or write-back, a peer's pull)."""
+        if self.waiting or self.running or self.chunked is not None or self.kv.pinned_pages:
             return False
         self.kv.flush()
         return True

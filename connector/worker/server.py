@@ -470,8 +470,10 @@ class WorkerServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.scheduler.flush_cache():
             return web.Response(text="Cache flushed.\n")
-        return web.Response(
-            status=400, text="Cache not flushed: requests are running or waiting.\n"
+        return json_error(
+            400,
+            "cache not flushed: the worker is busy (requests are running or waiting, or "
+            "cached KV is pinned by a transfer); try again when it is idle",
         )
 
     async def loads(self, request: web.Request) -> web.Response:
