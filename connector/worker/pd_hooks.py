@@ -139,6 +139,7 @@ class PDHooks(RequestHooks):
         own = seq.blocks[: pages - cached_pages]
         spare = seq.blocks[pages - cached_pages :]
         pinned: InsertResult | None = None
+        owned = seq.blocks  # what the request alone holds: freed if the hand-off fails
         try:
             addrs = (seq.prefix.addrs if seq.prefix is not None else []) + own
             whole = n // page
@@ -146,6 +147,7 @@ class PDHooks(RequestHooks):
             if cache and whole > cached_pages:  # whole pages become cache, pinned
                 pinned = kv.keep_pinned(seq, whole, own[: whole - cached_pages])
                 unindexed, first_unindexed = own[whole - cached_pages :], whole
+                owned = unindexed + spare  # the index holds the rest now (or freed it)
                 # The index's blocks: pages another request cached meanwhile replaced ours.
                 addrs = kv.lookup(seq.prompt_ids[: whole * page]) + unindexed
             if unindexed:
@@ -154,7 +156,9 @@ class PDHooks(RequestHooks):
             log.exception("request %s: preparing its KV for the decode instance failed", seq.rid)
             fail_handoff(seq, f"preparing the KV failed: {exc}")
             self.link.fail_room(room, f"preparing the KV failed: {exc}")
-            engine.retire(seq, seq.blocks)
+            # Cached pages stay cache, unpinned; freeing them too was refused as a free of
+            # indexed blocks (nothing freed, the pin kept for good).
+            engine.retire(seq, owned, pinned)
             return
         seq.blocks = unindexed + spare
         self.link.spawn(self._push(seq, room, addrs, pinned, engine))
