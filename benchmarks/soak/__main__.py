@@ -105,6 +105,12 @@ def figures(
             "cached_share_of_prompt_tokens": analysis.cache_share(records),
         },
         "outcomes": analysis.outcomes(records),
+        "aborts": {  # an abandoned stream may finish on its worker before the close arrives
+            "abandoned_streams": sum(1 for r in records if r.outcome == "abandoned"),
+            "worker_aborted_requests": sum(
+                g.get("aborted", 0) for g in (samples[-1].gauges if samples else {}).values()
+            ),
+        },
         "unexpected_errors": sum(1 for r in records if r.error),
         "errors": errors,
         "latency": analysis.latency(records),

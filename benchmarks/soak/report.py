@@ -98,6 +98,10 @@ def notes(fig: dict[str, Any]) -> list[str]:
         "chunk (`abandoned`). Everything else that is not a complete answer (a stream ending "
         "in [DONE] after a finish reason; a body with its text and finish reason) is an "
         "unexpected error, kept with its status and body.",
+        f"Aborts: {fig['aborts']['abandoned_streams']} streams abandoned by the client, "
+        f"{fig['aborts']['worker_aborted_requests']:g} requests aborted by the workers (a "
+        "stream whose answer was complete before the close reached its worker is not "
+        "aborted).",
         "Latency: end to end of every complete answer, TTFT (first chunk with content) of "
         "complete streams, per window of request start times; nearest-rank percentiles.",
         f"Memory: VmRSS of every process (and any descendant) every {c['sample_secs']:g} s. "
