@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import CheckContext, not_a_server_error
 from schemathesis.core.failures import Failure
 
+from benchmarks.reliability.bad_inputs import HOSTILE
 from tests.http_client import call
 from tests.procs import running
 
@@ -84,23 +85,8 @@ def raw_post(url: str, body: bytes, content_type: str = "application/json") -> t
 
 @pytest.mark.parametrize(
     ("route", "body", "status", "says"),
-    [
-        ("/generate", b"\xff\xfe\x00garbage", 400, "not valid JSON"),
-        ("/generate", b'{"text": "a"', 400, "not valid JSON"),
-        ("/generate", b"[]", 400, "JSON object"),
-        ("/generate", b'{"text": 5}', 400, "'text'"),
-        ("/generate", b'{"input_ids": [1, -2]}', 400, "token ids"),
-        ("/v1/chat/completions", b'{"messages": {}}', 400, "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": 1}]}', 400, "role"),
-        ("/v1/completions", b'{"prompt": null}', 400, "prompt"),
-        ("/generate", b'{"text": "\\ud800"}', 400, "JSON"),  # a lone surrogate
-        (
-            "/v1/chat/completions",
-            b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}',
-            404,
-            "not found",
-        ),
-    ],
+    [(case.route, case.body, case.status, case.says) for case in HOSTILE],
+    ids=[case.name for case in HOSTILE],
 )
 def test_hostile_bodies_are_4xx_with_a_reason(
     router_url: str, route: str, body: bytes, status: int, says: str

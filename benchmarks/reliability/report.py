@@ -1,0 +1,161 @@
+"""One row per fault tried and per bad input sent, a verdict each, and the files they go to.
+
+A fault passes when every request ended within its bound (no hang), each one either got
+its answer (first try, or a retry that succeeded) or a clear error (a 4xx/5xx JSON body
+with a message, or an error event ending the stream), no MemPool block was left held on a
+surviving worker, and the pool healed (the router saw the fault, and requests after it
+succeed). A bad input passes when it got a 4xx JSON error with a message (or, where the
+input is legal, an answer) and the server kept serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import table_section, write_results
+
+NAME = "results"
+TITLE = "Reliability: faults injected into real processes, and bad inputs"
+
+
+@dataclass
+class FaultResult:
+    """What one fault scenario did and what came of it."""
+
+    scenario: str
+    injected: str
+    client_saw: str = ""
+    requests: int = 0
+    answered: int = 0  # 200 with the whole answer (first try or the router's retry)
+    clear_errors: int = 0
+    unclear: int = 0  # hung, or a 5xx without a JSON message, or a stream cut off silently
+    bound_s: float = 0.0
+    slowest_s: float = 0.0
+    leaked_blocks: int = 0  # summed over the surviving workers (-1 if one could not be read)
+    healed: bool = False
+    healed_how: str = ""
+    expected: str = ""  # what a client should see
+    expectation_met: bool = True
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None  # the scenario itself broke (a process would not start)
+
+    @property
+    def bound_met(self) -> bool:
+        return self.requests > 0 and self.unclear == 0 and self.slowest_s <= self.bound_s
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.error is None
+            and self.bound_met
+            and self.leaked_blocks == 0
+            and self.healed
+            and self.expectation_met
+        )
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "injected": self.injected,
+            "client saw": self.client_saw,
+            "bound met": f"{'yes' if self.bound_met else 'NO'} "
+            f"(slowest {self.slowest_s:.1f} s, bound {self.bound_s:.0f} s)",
+            "leaked blocks": self.leaked_blocks,
+            "healed": f"{'yes' if self.healed else 'NO'}: {self.healed_how}",
+            "verdict": "pass" if self.passed else f"FAIL{': ' + self.error if self.error else ''}",
+        }
+
+    def figures(self) -> dict[str, Any]:
+        return {**asdict(self), "bound_met": self.bound_met, "passed": self.passed}
+
+
+@dataclass
+class InputResult:
+    """One bad input sent to one server."""
+
+    case: str
+    target: str  # router or worker
+    route: str
+    status: int | None
+    message: str
+    expected: str
+    passed: bool
+    still_serving: bool
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "input": self.case,
+            "to": self.target,
+            "route": self.route,
+            "status": self.status,
+            "message": self.message[:70],
+            "expected": self.expected,
+            "verdict": "pass" if self.passed and self.still_serving else "FAIL",
+        }
+
+
+def counts(faults: list[FaultResult], inputs: list[InputResult]) -> dict[str, int]:
+    return {
+        "faults_tried": len(faults),
+        "faults_passed": sum(f.passed for f in faults),
+        "inputs_tried": len(inputs),
+        "inputs_passed": sum(i.passed and i.still_serving for i in inputs),
+    }
+
+
+def publish(
+    out: Path, mode: str, faults: list[FaultResult], inputs: list[InputResult], wall_s: float
+) -> dict[str, Any]:
+    """results.json and results.md in `out`; the figures written."""
+    total = counts(faults, inputs)
+    figures = {
+        "mode": mode,
+        "counts": total,
+        "wall_s": round(wall_s, 1),
+        "faults": [f.figures() for f in faults],
+        "inputs": [vars(i) for i in inputs],
+    }
+    headline = [
+        {
+            "what": "faults injected",
+            "tried": total["faults_tried"],
+            "passed": total["faults_passed"],
+        },
+        {
+            "what": "bad inputs sent",
+            "tried": total["inputs_tried"],
+            "passed": total["inputs_passed"],
+        },
+    ]
+    details = [
+        f"- **{f.scenario}**: expected {f.expected}; {f.requests} requests, {f.answered} "
+        f"answered, {f.clear_errors} clear errors, {f.unclear} unclear. " + " ".join(f.notes)
+        for f in faults
+    ]
+    body = [
+        *table_section("Faults", [f.row() for f in faults]),
+        "### What each scenario expected and saw",
+        "",
+        *details,
+        "",
+        *table_section("Bad inputs", [i.row() for i in inputs]),
+    ]
+    notes = [
+        "Real processes on loopback: sim workers (`--backend sim`, modelled time scaled down) "
+        "and routers started as `python -m ...`; faults are signals to their pids (SIGKILL "
+        "for a crash, SIGSTOP/SIGCONT for a process that accepts and never answers).",
+        "Leaked blocks: on every surviving worker, once its in-flight work ended, MemPool "
+        "blocks allocated but not held by the cache index, plus pages still pinned "
+        "(/get_server_info `mempool`); 0 means nothing a request, transfer or pull held "
+        "was left behind.",
+        "Bound: every request a scenario sends has a hard client-side limit; a request "
+        "still open then counts as hung.",
+        "Healed: the router marked the broken worker unhealthy (or its requests went "
+        "elsewhere), saw it healthy again after a restart or SIGCONT, and requests after "
+        "the fault succeeded.",
+        "Regenerate: `python -m benchmarks.reliability --out benchmarks/results/reliability`.",
+    ]
+    write_results(out, NAME, figures, headline, TITLE, notes, body=body)
+    return figures
