@@ -11,7 +11,7 @@ import pytest
 
 from tests.benchmarks.runs import quick_results
 
-out_dir, figures = quick_results("reliability", timeout=600, json_name="results")
+out_dir, results = quick_results("reliability", timeout=600, json_name="results")
 
 SCENARIOS = {
     "worker killed before the request",
@@ -32,14 +32,14 @@ def test_files_are_written(out_dir: Path) -> None:
     assert "## Faults" in page and "## Bad inputs" in page
 
 
-def test_every_scenario_ran(figures: dict[str, Any]) -> None:
-    assert figures["mode"] == "quick"
-    assert {f["scenario"] for f in figures["faults"]} == SCENARIOS
+def test_every_scenario_ran(results: dict[str, Any]) -> None:
+    assert results["mode"] == "quick"
+    assert {f["scenario"] for f in results["faults"]} == SCENARIOS
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_scenario_passes(figures: dict[str, Any], scenario: str) -> None:
-    (f,) = [f for f in figures["faults"] if f["scenario"] == scenario]
+def test_scenario_passes(results: dict[str, Any], scenario: str) -> None:
+    (f,) = [f for f in results["faults"] if f["scenario"] == scenario]
     assert f["error"] is None, f
     assert f["requests"] > 0 and f["unclear"] == 0, f  # every request: an answer or a clear error
     assert f["slowest_s"] <= f["bound_s"], f  # no hang
@@ -49,8 +49,8 @@ def test_scenario_passes(figures: dict[str, Any], scenario: str) -> None:
     assert f["passed"]
 
 
-def test_every_bad_input_gets_a_clear_4xx_or_an_answer(figures: dict[str, Any]) -> None:
-    inputs = figures["inputs"]
+def test_every_bad_input_gets_a_clear_4xx_or_an_answer(results: dict[str, Any]) -> None:
+    inputs = results["inputs"]
     assert {i["target"] for i in inputs} == {"router", "worker"}
     failed = [i for i in inputs if not (i["passed"] and i["still_serving"])]
     assert not failed, failed
@@ -58,7 +58,7 @@ def test_every_bad_input_gets_a_clear_4xx_or_an_answer(figures: dict[str, Any]) 
         assert i["status"] is not None and i["status"] < 500, i
 
 
-def test_counts_add_up(figures: dict[str, Any]) -> None:
-    counts = figures["counts"]
+def test_counts_add_up(results: dict[str, Any]) -> None:
+    counts = results["counts"]
     assert counts["faults_tried"] == len(SCENARIOS) == counts["faults_passed"]
-    assert counts["inputs_tried"] == len(figures["inputs"]) == counts["inputs_passed"]
+    assert counts["inputs_tried"] == len(results["inputs"]) == counts["inputs_passed"]

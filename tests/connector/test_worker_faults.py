@@ -118,7 +118,7 @@ def test_a_hand_off_failing_after_pinning_frees_and_unpins(model_dir: Path) -> N
                 raise OSError("the device went away")
             write(seq, first, blocks, partial)
 
-        kv.write = broken_write  # type: ignore[method-assign]
+        kv.write = broken_write  # type: ignore[method-assign,assignment]
         assert hooks.on_finish(seq, cache=True, engine=engine)
         assert seq.handoff_error is not None and "device went away" in seq.handoff_error
         assert engine.retired == [blocks[2:]]  # the partial page's block only
