@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import CheckContext, not_a_server_error
 from schemathesis.core.failures import Failure
 
+from benchmarks.reliability.bad_inputs import CASES, BadInput
 from tests.http_client import call
 from tests.procs import running
 
@@ -40,8 +41,7 @@ schema = schemathesis.pytest.from_fixture("api")
 
 
 def error_bodies_are_json(ctx: CheckContext, response: Any, case: Any) -> bool | None:
-    """Every 4xx says what is wrong in the JSON error shape (flush_cache's plain-text 400
-    is SGLang's own answer and is left out of the run)."""
+    """Every 4xx says what is wrong in the JSON error shape."""
     if 400 <= response.status_code < 500:
         body = json.loads(response.content)
         if not (isinstance(body, dict) and isinstance(body.get("message"), str)):
@@ -53,7 +53,7 @@ def error_bodies_are_json(ctx: CheckContext, response: Any, case: Any) -> bool |
     return None
 
 
-@schema.exclude(path="/flush_cache").parametrize()
+@schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_generated_request_gets_a_5xx(case: Any, worker_url: str) -> None:
     case.call_and_validate(
@@ -71,19 +71,24 @@ def raw_post(url: str, body: bytes) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize(
+    "case", [c for c in CASES if not c.router_only], ids=lambda c: c.name.replace(" ", "_")
+)
+def test_the_shared_bad_inputs(worker_url: str, case: BadInput) -> None:
+    """The reliability table's bad inputs (benchmarks/reliability/bad_inputs.py)."""
+    got, answer = raw_post(worker_url + case.route, case.body)
+    if case.worker is None:
+        assert 400 <= got < 500 and isinstance(answer["message"], str), (got, answer)
+    else:
+        assert got == case.worker, (got, answer)
+    assert call(worker_url + "/health")[0] == 200
+
+
+@pytest.mark.parametrize(
     ("route", "body", "says"),
     [
-        ("/generate", b"\xff\xfe\x00garbage", "JSON"),
-        ("/generate", b'{"text": "a"', "JSON"),
-        ("/generate", b"[]", "JSON object"),
-        ("/generate", b'{"text": 5}', "text"),
-        ("/generate", b'{"input_ids": [1, -2]}', "input_ids"),
         ("/generate", b'{"text": "a", "input_ids": [1]}', "input_ids"),
         ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": -1}}', "max_new"),
         ("/generate", b'{"text": "a", "sampling_params": {"temperature": "hot"}}', "temperature"),
-        ("/v1/chat/completions", b'{"messages": []}', "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": 1}]}', "role"),
-        ("/v1/completions", b'{"prompt": null}', "prompt"),
         ("/detokenize", b'{"tokens": [1, "a"]}', "tokens"),
         ("/tokenize", b'{"prompt": ["a"]}', "prompt"),
     ],
