@@ -30,15 +30,18 @@ class RedisServer:
     proc: subprocess.Popen[bytes]
 
 
-def start_redis(log_dir: Path, timeout: float = 10.0) -> RedisServer:
-    """redis-server on a free loopback port without persistence, answering PING."""
+def start_redis(log_dir: Path, timeout: float = 10.0, port: int | None = None) -> RedisServer:
+    """redis-server on a free loopback port (or `port`: a restart where the last one was)
+    without persistence, answering PING."""
     binary = shutil.which("redis-server") or "/usr/bin/redis-server"
     if not Path(binary).exists():
         pytest.fail("redis-server is not installed (scripts/install.sh installs it)")
-    port = free_port()
+    port = port or free_port()
     args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
     args += ["--dir", str(log_dir)]
-    server = Launch("redis-server", args, port, log_dir / f"redis-{port}.log").start()
+    runs = len(list(log_dir.glob(f"redis-{port}*.log")))
+    log = log_dir / (f"redis-{port}.log" if not runs else f"redis-{port}-{runs + 1}.log")
+    server = Launch("redis-server", args, port, log).start()
     why = wait_until(server, lambda: pong(port), timeout, poll_s=0.05)
     if why is not None:
         server.stop(5)
