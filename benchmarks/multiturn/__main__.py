@@ -309,7 +309,7 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
 
 
 def run_key(run: dict[str, Any]) -> tuple[Any, ...]:
-    return (run["workload"], run["multiple"], run.get("host_ratio"), run["seed"], run["system"])
+    return (run["workload"], run["multiple"], run["hicache_ratio"], run["seed"], run["system"])
 
 
 if __name__ == "__main__":

@@ -394,6 +394,13 @@ def test_capacity_results_merge(cap_dir: Path, capacity: dict[str, Any], tmp_pat
     assert again["targets"] == capacity["targets"] and again["summary"] == capacity["summary"]
     twice = benchmark("multiturn", first, "--report-only", "--merge", str(first), timeout=120)
     assert twice.returncode == 2 and "two results hold the same run" in twice.stderr
+    other_tier = tmp_path / "other_tier"  # the same runs with another host tier: not twins
+    other_tier.mkdir()
+    moved = [{**r, "hicache_ratio": r["hicache_ratio"] + 1} for r in capacity["runs"]]
+    (other_tier / "results.json").write_text(json.dumps({**capacity, "runs": moved}))
+    both = benchmark("multiturn", first, "--report-only", "--merge", str(other_tier), timeout=120)
+    assert both.returncode == 0, both.stderr[-2000:]
+    assert len(json.loads((first / "results.json").read_text())["runs"]) == 2 * len(moved)
     alone = benchmark("multiturn", first, "--merge", str(second), timeout=60)
     assert alone.returncode == 2 and "--merge belongs to --report-only" in alone.stderr
 
