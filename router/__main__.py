@@ -24,6 +24,8 @@ from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
+from router.replica_trees import ReplicatedTrees
+from router.replicas import ReplicaConfig, new_replica_id
 from router.server import Router, RouterConfig
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
@@ -150,6 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' caching mode (basic, caching-1, caching-2, caching-3): which prompt "
         "trees learn what after a PD request",
     )
+    a(
+        "--redis-url",
+        default=None,
+        help="share prompt-tree updates, in-flight load and added/removed workers with other "
+        "router replicas through this Redis (e.g. redis://127.0.0.1:6379/0)",
+    )
+    a("--replica-id", default=None, help="this replica's name in Redis (default: random)")
+    a("--redis-namespace", default="memserve", help="prefix of the replicas' Redis keys")
+    a(
+        "--replica-snapshot-secs",
+        type=float,
+        default=10,
+        help="how often one replica writes the trees' snapshot a starting replica reads",
+    )
     a("--local-workers", type=int, default=2, help="workers to start when none are named")
     a("--local-backend", choices=["auto", "hf", "sim"], default="auto")
     a("--log-level", default="warning")
@@ -250,7 +266,10 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             registry.add(url, WorkerType.DECODE)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    trees = PromptTrees(args.page_size, args.tree_ttl_secs, args.max_tree_size)
+    replica = replica_config(args)
+    trees = (PromptTrees if replica is None else ReplicatedTrees)(
+        args.page_size, args.tree_ttl_secs, args.max_tree_size
+    )
     thresholds = Thresholds(
         args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold
     )
@@ -293,8 +312,23 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         ),
         kv_events_endpoint=args.kv_events_bind,
         cost=cost,
+        replica=replica,
     )
     return Router(config, registry, trees, policy, encoder, pd)
+
+
+def replica_config(args: argparse.Namespace) -> ReplicaConfig | None:
+    """--redis-url and its companions; None without it."""
+    if args.redis_url is None:
+        return None
+    if not args.replica_snapshot_secs > 0:
+        raise SystemExit(f"--replica-snapshot-secs must be > 0, got {args.replica_snapshot_secs}")
+    return ReplicaConfig(
+        args.redis_url,
+        args.replica_id or new_replica_id(),
+        args.redis_namespace,
+        snapshot_interval_s=args.replica_snapshot_secs,
+    )
 
 
 def cost_model(args: argparse.Namespace) -> CostModel:

@@ -1,7 +1,8 @@
 """What router replicas tell each other: tree and registry operations, and snapshots.
 
 Each replica keeps its prompt trees in memory and publishes the operations that change them
-(record, drop, forget, clear) plus worker additions and removals; the others apply them.
+(record, drop, forget, clear), worker additions and removals, and its in-flight load per
+worker; the others apply them.
 Messages are msgpack (msgspec) with tokens packed as uint32 little-endian bytes, a version,
 and a header (replica id, incarnation, sequence number) that lets a reader skip its own
 messages and drop duplicates (a batch re-sent after a reply was lost). This module holds the
@@ -29,7 +30,8 @@ FORGET = "forget"
 CLEAR = "clear"
 ADD_WORKER = "add_worker"
 REMOVE_WORKER = "remove_worker"
-KINDS = frozenset({RECORD, DROP, FORGET, CLEAR, ADD_WORKER, REMOVE_WORKER})
+LOAD = "load"  # the publisher's in-flight requests and prompt tokens per worker URL
+KINDS = frozenset({RECORD, DROP, FORGET, CLEAR, ADD_WORKER, REMOVE_WORKER, LOAD})
 
 
 class Op(msgspec.Struct, omit_defaults=True):
@@ -47,6 +49,7 @@ class Op(msgspec.Struct, omit_defaults=True):
     keep: int = 0  # drop: tokens kept
     tier: str | None = None  # Tier value; drop with None: every tier
     bootstrap_port: int | None = None  # add_worker
+    loads: dict[str, list[int]] | None = None  # load: URL -> [requests, prompt tokens]
 
 
 class SnapshotEntry(msgspec.Struct, array_like=True):

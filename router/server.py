@@ -30,10 +30,13 @@ from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
+from router.replica_trees import ReplicatedTrees
+from router.replicas import ReplicaConfig, Replicator
 from router.request import (
     INFERENCE_ROUTES,
     RequestError,
     check_model,
+    full_tokens,
     parse_json_object,
     route_request,
     session_key,
@@ -62,6 +65,7 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     kv_events_endpoint: str | None = None  # bind a ZMQ SUB socket here for KV events
     cost: CostModel = field(default_factory=CostModel)  # the policies' expected-TTFT terms
+    replica: ReplicaConfig | None = None  # share state with other replicas through Redis
 
 
 class Router:
@@ -122,6 +126,7 @@ class Router:
         )
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
         self.kv_listener: KVEventListener | None = None
+        self.replicator: Replicator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._openapi = router_document(VERSION)
 
@@ -163,8 +168,21 @@ class Router:
                 self.config.kv_events_endpoint, self.trees, self.registry
             )
             self.kv_listener.start()
+        if self.config.replica is not None:
+            if not isinstance(self.trees, ReplicatedTrees):
+                raise TypeError("replicas need ReplicatedTrees")
+            self.replicator = Replicator(
+                self.config.replica,
+                self.trees,
+                self.registry,
+                self.metrics.registry,
+                on_worker_added=self._adopt,
+            )
+            self.replicator.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self.replicator is not None:
+            await self.replicator.stop()
         if self._expiry is not None:
             self._expiry.cancel()
         if self.kv_listener is not None:
@@ -201,6 +219,11 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             info = None
         worker.agent = Agent.from_server_info(info)
+
+    async def _adopt(self, worker: Worker) -> None:
+        """A worker another replica added: checked and learned as if added here."""
+        await self.registry.check(worker)
+        await self._learn_model(worker)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -244,6 +267,10 @@ class Router:
                 check_model(body, self.model_ids)
                 encoder = self.encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text)
+                if self.replicator is not None and prompt.rest:
+                    # Text this replica never encoded may be on a path another one recorded:
+                    # encode it before routing (only its new pieces; the cache has the rest).
+                    full_tokens(prompt, encoder)
                 prompt.session = session_key(request.headers, body)
                 try:
                     return await self.dispatcher.dispatch(Call(request, route, body, raw, prompt))
@@ -317,8 +344,16 @@ class Router:
                     "unknown_topics": self.kv_listener.unknown_topics,
                 },
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
+                **self._replica_info(),
             }
         )
+
+    def _replica_info(self) -> dict[str, Any]:
+        """With --redis-url: the replica's state, and the pages each holder holds (two
+        replicas have converged when theirs are equal)."""
+        if self.replicator is None or not isinstance(self.trees, ReplicatedTrees):
+            return {}
+        return {"replica": self.replicator.info(), "tree_holders": self.trees.holder_pages()}
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Fan out to every worker; the trees forget everything."""
@@ -364,6 +399,8 @@ class Router:
         except ValueError as exc:
             status = 409 if "already" in str(exc) else 400
             raise RequestError(status, str(exc)) from None
+        if self.replicator is not None:
+            self.replicator.worker_added(worker)
         await self.registry.check(worker)
         await self._learn_model(worker)
         return web.json_response(self._worker_json(worker))
@@ -388,6 +425,8 @@ class Router:
             worker = self.registry.remove(self._find(request))
         except (KeyError, ValueError) as exc:
             raise RequestError(404, str(exc).strip("'\"")) from None
+        if self.replicator is not None:
+            self.replicator.worker_removed(worker.url)
         return web.json_response({"removed": worker.url})
 
     async def openapi(self, request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 
 Load is what the router itself has in flight to each worker (requests and prompt tokens),
 refreshed with what the worker reports on /get_load, so a router that just started, or
-one of several replicas, still sees work it did not send.
+one of several replicas, still sees work it did not send; replicas sharing state through
+Redis (router.replicas) also add each other's in-flight counts.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Worker:
     breaker_successes: int = 0
     breaker_opened_at: float = 0.0
     processed: int = 0
+    # other router replicas' requests in flight to it, as they last published them
+    peer_in_flight: int = 0
+    peer_in_flight_tokens: int = 0
     agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
     pulls_served: int = 0  # requests in flight that pull a prefix from this worker
     # the deadlines of the exchanges in flight to it (router.proxy.Bound): a worker that
@@ -98,12 +102,13 @@ class Worker:
 
     @property
     def load(self) -> int:
-        """Requests in flight: the router's own count or the worker's, whichever is larger."""
-        return max(self.in_flight, self.reported_reqs + self.reported_waiting)
+        """Requests in flight: the routers' count (this one's plus its replicas') or the
+        worker's, whichever is larger."""
+        return max(self.in_flight + self.peer_in_flight, self.reported_reqs + self.reported_waiting)
 
     @property
     def queued_tokens(self) -> int:
-        return max(self.in_flight_tokens, self.reported_pending_tokens)
+        return max(self.in_flight_tokens + self.peer_in_flight_tokens, self.reported_pending_tokens)
 
     @property
     def can_pull(self) -> bool:
