@@ -4,9 +4,6 @@ nothing may answer 5xx, crash it or hang it. Bounded: a few hundred requests."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +11,10 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import CheckContext, not_a_server_error
-from schemathesis.core.failures import Failure
+from schemathesis.checks import not_a_server_error
 
 from benchmarks.reliability.bad_inputs import CASES, BadInput
+from tests.fuzzing import error_bodies_are_json
 from tests.http_client import call
 from tests.procs import running
 
@@ -40,19 +37,6 @@ def api(worker_url: str) -> Any:
 schema = schemathesis.pytest.from_fixture("api")
 
 
-def error_bodies_are_json(ctx: CheckContext, response: Any, case: Any) -> bool | None:
-    """Every 4xx says what is wrong in the JSON error shape."""
-    if 400 <= response.status_code < 500:
-        body = json.loads(response.content)
-        if not (isinstance(body, dict) and isinstance(body.get("message"), str)):
-            raise Failure(
-                operation=case.operation.label,
-                title="4xx without a JSON error",
-                message=f"{response.status_code}: {response.content[:200]!r}",
-            )
-    return None
-
-
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_generated_request_gets_a_5xx(case: Any, worker_url: str) -> None:
@@ -61,21 +45,12 @@ def test_no_generated_request_gets_a_5xx(case: Any, worker_url: str) -> None:
     )
 
 
-def raw_post(url: str, body: bytes) -> tuple[int, Any]:
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null")
-
-
 @pytest.mark.parametrize(
     "case", [c for c in CASES if not c.router_only], ids=lambda c: c.name.replace(" ", "_")
 )
 def test_the_shared_bad_inputs(worker_url: str, case: BadInput) -> None:
     """The reliability table's bad inputs (benchmarks/reliability/bad_inputs.py)."""
-    got, answer = raw_post(worker_url + case.route, case.body)
+    got, answer = call(worker_url + case.route, raw=case.body)
     if case.worker is None:
         assert 400 <= got < 500 and isinstance(answer["message"], str), (got, answer)
     else:
@@ -96,7 +71,7 @@ def test_the_shared_bad_inputs(worker_url: str, case: BadInput) -> None:
 def test_hostile_bodies_are_4xx_with_a_reason(
     worker_url: str, route: str, body: bytes, says: str
 ) -> None:
-    got, answer = raw_post(worker_url + route, body)
+    got, answer = call(worker_url + route, raw=body)
     assert 400 <= got < 500 and says in answer["message"], (got, answer)
 
 
@@ -104,20 +79,18 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_serves_on(
     worker_url: str,
 ) -> None:
     """SGLang refuses input + max_new_tokens beyond the context with a 400."""
-    got, answer = raw_post(worker_url + "/generate", json.dumps({"input_ids": [5] * 4096}).encode())
+    got, answer = call(worker_url + "/generate", {"input_ids": [5] * 4096})
     assert got == 400 and "context" in answer["message"].lower(), answer
-    ok, _ = raw_post(
-        worker_url + "/generate",
-        json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 10**12}}).encode(),
-    )
+    absurd = {"text": "hi", "sampling_params": {"max_new_tokens": 10**12}}
+    ok, _ = call(worker_url + "/generate", absurd)
     assert ok in (200, 400)
     assert call(worker_url + "/health")[0] == 200
 
 
 def test_out_of_vocabulary_ids_are_refused(worker_url: str) -> None:
-    got, answer = raw_post(worker_url + "/generate", json.dumps({"input_ids": [10**9]}).encode())
+    got, answer = call(worker_url + "/generate", {"input_ids": [10**9]})
     assert got == 400 and "vocab" in answer["message"].lower(), answer
-    got, answer = raw_post(worker_url + "/detokenize", json.dumps({"tokens": [10**9]}).encode())
+    got, answer = call(worker_url + "/detokenize", {"tokens": [10**9]})
     assert got == 400 and "vocab" in answer["message"].lower(), answer
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import CheckContext, not_a_server_error
-from schemathesis.core.failures import Failure
+from schemathesis.checks import not_a_server_error
 
 from benchmarks.reliability.bad_inputs import HOSTILE
+from tests.fuzzing import error_bodies_are_json
 from tests.http_client import call
 from tests.procs import running
 
@@ -42,19 +42,6 @@ def api(router_url: str) -> Any:
 schema = schemathesis.pytest.from_fixture("api")
 
 
-def error_bodies_are_json(ctx: CheckContext, response: Any, case: Any) -> bool | None:
-    """Every 4xx says what is wrong in the JSON error shape."""
-    if 400 <= response.status_code < 500:
-        body = json.loads(response.content)
-        if not (isinstance(body, dict) and isinstance(body.get("message"), str)):
-            raise Failure(
-                operation=case.operation.label,
-                title="4xx without a JSON error",
-                message=f"{response.status_code}: {response.content[:200]!r}",
-            )
-    return None
-
-
 # Adding workers at random URLs or flushing caches is management, not input handling.
 @(
     schema.exclude(method=["POST", "DELETE"], path_regex="^/workers")
@@ -74,15 +61,6 @@ def test_no_generated_request_gets_a_5xx(case: Any, router_url: str) -> None:
     )
 
 
-def raw_post(url: str, body: bytes, content_type: str = "application/json") -> tuple[int, Any]:
-    req = urllib.request.Request(url, body, {"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"null")
-
-
 @pytest.mark.parametrize(
     ("route", "body", "status", "says"),
     [(case.route, case.body, case.status, case.says) for case in HOSTILE],
@@ -91,13 +69,13 @@ def raw_post(url: str, body: bytes, content_type: str = "application/json") -> t
 def test_hostile_bodies_are_4xx_with_a_reason(
     router_url: str, route: str, body: bytes, status: int, says: str
 ) -> None:
-    got, answer = raw_post(router_url + route, body)
+    got, answer = call(router_url + route, raw=body)
     assert got == status and says in answer["message"], answer
 
 
 def test_oversized_bodies_are_413_and_the_router_keeps_serving(router_url: str) -> None:
     huge = json.dumps({"text": "x" * (2 << 20)}).encode()
-    got, answer = raw_post(router_url + "/generate", huge)
+    got, answer = call(router_url + "/generate", raw=huge)
     assert got == 413 and "max-payload-size" in answer["message"]
     assert call(router_url + "/health")[0] == 200
 
@@ -105,7 +83,7 @@ def test_oversized_bodies_are_413_and_the_router_keeps_serving(router_url: str) 
 @pytest.mark.parametrize("max_tokens", [-1, -(10**12), 10**12])
 def test_negative_or_absurd_max_tokens_end_cleanly(router_url: str, max_tokens: int) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    got, answer = raw_post(router_url + "/v1/chat/completions", json.dumps(body).encode())
+    got, answer = call(router_url + "/v1/chat/completions", raw=json.dumps(body).encode())
     assert got in (200, 400), answer
     if got == 400:
         assert "max_tokens" in answer["message"] or "max_new_tokens" in answer["message"]
