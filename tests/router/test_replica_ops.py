@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from router.replica_ops import (
     ADD_WORKER,
+    LOAD,
     RECORD,
     VERSION,
     Dedupe,
@@ -60,6 +61,8 @@ def test_op_and_snapshot_round_trip() -> None:
     op = Op(VERSION, "r1", 5, 9, RECORD, ts=1.5, url=A, tokens=pack_tokens([1, 2, 3, 4]))
     assert decode_op(encode(op)) == op
     assert decode_op(encode(Op(VERSION, "r1", 5, 10, ADD_WORKER, url=B))).bootstrap_port is None
+    load = Op(VERSION, "r1", 5, 11, LOAD, loads={A: [2, 900], B: [0, 0]})
+    assert decode_op(encode(load)).loads == {A: [2, 900], B: [0, 0]}
     snap = Snapshot(VERSION, "r1", "1-0", 2.0)
     assert decode_snapshot(encode(snap)) == snap
     with pytest.raises(msgspec.DecodeError):
