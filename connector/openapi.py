@@ -21,6 +21,16 @@ def _ref(name: str) -> Schema:
 TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 STOP: Schema = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
 
+# What OpenAI's chat and text completions both take besides their prompt and length.
+OPENAI_SAMPLING: Schema = {
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
+    "stop": STOP,
+    "stream": {"type": "boolean"},
+    "user": {"type": "string"},
+    "seed": {"type": "integer"},
+}
+
 SCHEMAS: dict[str, Schema] = {
     "Error": {
         "type": "object",
@@ -90,12 +100,7 @@ SCHEMAS: dict[str, Schema] = {
             "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
             "max_tokens": {"type": "integer", "minimum": 0},
             "max_completion_tokens": {"type": "integer", "minimum": 0},
-            "temperature": {"type": "number", "minimum": 0},
-            "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-            "stop": STOP,
-            "stream": {"type": "boolean"},
-            "user": {"type": "string"},
-            "seed": {"type": "integer"},
+            **OPENAI_SAMPLING,
         },
     },
     "CompletionRequest": {
@@ -105,12 +110,7 @@ SCHEMAS: dict[str, Schema] = {
             "model": {"type": "string"},
             "prompt": {"oneOf": [{"type": "string"}, TOKEN_IDS]},
             "max_tokens": {"type": "integer", "minimum": 0},
-            "temperature": {"type": "number", "minimum": 0},
-            "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-            "stop": STOP,
-            "stream": {"type": "boolean"},
-            "user": {"type": "string"},
-            "seed": {"type": "integer"},
+            **OPENAI_SAMPLING,
         },
     },
     "TokenizeRequest": {

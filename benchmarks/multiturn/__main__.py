@@ -284,13 +284,11 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
     """Capacity results of several invocations as one: their runs side by side, each
     workload's sizing per multiple and seed united, the commands and times added up. Runs of
     one configuration must not appear twice, and the sim's model must be the same."""
-    out = copy.deepcopy(base)
-    if not str(out["preset"]).startswith("capacity"):
+    if not all(str(f["preset"]).startswith("capacity") for f in (base, *others)):
         raise ValueError("only capacity results merge")
+    out = copy.deepcopy(base)
     seen = {run_key(r) for r in out["runs"]}
     for other in others:
-        if not str(other["preset"]).startswith("capacity"):
-            raise ValueError("only capacity results merge")
         if other.get("sim_model") != out.get("sim_model"):
             raise ValueError("the runs were made with different sim latency models")
         for run in other["runs"]:
