@@ -80,7 +80,7 @@ def built_router() -> Router:
 def router_routes() -> set[str]:
     """GET routes of the router as built by `python -m router`."""
     app = built_router().app()
-    return {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+    return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
 
 
 def probe_routes() -> set[str]:
