@@ -95,8 +95,15 @@ class MemPoolStorage(HiCacheStorage):
                 f"{len(keys)} keys need {len(keys) * page} host indices (pages of {page} "
                 f"tokens), got {host_indices.numel()}"
             )
-        starts = host_indices[::page].tolist()
-        return [host.get_data_page(int(i), flat=False) for i in starts]
+        views = [host.get_data_page(int(i), flat=False) for i in host_indices[::page].tolist()]
+        want = self._rt().page_bytes
+        for start, view in zip(host_indices[::page].tolist(), views, strict=True):
+            if view.numel() * view.element_size() != want:
+                raise ValueError(
+                    f"host index {start} does not start a whole page of the host pool "
+                    f"({view.numel() * view.element_size()} of {want} bytes there)"
+                )
+        return views
 
     def _block(self, addr: int, like: torch.Tensor) -> torch.Tensor:
         """A MemPool block as a tensor shaped like one page of the host pool (no copy)."""

@@ -163,7 +163,7 @@ def test_sglangs_own_keys_are_required_too() -> None:
 
 
 def test_a_page_size_mismatch_is_refused_at_start() -> None:
-    with pytest.raises(ValueError, match="mempool_page_size=16 tokens.*pages of 4 tokens"):
+    with pytest.raises(ValueError, match=r"mempool_page_size=16 tokens.*pages of 4 tokens"):
         create(extra(mempool_page_size=16), host_pool())
 
 
@@ -173,6 +173,8 @@ def test_wrong_host_indices_and_tensors_are_refused(backend: MemPoolStorage) -> 
         ValueError, match=r"2 keys need 8 host indices \(pages of 4 tokens\), got 7"
     ):
         backend.batch_set_v1(keys, indices(2)[:7])
+    with pytest.raises(ValueError, match="host index 128 does not start a whole page"):
+        backend.batch_get_v1(keys, indices(2, first_page=31))
     with pytest.raises(ValueError, match="page size mismatch: a page here is 768 bytes"):
         backend.batch_set(keys[:1], [torch.zeros(10, dtype=torch.float16)])
     assert backend.batch_exists(keys) == 0  # nothing half-stored
