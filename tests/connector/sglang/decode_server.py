@@ -1,5 +1,5 @@
-"""A decode server's storage side, in its own process: `python -m tests.connector.sglang.decode_server
-CONFIG_JSON TOKENS_JSON SEED`.
+"""A decode server's storage side, in its own process:
+`python -m tests.connector.sglang.decode_server CONFIG_JSON TOKENS_JSON SEED`.
 
 It builds the backend as SGLang does (factory from the extra config, then the host pool),
 writes every whole page of TOKENS through HiCacheController's backup path (batch_set_v1),

@@ -14,7 +14,11 @@ from connector.sglang.backend import MemPoolStorage
 from tests.connector.sglang.sglang_code import HostPool
 
 PAGE = 4  # SGLang tokens per page in these tests
-GEOMETRY = {"layer_num": 3, "head_num": 2, "head_dim": 8}  # 768 bytes a page in fp16 (K and V)
+GEOMETRY: dict[str, Any] = {
+    "layer_num": 3,
+    "head_num": 2,
+    "head_dim": 8,
+}  # 768 bytes a page in fp16 (K and V)
 
 
 def extra(**overrides: Any) -> dict[str, Any]:

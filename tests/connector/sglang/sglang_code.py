@@ -59,8 +59,8 @@ def _load(relative: str, classes: dict[str, tuple[str, ...] | None]) -> dict[str
     found: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Import | ast.ImportFrom):
-            mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-            if mod and (mod.split(".")[0] != "sglang" or mod in ALLOWED_IMPORTS):
+            src = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if src and (src.split(".")[0] != "sglang" or src in ALLOWED_IMPORTS):
                 body.append(node)
         elif isinstance(node, ast.ClassDef) and node.name in classes:
             methods = classes[node.name]
@@ -87,16 +87,20 @@ def _load(relative: str, classes: dict[str, tuple[str, ...] | None]) -> dict[str
     return mod.__dict__
 
 
-_CONTROLLER = _load(
+_CONTROLLER: dict[str, Any] = _load(
     "srt/managers/cache_controller.py",
     {"HiCacheController": CONTROLLER_METHODS, **dict.fromkeys(CONTROLLER_CLASSES)},
 )
-_HOST = _load("srt/mem_cache/pool_host/mha.py", {"MHATokenToKVPoolHost": HOST_POOL_METHODS})
+_HOST: dict[str, Any] = _load(
+    "srt/mem_cache/pool_host/mha.py", {"MHATokenToKVPoolHost": HOST_POOL_METHODS}
+)
+_HostBase: Any = _HOST["MHATokenToKVPoolHost"]
+_ControllerBase: Any = _CONTROLLER["HiCacheController"]
 PrefetchOperation = _CONTROLLER["PrefetchOperation"]
 StorageOperation = _CONTROLLER["StorageOperation"]
 
 
-class HostPool(_HOST["MHATokenToKVPoolHost"]):  # type: ignore[misc]
+class HostPool(_HostBase):
     """SGLang's MHA host pool page methods over a CPU buffer laid out as its init_kv_buffer
     lays it out (layer_first or page_first)."""
 
@@ -127,7 +131,7 @@ class HostPool(_HOST["MHATokenToKVPoolHost"]):  # type: ignore[misc]
         self.kv_buffer.copy_(torch.randn(self.kv_buffer.shape, generator=g).to(self.dtype))
 
 
-class Controller(_CONTROLLER["HiCacheController"]):  # type: ignore[misc]
+class Controller(_ControllerBase):
     """HiCacheController's storage methods with the state they read (one rank, no GPU)."""
 
     def __init__(self, backend: Any, host_pool: HostPool, zero_copy: bool = True) -> None:
