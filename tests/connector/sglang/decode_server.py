@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
+from connector.sglang.cpu_paths import Controller
 from tests.connector.sglang.helpers import PAGE, create, host_pool, indices, keys_of, page_digest
-from tests.connector.sglang.sglang_code import Controller
 
 
 def main() -> None:

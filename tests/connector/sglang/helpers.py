@@ -11,7 +11,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from connector.sglang.backend import MemPoolStorage
-from tests.connector.sglang.sglang_code import HostPool
+from connector.sglang.cpu_paths import HostPool
 
 PAGE = 4  # SGLang tokens per page in these tests
 GEOMETRY: dict[str, Any] = {

@@ -14,6 +14,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from connector.sglang import version
 from connector.sglang.backend import MemPoolStorage
+from connector.sglang.cpu_paths import Controller
 from connector.sglang.keys import key_tokens
 from tests.connector.sglang.helpers import (
     PAGE,
@@ -25,7 +26,6 @@ from tests.connector.sglang.helpers import (
     page_digest,
     storage_config,
 )
-from tests.connector.sglang.sglang_code import Controller
 
 
 @pytest.fixture

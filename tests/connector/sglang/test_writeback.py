@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from connector.sglang.backend import MemPoolStorage
+from connector.sglang.cpu_paths import Controller
 from tests.connector.sglang.helpers import (
     PAGE,
     create,
@@ -23,7 +24,6 @@ from tests.connector.sglang.helpers import (
     keys_of,
     page_digest,
 )
-from tests.connector.sglang.sglang_code import Controller
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,4 +1,4 @@
-"""SGLang's own storage call paths and host-pool page code, run on a CPU.
+"""SGLang's own storage call paths and host-pool page code, run on a CPU (tests, benchmark).
 
 `HiCacheController` (sglang/srt/managers/cache_controller.py) and `MHATokenToKVPoolHost`
 (sglang/srt/mem_cache/pool_host/mha.py) cannot be imported here: their modules import the
