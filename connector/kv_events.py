@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
+
+# A replay ends with this sequence number (-1) and an empty payload.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -105,15 +109,15 @@ class KVEventPublisher:
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._buffer_lock = threading.Lock()
         self._topic = config.topic.encode()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._bind_or_connect(self._pub, config.endpoint)
-        self._replay = None
+        self._replay: _ReplayServer | None = None
         if config.replay_endpoint:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(config.replay_endpoint)
+            self._replay = _ReplayServer(self._ctx, config.replay_endpoint, self._buffered)
         self._pending: list[Any] = []
 
     @staticmethod
@@ -165,9 +169,7 @@ class KVEventPublisher:
         self._pending.append(AllBlocksCleared())
 
     def flush(self) -> None:
-        """Send what this step produced as one batch; serve replay requests."""
-        if self._replay is not None:
-            self._serve_replay()
+        """Send what this step produced as one batch."""
         if not self._pending:
             return
         payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=self._pending))
@@ -175,24 +177,54 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        with self._buffer_lock:
+            self._buffer.append((seq, payload))
 
-    def _serve_replay(self) -> None:
-        while self._replay is not None and self._replay.poll(0):
-            frames = self._replay.recv_multipart()
-            if len(frames) != 3:
-                continue
-            client, _, start = frames
-            first = int.from_bytes(start, "big")
-            for seq, payload in self._buffer:
-                if seq >= first:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+    def _buffered(self, first: int) -> list[tuple[int, bytes]]:
+        """The buffered batches from sequence number `first` on (for the replay thread)."""
+        with self._buffer_lock:
+            return [(seq, payload) for seq, payload in self._buffer if seq >= first]
 
     def close(self) -> None:
         self._pub.close(linger=0)
         if self._replay is not None:
-            self._replay.close(linger=0)
+            self._replay.close()
+
+
+class _ReplayServer:
+    """The ROUTER socket that answers replay requests, on its own thread (as SGLang's
+    publisher thread does): a subscriber that missed batches is answered at once, even
+    while the engine is idle and publishes nothing."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        buffered: Callable[[int], list[tuple[int, bytes]]],
+    ) -> None:
+        self._buffered = buffered
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.bind(endpoint)  # bound here (errors reach the caller), used by the thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-events-replay", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
+            for seq, payload in self._buffered(max(start, 0)):
+                self._sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._sock.send_multipart((client, b"", END_SEQ, b""))
+        self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

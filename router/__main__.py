@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bind a ZMQ SUB socket here (e.g. tcp://127.0.0.1:5557) for workers' KV events; "
         "each worker publishes to it with its own URL as the topic",
     )
+    a(
+        "--kv-events-subscribe",
+        action="store_true",
+        help="subscribe to every worker's KV events where its /get_server_info says it binds "
+        "(kv_events_config endpoint tcp://*:PORT, replay_endpoint for gaps): every router "
+        "replica receives every event",
+    )
     cost = CostModel()
     a(
         "--prefill-secs-per-token",
@@ -311,6 +318,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             not args.disable_retries,
         ),
         kv_events_endpoint=args.kv_events_bind,
+        kv_events_subscribe=args.kv_events_subscribe,
         cost=cost,
         replica=replica,
     )

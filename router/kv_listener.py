@@ -1,9 +1,10 @@
 """Exact tree updates from engines' KV events (SGLang's ZMQ format).
 
-The router binds one SUB socket; each worker publishes to it with its own URL as the topic
-(SGLang's kv-events-config: {"publisher": "zmq", "endpoint": "tcp://ROUTER:PORT",
-"topic": "http://WORKER:PORT"}). BlockStored names pages by chained hashes plus their
-tokens, so the listener keeps, per worker, each page's parent and tokens to rebuild the full
+With --kv-events-bind the router binds one SUB socket; each worker publishes to it with its
+own URL as the topic (SGLang's kv-events-config: {"publisher": "zmq", "endpoint":
+"tcp://ROUTER:PORT", "topic": "http://WORKER:PORT"}); with --kv-events-subscribe every
+replica subscribes to every worker (router.kv_subscriber). BlockStored names pages by
+chained hashes plus their tokens, so the applier keeps, per worker, each page's parent and tokens to rebuild the full
 prefix a hash stands for; BlockRemoved drops that prefix's tail for the worker;
 AllBlocksCleared forgets the worker. SGLang's `medium` says which tier an event is about
 (GPU, or CPU_PINNED for a host tier): a page swapped out to host is BlockRemoved(GPU) then
@@ -14,7 +15,10 @@ is kept while any tier holds it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import msgspec
@@ -59,41 +63,32 @@ class _Pages:
         return [t for page in reversed(chain) for t in page]
 
 
-class KVEventListener:
-    """Feeds the prompt trees from workers' KV events."""
+class KVEventApplier:
+    """Turns workers' KV event batches into prompt-tree changes.
 
-    def __init__(self, endpoint: str, trees: PromptTrees, registry: WorkerRegistry) -> None:
-        self.endpoint = endpoint
+    `quiet` wraps every change: with replicas that each receive every worker's events
+    (--kv-events-subscribe), a change learned from an event is not published to the others,
+    who learn it from the same event.
+    """
+
+    def __init__(
+        self,
+        trees: PromptTrees,
+        registry: WorkerRegistry,
+        quiet: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
         self.trees = trees
         self.registry = registry
+        self.quiet = quiet
         self.pages: dict[str, _Pages] = {}
         self.batches = 0
         self.unknown_topics = 0
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.bind(endpoint)
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._sock.close(linger=0)
-
-    async def _run(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 3:
-                continue
-            try:
-                self.apply(frames[0].decode(), self._decoder.decode(frames[2]))
-            except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
-                log.warning("undecodable KV event batch from %r", frames[0][:80])
+    def forget(self, url: str) -> None:
+        """The worker's cache is gone (it restarted): forget its pages and holdings."""
+        self.pages.pop(url, None)
+        with self.quiet():
+            self.trees.forget(url)
 
     def apply(self, topic: str, batch: KVEventBatch) -> None:
         """Apply one batch published by the worker named by `topic`."""
@@ -106,20 +101,25 @@ class KVEventListener:
             self.unknown_topics += 1
             return
         self.batches += 1
-        pages = self.pages.setdefault(url, _Pages())
+        with self.quiet():
+            self._apply(url, worker.type, self.pages.setdefault(url, _Pages()), batch)
+
+    def _apply(self, url: str, type: WorkerType, pages: _Pages, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._stored(url, worker.type, pages, event)
+                self._stored(url, type, pages, event)
             elif isinstance(event, BlockRemoved):
                 tier = Tier.of_medium(event.medium)
                 for block_hash in event.block_hashes:
                     tokens = pages.prefix(block_hash)
                     if tokens is not None:
                         keep = len(tokens) - len(pages.tokens[block_hash])
-                        self.trees.drop(worker.type, url, tokens, keep, tier)
+                        self.trees.drop(type, url, tokens, keep, tier)
                     pages.gone_from(block_hash, tier)
             elif isinstance(event, AllBlocksCleared):
-                self.pages[url] = _Pages()
+                pages.parent.clear()
+                pages.tokens.clear()
+                pages.tiers.clear()
                 self.trees.forget(url)
 
     def _stored(self, url: str, type: WorkerType, pages: _Pages, event: BlockStored) -> None:
@@ -134,3 +134,43 @@ class KVEventListener:
         tokens = pages.prefix(parent) if parent is not None else None
         if tokens:
             self.trees.record(type, url, tokens, tier)
+
+
+class KVEventListener:
+    """One bound SUB socket every worker publishes to, each with its URL as the topic
+    (--kv-events-bind: one router, or one replica that shares what it learns)."""
+
+    def __init__(self, endpoint: str, applier: KVEventApplier) -> None:
+        self.endpoint = endpoint
+        self.applier = applier
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(endpoint)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close(linger=0)
+
+    def info(self) -> dict[str, object]:
+        return {
+            "endpoint": self.endpoint,
+            "batches": self.applier.batches,
+            "unknown_topics": self.applier.unknown_topics,
+        }
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            try:
+                self.applier.apply(frames[0].decode(), self._decoder.decode(frames[2]))
+            except (msgspec.DecodeError, UnicodeDecodeError, ValueError):
+                log.warning("undecodable KV event batch from %r", frames[0][:80])

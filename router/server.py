@@ -7,6 +7,7 @@ wrong types, empty messages, unknown model, oversized body, missing API key, ful
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -23,7 +24,8 @@ from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
-from router.kv_listener import KVEventListener
+from router.kv_listener import KVEventApplier, KVEventListener
+from router.kv_subscriber import EventSource, KVEventSubscriber
 from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
@@ -64,6 +66,7 @@ class RouterConfig:
     queue_timeout_s: float = 60.0
     retry: RetryConfig = field(default_factory=RetryConfig)
     kv_events_endpoint: str | None = None  # bind a ZMQ SUB socket here for KV events
+    kv_events_subscribe: bool = False  # connect to every worker's KV-event publisher
     cost: CostModel = field(default_factory=CostModel)  # the policies' expected-TTFT terms
     replica: ReplicaConfig | None = None  # share state with other replicas through Redis
 
@@ -99,7 +102,8 @@ class Router:
             )
         )
         self._active = 0  # inference requests inside the router now
-        registry.when_gone(lambda w: trees.forget(w.url))
+        registry.when_gone(self._gone)
+        registry.when_back(self._back)
         self.session: aiohttp.ClientSession | None = None  # management calls
         self.upstream = UpstreamPool()  # the inference hot path
         sender = Sender(
@@ -122,10 +126,20 @@ class Router:
             encoder,
             self.uses_tokens,
             idle=lambda: self._active <= PRIME_WHEN_ACTIVE_AT_MOST,
-            exact=config.kv_events_endpoint is not None,
+            exact=config.kv_events_endpoint is not None or config.kv_events_subscribe,
         )
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
+        # Replicas that each subscribe to every worker learn each event themselves: what
+        # an event changes is not published to the others.
+        quiet = (
+            trees.applying
+            if config.kv_events_subscribe and isinstance(trees, ReplicatedTrees)
+            else contextlib.nullcontext
+        )
+        self.kv_applier = KVEventApplier(trees, registry, quiet)
         self.kv_listener: KVEventListener | None = None
+        self.kv_subscriber: KVEventSubscriber | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.replicator: Replicator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._openapi = router_document(VERSION)
@@ -160,13 +174,13 @@ class Router:
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.registry.start(self.session)
+        if self.config.kv_events_subscribe:
+            self.kv_subscriber = KVEventSubscriber(self.kv_applier)
         await self.registry.check_all()
         await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
         if self.config.kv_events_endpoint:
-            self.kv_listener = KVEventListener(
-                self.config.kv_events_endpoint, self.trees, self.registry
-            )
+            self.kv_listener = KVEventListener(self.config.kv_events_endpoint, self.kv_applier)
             self.kv_listener.start()
         if self.config.replica is not None:
             if not isinstance(self.trees, ReplicatedTrees):
@@ -187,6 +201,10 @@ class Router:
             self._expiry.cancel()
         if self.kv_listener is not None:
             await self.kv_listener.stop()
+        if self.kv_subscriber is not None:
+            await self.kv_subscriber.stop()
+        for task in self._background:
+            task.cancel()
         await self.registry.stop()
         await self.upstream.close()
         if self.session is not None:
@@ -219,6 +237,35 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             info = None
         worker.agent = Agent.from_server_info(info)
+        if self.kv_subscriber is not None and info is not None:
+            source = EventSource.from_server_info(worker.url, info)
+            if source is not None:
+                self.kv_subscriber.follow(worker.url, source)
+            elif worker.url not in self.kv_subscriber.feeds:
+                log.warning(
+                    "%s publishes no KV events a replica can subscribe to: give it "
+                    '--kv-events-config \'{"publisher":"zmq","endpoint":"tcp://*:PORT"}\'',
+                    worker.url,
+                )
+
+    def _gone(self, worker: Worker) -> None:
+        """Removed, or marked unhealthy: the trees forget what it held. A removed worker's
+        events are no longer followed; an unhealthy one's are followed afresh (it may come
+        back as a new process, whose numbering starts again)."""
+        self.trees.forget(worker.url)
+        if self.kv_subscriber is not None:
+            if worker.url in self.registry.workers:
+                self.kv_subscriber.restart(worker.url)
+            else:
+                self.kv_subscriber.unfollow(worker.url)
+        self.kv_applier.pages.pop(worker.url, None)
+
+    def _back(self, worker: Worker) -> None:
+        """Healthy again: learn it anew (a restarted worker may have a new agent, and one
+        that was down when the router started has not been learned yet)."""
+        task = asyncio.get_running_loop().create_task(self._learn_model(worker))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _adopt(self, worker: Worker) -> None:
         """A worker another replica added: checked and learned as if added here."""
@@ -336,17 +383,16 @@ class Router:
                     "corrections": self.trees.stats.corrections,
                 },
                 "tokenizer": None if self.encoder is None else self.encoder.stats(),
-                "kv_events": None
-                if self.kv_listener is None
-                else {
-                    "endpoint": self.config.kv_events_endpoint,
-                    "batches": self.kv_listener.batches,
-                    "unknown_topics": self.kv_listener.unknown_topics,
-                },
+                "kv_events": self._kv_events_info(),
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
                 **self._replica_info(),
             }
         )
+
+    def _kv_events_info(self) -> dict[str, object] | None:
+        if self.kv_subscriber is not None:
+            return {**self.kv_subscriber.info(), "batches_applied": self.kv_applier.batches}
+        return None if self.kv_listener is None else self.kv_listener.info()
 
     def _replica_info(self) -> dict[str, Any]:
         """With --redis-url: the replica's state, and the pages each holder holds (two

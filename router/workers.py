@@ -209,6 +209,7 @@ class WorkerRegistry:
         self.health_timeout_s = health_timeout_s
         self.workers: dict[str, Worker] = {}
         self._on_gone: list[Callable[[Worker], None]] = []
+        self._on_back: list[Callable[[Worker], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -236,6 +237,10 @@ class WorkerRegistry:
         """Call `callback(worker)` when a worker is removed or marked unhealthy (the trees
         forget what it held)."""
         self._on_gone.append(callback)
+
+    def when_back(self, callback: Callable[[Worker], None]) -> None:
+        """Call `callback(worker)` when an unhealthy worker passes its health checks again."""
+        self._on_back.append(callback)
 
     def available(self, type: WorkerType | None = None) -> list[Worker]:
         """Workers a request may go to: healthy, breaker not open, of the wanted type."""
@@ -323,6 +328,8 @@ class WorkerRegistry:
             if not worker.healthy and worker.health_successes >= self.success_threshold:
                 worker.healthy = True
                 log.warning("worker %s is healthy again", worker.url)
+                for callback in self._on_back:
+                    callback(worker)
             return
         worker.health_successes = 0
         worker.health_failures += 1

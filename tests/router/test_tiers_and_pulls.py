@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.request
@@ -12,7 +11,7 @@ import pytest
 
 from connector.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from router.dispatch import with_prefix_holders
-from router.kv_listener import KVEventListener
+from router.kv_listener import KVEventApplier
 from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
@@ -150,31 +149,28 @@ def test_kv_events_move_a_workers_pages_between_its_tiers() -> None:
     registry = WorkerRegistry(BreakerConfig())
     worker = registry.add("http://127.0.0.1:9200")
     trees = PromptTrees(page_size=4)
-    listener = KVEventListener("inproc://tiers-test", trees, registry)
-    try:
-        tokens = list(range(16))
-        hashes = page_hashes(tokens, 4)
+    listener = KVEventApplier(trees, registry)
+    tokens = list(range(16))
+    hashes = page_hashes(tokens, 4)
 
-        def send(*events: BlockStored | BlockRemoved) -> None:
-            listener.apply(worker.url, KVEventBatch(0.0, list(events)))
+    def send(*events: BlockStored | BlockRemoved) -> None:
+        listener.apply(worker.url, KVEventBatch(0.0, list(events)))
 
-        send(BlockStored(hashes, None, tokens, 4, None, "GPU"))
-        assert trees.match(C, tokens).device == {worker.url: 16}
-        send(
-            BlockRemoved(hashes[2:], "GPU"),
-            BlockStored(hashes[2:], hashes[1], tokens[8:], 4, None, "CPU_PINNED"),
-        )
-        view = trees.match(C, tokens)
-        assert view.held[worker.url] == 16 and view.host(worker.url) == 8
-        send(BlockRemoved(hashes[3:], "CPU_PINNED"))  # the host tier dropped the last page
-        view = trees.match(C, tokens)
-        assert view.held[worker.url] == 12 and view.device[worker.url] == 8
-        send(BlockRemoved(hashes[:2]))  # no medium: the GPU, as SGLang without HiCache
-        assert trees.match(C, tokens).held.get(worker.url, 0) == 0 or (
-            trees.match(C, tokens).device.get(worker.url, 0) == 0
-        )
-    finally:
-        asyncio.run(listener.stop())
+    send(BlockStored(hashes, None, tokens, 4, None, "GPU"))
+    assert trees.match(C, tokens).device == {worker.url: 16}
+    send(
+        BlockRemoved(hashes[2:], "GPU"),
+        BlockStored(hashes[2:], hashes[1], tokens[8:], 4, None, "CPU_PINNED"),
+    )
+    view = trees.match(C, tokens)
+    assert view.held[worker.url] == 16 and view.host(worker.url) == 8
+    send(BlockRemoved(hashes[3:], "CPU_PINNED"))  # the host tier dropped the last page
+    view = trees.match(C, tokens)
+    assert view.held[worker.url] == 12 and view.device[worker.url] == 8
+    send(BlockRemoved(hashes[:2]))  # no medium: the GPU, as SGLang without HiCache
+    assert trees.match(C, tokens).held.get(worker.url, 0) == 0 or (
+        trees.match(C, tokens).device.get(worker.url, 0) == 0
+    )
 
 
 def test_the_router_routes_to_a_host_tier_hit_it_heard_of(model_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,123 @@
+"""KV events reach every router replica (--kv-events-subscribe), as real processes: workers
+bind their publishers, each replica finds them in the workers' /get_server_info and
+subscribes; traffic that bypasses the routers shows in every replica's trees without a
+replica op through Redis; a replica started later replays what it missed; a worker
+killed and restarted is forgotten, then followed from its new start."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from router.replica_ops import DROP, FORGET, RECORD, decode_op
+from tests.http_client import call
+from tests.procs import Server, free_port, running
+from tests.router.test_router import router
+
+# 10, 10 and 20 pages of 16 tokens
+PROMPTS = [[5000 + 1000 * i + t for t in range(n)] for i, n in enumerate((160, 160, 320))]
+
+
+def events_config(run_dir: Path, port: int) -> str:
+    return json.dumps(
+        {
+            "publisher": "zmq",
+            "endpoint": f"ipc://{run_dir}/kv-{port}.sock",
+            "replay_endpoint": f"ipc://{run_dir}/kv-{port}-replay.sock",
+        }
+    )
+
+
+def worker(model_dir: Path, run_dir: Path, port: int) -> contextlib.AbstractContextManager[Server]:
+    args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
+    args += ["--kv-events-config", events_config(run_dir, port)]
+    return running("connector.worker", args, run_dir, port=port)
+
+
+def replica(urls: list[str], run_dir: Path, redis_url: str, name: str):
+    return router(
+        urls,
+        run_dir,
+        "--redis-url",
+        redis_url,
+        "--replica-id",
+        name,
+        "--kv-events-subscribe",
+        "--replica-snapshot-secs",
+        "1",
+    )
+
+
+def info(r: Server) -> dict:
+    return call(r.url + "/get_server_info")[1]
+
+
+def pages_of(r: Server, url: str) -> int:
+    return info(r).get("tree_holders", {}).get("colocated", {}).get(url, 0)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def tree_ops(redis_url: str) -> list[str]:
+    """The kinds of the tree ops in the replicas' shared stream (heartbeats left out)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        entries = client.xrange("memserve:trees")
+    finally:
+        client.close()
+    raw = [fields[b"m"] for _, fields in entries or () if fields]
+    kinds = [decode_op(m).op for m in raw if isinstance(m, bytes)]
+    return [k for k in kinds if k in (RECORD, DROP, FORGET)]
+
+
+def generate(url: str, tokens: list[int]) -> None:
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1}}
+    assert call(url + "/generate", body)[0] == 200
+
+
+def test_every_replica_hears_every_worker(model_dir: Path, tmp_path: Path, redis_url: str) -> None:
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(worker(model_dir, tmp_path, p)) for p in ports]
+        a = stack.enter_context(replica(urls, tmp_path, redis_url, "a"))
+        b = stack.enter_context(replica(urls, tmp_path, redis_url, "b"))
+        for r in (a, b):
+            assert set(info(r)["kv_events"]["sources"]) == set(urls)
+
+        # Traffic that bypasses both routers: only the events tell them.
+        generate(workers[0].url, PROMPTS[0])
+        generate(workers[1].url, PROMPTS[1])
+        for r in (a, b):
+            wait_for(lambda r=r: all(pages_of(r, u) >= 10 for u in urls))  # type: ignore[misc]
+        # each learned it from the workers, not from the other through Redis
+        assert tree_ops(redis_url) == []
+
+        # A replica started now replays what the workers published before it.
+        late = stack.enter_context(replica(urls, tmp_path, redis_url, "late"))
+        wait_for(lambda: all(pages_of(late, u) >= 10 for u in urls))
+        events = info(late)["kv_events"]
+        assert events["replayed"] >= 2 and events["lost"] == 0
+
+        # Worker 1 is killed and comes back as a new process with an empty cache.
+        proc = workers[1].proc
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        restarted = stack.enter_context(worker(model_dir, tmp_path, ports[1]))
+        generate(restarted.url, PROMPTS[2])
+        for r in (a, b, late):  # PROMPTS[1]'s 10 pages went with the old process
+            wait_for(lambda r=r: pages_of(r, urls[1]) == 20, timeout=15)  # type: ignore[misc]
+            assert pages_of(r, urls[0]) == 10
