@@ -4,12 +4,12 @@ With --kv-events-bind the router binds one SUB socket; each worker publishes to 
 own URL as the topic (SGLang's kv-events-config: {"publisher": "zmq", "endpoint":
 "tcp://ROUTER:PORT", "topic": "http://WORKER:PORT"}); with --kv-events-subscribe every
 replica subscribes to every worker (router.kv_subscriber). BlockStored names pages by
-chained hashes plus their tokens, so the applier keeps, per worker, each page's parent and tokens to rebuild the full
-prefix a hash stands for; BlockRemoved drops that prefix's tail for the worker;
-AllBlocksCleared forgets the worker. SGLang's `medium` says which tier an event is about
-(GPU, or CPU_PINNED for a host tier): a page swapped out to host is BlockRemoved(GPU) then
-BlockStored(CPU_PINNED), and the trees follow it to the worker's host tier; a page's record
-is kept while any tier holds it.
+chained hashes plus their tokens, so the applier keeps, per worker, each page's parent and
+tokens to rebuild the full prefix a hash stands for; BlockRemoved drops that prefix's tail
+for the worker; AllBlocksCleared forgets the worker. SGLang's `medium` says which tier an
+event is about (GPU, or CPU_PINNED for a host tier): a page swapped out to host is
+BlockRemoved(GPU) then BlockStored(CPU_PINNED), and the trees follow it to the worker's host
+tier; a page's record is kept while any tier holds it.
 """
 
 from __future__ import annotations

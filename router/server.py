@@ -140,6 +140,7 @@ class Router:
         self.kv_listener: KVEventListener | None = None
         self.kv_subscriber: KVEventSubscriber | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._learning: set[str] = set()  # workers being learned now
         self.replicator: Replicator | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._openapi = router_document(VERSION)
@@ -234,6 +235,7 @@ class Router:
         try:
             async with self._http().get(worker.url + "/get_server_info", timeout=timeout) as resp:
                 info = await resp.json(content_type=None) if resp.status == 200 else None
+            worker.learned = True
         except (aiohttp.ClientError, TimeoutError, ValueError):
             info = None
         worker.agent = Agent.from_server_info(info)
@@ -263,7 +265,11 @@ class Router:
     def _back(self, worker: Worker) -> None:
         """Healthy again: learn it anew (a restarted worker may have a new agent, and one
         that was down when the router started has not been learned yet)."""
+        if worker.url in self._learning:
+            return
+        self._learning.add(worker.url)
         task = asyncio.get_running_loop().create_task(self._learn_model(worker))
+        task.add_done_callback(lambda _: self._learning.discard(worker.url))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

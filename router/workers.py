@@ -95,6 +95,7 @@ class Worker:
     peer_in_flight: int = 0
     peer_in_flight_tokens: int = 0
     agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
+    learned: bool = False  # its /get_server_info was read (model, agent, KV-event source)
     pulls_served: int = 0  # requests in flight that pull a prefix from this worker
     # the deadlines of the exchanges in flight to it (router.proxy.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
@@ -239,7 +240,8 @@ class WorkerRegistry:
         self._on_gone.append(callback)
 
     def when_back(self, callback: Callable[[Worker], None]) -> None:
-        """Call `callback(worker)` when an unhealthy worker passes its health checks again."""
+        """Call `callback(worker)` when an unhealthy worker passes its health checks again,
+        or a worker not learned yet (down when it was added) passes one."""
         self._on_back.append(callback)
 
     def available(self, type: WorkerType | None = None) -> list[Worker]:
@@ -325,9 +327,11 @@ class WorkerRegistry:
         if ok:
             worker.health_failures = 0
             worker.health_successes += 1
-            if not worker.healthy and worker.health_successes >= self.success_threshold:
+            back = not worker.healthy and worker.health_successes >= self.success_threshold
+            if back:
                 worker.healthy = True
                 log.warning("worker %s is healthy again", worker.url)
+            if back or (worker.healthy and not worker.learned):
                 for callback in self._on_back:
                     callback(worker)
             return

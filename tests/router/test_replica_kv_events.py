@@ -41,10 +41,11 @@ def worker(model_dir: Path, run_dir: Path, port: int) -> contextlib.AbstractCont
     return running("connector.worker", args, run_dir, port=port)
 
 
-def replica(urls: list[str], run_dir: Path, redis_url: str, name: str):
+def replica(urls: list[str], run_dir: Path, redis_url: str, name: str, *extra: str):
     return router(
         urls,
         run_dir,
+        *extra,
         "--redis-url",
         redis_url,
         "--replica-id",
@@ -121,3 +122,17 @@ def test_every_replica_hears_every_worker(model_dir: Path, tmp_path: Path, redis
         for r in (a, b, late):  # PROMPTS[1]'s 10 pages went with the old process
             wait_for(lambda r=r: pages_of(r, urls[1]) == 20, timeout=15)  # type: ignore[misc]
             assert pages_of(r, urls[0]) == 10
+
+
+def test_a_worker_down_when_the_router_starts_is_followed_once_it_is_up(
+    model_dir: Path, tmp_path: Path, redis_url: str
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # (no worker to ask for the tokenizer: it is named)
+    with replica([url], tmp_path, redis_url, "early", "--tokenizer-path", str(model_dir)) as r:
+        assert info(r)["kv_events"]["sources"] == {}
+        with worker(model_dir, tmp_path, port) as w:
+            wait_for(lambda: url in info(r)["kv_events"]["sources"], timeout=15)
+            generate(w.url, PROMPTS[0])
+            wait_for(lambda: pages_of(r, url) == 10)
