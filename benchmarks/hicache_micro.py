@@ -29,32 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
 from benchmarks.harness import benchmark_main, progress_bar, step, table_section, write_results
 from connector.sglang.backend import MemPoolStorage
-from connector.sglang.cpu_paths import Controller, HostPool, PrefetchOperation, StorageOperation
+from connector.sglang.cpu_paths import (
+    Controller,
+    HostPool,
+    PrefetchOperation,
+    StorageOperation,
+    storage_config,
+)
 
 NAME = "hicache_micro"
 FULL = {"pages": 256, "repeats": 7, "page": 64, "layers": 30, "heads": 3, "dim": 64}
 QUICK = {"pages": 16, "repeats": 2, "page": 16, "layers": 4, "heads": 2, "dim": 32}
 SYSTEMS = ("mempool v1 (zero-copy)", "mempool legacy", "sglang HiCacheFile")
-
-
-def storage_config(extra: dict[str, Any]) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=False,
-        model_name="bench",
-        extra_config=extra,
-    )
 
 
 def keys_for(pages: int, round_: int) -> list[str]:

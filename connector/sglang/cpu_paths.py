@@ -166,3 +166,23 @@ class Controller(_ControllerBase):
         op.host_indices = host_indices[:hit_tokens]
         pages = self._page_transfer(op) if hashes else 0
         return hit_tokens, pages
+
+
+def storage_config(extra_config: dict[str, Any], model_name: str = "cpu") -> Any:
+    """SGLang's HiCacheStorageConfig as one tensor-parallel rank of an MHA model builds it,
+    with `extra_config` (what --hicache-storage-backend-extra-config gives a backend)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=model_name,
+        extra_config=extra_config,
+    )

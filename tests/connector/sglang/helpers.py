@@ -6,12 +6,11 @@ import hashlib
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from connector.sglang.backend import MemPoolStorage
-from connector.sglang.cpu_paths import HostPool
+from connector.sglang.cpu_paths import HostPool, storage_config
 
 PAGE = 4  # SGLang tokens per page in these tests
 GEOMETRY: dict[str, Any] = {
@@ -33,22 +32,6 @@ def extra(**overrides: Any) -> dict[str, Any]:
     }
     cfg.update(overrides)
     return {k: v for k, v in cfg.items() if v is not None}
-
-
-def storage_config(extra_config: dict[str, Any], tp_rank: int = 0) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=False,
-        model_name="test-model",
-        extra_config=extra_config,
-    )
 
 
 def host_pool(
