@@ -51,7 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick: one multiple, one seed, three systems)",
     )
     parser.add_argument(
-        "--seeds", type=int, nargs="+", default=None, help="--capacity: these workload seeds"
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="these workload seeds (--capacity: instead of its three; otherwise the main "
+        "workloads run once per seed, for paired comparisons with a spread)",
     )
     parser.add_argument(
         "--multiples",
@@ -109,8 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out = CAPACITY_OUT if args.capacity else DEFAULT_OUT
     if not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
-    if not args.capacity and (args.seeds or args.multiples):
-        parser.error("--seeds and --multiples belong to --capacity")
+    if not args.capacity and args.multiples:
+        parser.error("--multiples belongs to --capacity")
     if any(m <= 0 for m in args.multiples or ()):
         parser.error("--multiples must be positive")
     if args.merge and not args.report_only:
@@ -126,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         pd=not args.no_pd,
         workloads=set(args.workloads) if args.workloads else None,
         systems=set(args.systems) if args.systems else None,
+        seeds=args.seeds or (),
     )
+    if not plan.steps:
+        parser.error("nothing to run: no step of the preset has those workloads and systems")
     if args.max_total_tokens:
         plan.max_total_tokens = args.max_total_tokens
     with Session.open(args.log_dir) as session:

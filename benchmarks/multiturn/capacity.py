@@ -141,7 +141,7 @@ class Features:
     host_tier: bool  # worker: --enable-hierarchical-cache, --hicache-ratio
     pulls: bool  # worker: --enable-mempool-pull
     no_pull_router: bool  # router: --disable-mempool-pull
-    kv_events: bool  # worker: --kv-events-config; router: --kv-events-bind
+    kv_events: bool  # worker: --kv-events-config; router: --kv-events-subscribe
 
     @classmethod
     def detect(cls) -> Features:
@@ -150,7 +150,7 @@ class Features:
             {"--enable-hierarchical-cache", "--hicache-ratio"} <= worker,
             "--enable-mempool-pull" in worker,
             "--disable-mempool-pull" in router,
-            "--kv-events-config" in worker and "--kv-events-bind" in router,
+            "--kv-events-config" in worker and "--kv-events-subscribe" in router,
         )
 
     def missing(self) -> list[str]:

@@ -446,8 +446,9 @@ def notes(
         "Cluster: 4 colocated sim workers per (workload, multiple, host tier), started once "
         "and shared by every system and seed; caches flushed and a fresh router before each "
         "run; system order rotated per step. Workers run --enable-mempool-pull and publish "
-        "KV events to our router's --kv-events-bind (the peers do not listen); our router "
-        "starts only after its trees are synchronized with the flushed caches.",
+        "KV events on bound ipc:// sockets, to which our router subscribes "
+        "(--kv-events-subscribe; the peers do not listen); our router starts only after its "
+        "trees are synchronized with the flushed caches.",
         f"Peers: {peer_text}; defaults, as in the main preset.",
         f"Machine: {os.cpu_count()} cores run the client, the router and every worker; the "
         "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",

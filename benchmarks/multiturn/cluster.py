@@ -3,10 +3,12 @@
 A `Cluster` is one set of sim workers (N colocated, or prefill/decode pairs in one caching
 mode) started once and shared by every system compared on it; caches are flushed between
 systems so each starts cold. A cluster may size its device KV, add a host tier, let its
-workers pull prefixes from each other (MemPool) and publish KV events to whichever of our
-routers runs in front of it (the peers do not listen). A `RouterSpec` says how to start
-one system in front of a cluster: ours (`python -m router`), sglang-router or smg; each run
-gets a fresh router process, so no router carries a tree over from another run.
+workers pull prefixes from each other (MemPool) and publish KV events: each worker binds an
+ipc:// socket (nothing listens beyond this machine) and every router of ours in front of it
+subscribes (`--kv-events-subscribe`), one router or several replicas alike; the peers do not
+listen. A `RouterSpec` says how to start one system in front of a cluster: ours (`python -m
+router`, or replicas behind a round-robin front: module `replicas`), sglang-router or smg;
+each run gets fresh router processes, so no router carries a tree over from another run.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import random
-import socket
+import shutil
+import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,6 @@ from typing import Any
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, peer_command
 from router.procs import (
-    LOOPBACK,
     Launch,
     Server,
     free_port,
@@ -52,7 +54,7 @@ class ClusterSpec:
     max_total_tokens: int | None = None  # device KV per worker (None: the plan's, or the sim's)
     hicache_ratio: float = 0.0  # > 0: a host tier of this many times the device KV
     mempool_pull: bool = False  # workers pull longer prefixes from peers (--enable-mempool-pull)
-    kv_events: bool = False  # workers publish KV events to our router (--kv-events-bind)
+    kv_events: bool = False  # workers publish KV events (bound ipc sockets) to our routers
 
     @property
     def pd(self) -> bool:
@@ -88,7 +90,7 @@ class Cluster:
     spec: ClusterSpec
     workers: list[Worker]
     model_dir: Path
-    events_endpoint: str | None = None  # where workers publish KV events (our router binds)
+    events_dir: Path | None = None  # the workers' KV-event ipc sockets (None: no KV events)
 
     @classmethod
     def create(
@@ -104,7 +106,8 @@ class Cluster:
         )
         workers = []
         capacity = spec.max_total_tokens or max_total_tokens
-        events = f"tcp://{LOOPBACK}:{events_port()}" if spec.kv_events else None
+        # A short path of its own: an ipc:// socket path must fit in 107 bytes.
+        events = Path(tempfile.mkdtemp(prefix="mt-kv-")) if spec.kv_events else None
         for i, role in enumerate(roles):
             port = free_port()
             args = ["--backend", "sim", "--time-scale", f"{spec.time_scale:g}"]
@@ -123,8 +126,12 @@ class Cluster:
             if spec.mempool_pull:
                 args.append("--enable-mempool-pull")
             if events is not None:
-                url = f"http://{LOOPBACK}:{port}"
-                config = {"publisher": "zmq", "endpoint": events, "topic": url, "hwm": EVENTS_HWM}
+                config = {
+                    "publisher": "zmq",
+                    "endpoint": f"ipc://{events}/kv-{port}.sock",
+                    "replay_endpoint": f"ipc://{events}/kv-{port}-replay.sock",
+                    "hwm": EVENTS_HWM,
+                }
                 args += ["--kv-events-config", json.dumps(config)]
             bootstrap = None
             if role != "colocated":
@@ -145,6 +152,12 @@ class Cluster:
 
     def stop(self) -> None:
         stop_all([w.server for w in self.workers if w.server is not None])
+        if self.events_dir is not None:
+            shutil.rmtree(self.events_dir, ignore_errors=True)
+
+    @property
+    def kv_events(self) -> bool:
+        return self.events_dir is not None
 
     @property
     def time_scale(self) -> float:
@@ -246,27 +259,59 @@ class Cluster:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """One system: a router implementation and its policy (ours: with or without pulls)."""
+    """One system: a router implementation and its policy (ours: with or without pulls, one
+    router or `replicas` sharing state through Redis behind a round-robin front)."""
 
     router: str  # memserve-router | sglang-router | smg
     policy: str
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
+    replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
 
     @property
     def name(self) -> str:
         name = f"{'ours' if self.router == OURS else self.router} {self.policy}"
+        if self.replicas > 1:
+            name += f" x{self.replicas} replicas"
         return name if self.pull else f"{name} (no pull)"
 
 
 @dataclass
 class RunningRouter:
+    """A started system: `server` takes the clients' requests (a router, or the front of
+    replicas); `replicas` are our routers behind it (for their metrics and KV-event sync);
+    `helpers` the rest it runs (redis-server). All are stopped together, by pid."""
+
     spec: RouterSpec
     server: Server
-    extra: dict[str, Any] = field(default_factory=dict)
+    replicas: list[Server] = field(default_factory=list)
+    helpers: list[Server] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # for the run's record
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def routers(self) -> list[Server]:
+        """Our routers: the replicas, or the one router (none for a peer)."""
+        if self.replicas:
+            return self.replicas
+        return [self.server] if self.spec.router == OURS else []
+
+    def processes(self) -> list[Server]:
+        return [self.server, *self.replicas, *self.helpers]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far per part: the routers, and the front and helpers if any."""
+        out = {"router": sum(cpu_seconds(s.proc.pid) for s in self.routers or [self.server])}
+        if self.replicas:
+            out["front"] = cpu_seconds(self.server.proc.pid)
+        for helper in self.helpers:
+            out[helper.name] = cpu_seconds(helper.proc.pid)
+        return out
+
+    def stop(self) -> None:
+        stop_all(self.processes())
 
 
 def launch(name: str, args: list[str], port: int, log: Path) -> Launch:
@@ -289,8 +334,8 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args += ["--pd-caching", cluster.spec.caching or "basic"]
         else:
             args += ["--worker-urls", *colocated]
-        if cluster.events_endpoint is not None:
-            args += ["--kv-events-bind", cluster.events_endpoint]
+        if cluster.kv_events:
+            args.append("--kv-events-subscribe")
         if not spec.pull:
             args.append("--disable-mempool-pull")
         return module_command("router", port, args)
@@ -306,70 +351,65 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
     return args
 
 
+def slug(name: str) -> str:
+    """A system's name as a file name."""
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in name)
+
+
+def chat_probe(url: str, model: str) -> Callable[[], bool]:
+    """A tiny chat request through `url` answers 200: the system routes."""
+    probe = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    ).encode()
+    return functools.partial(http_ok, url + "/v1/chat/completions", probe, timeout=10)
+
+
 def start_router(
     spec: RouterSpec, cluster: Cluster, log_dir: Path, model: str, timeout_s: float = 90
 ) -> RunningRouter:
     """Start one router and wait until a tiny chat request goes through it; RuntimeError
     (with the log's tail) when it does not come up."""
     port = free_port()
-    slug = "".join(c if c.isalnum() or c in "_-" else "-" for c in spec.name)
-    log = log_dir / f"{cluster.spec.name}-{slug}.log"
+    log = log_dir / f"{cluster.spec.name}-{slug(spec.name)}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
-    probe = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    ).encode()
-    chat = functools.partial(http_ok, server.url + "/v1/chat/completions", probe, timeout=10)
-    why = wait_until(server, chat, timeout_s)
+    why = wait_until(server, chat_probe(server.url, model), timeout_s)
     if why is not None:
         server.stop()
         raise RuntimeError(why)
     return RunningRouter(spec, server)
 
 
-# Batches a worker queues for a router that is not listening (the peers' runs): a bound on
-# the stale backlog our next router receives before `sync_events` clears it.
+# Batches a worker's PUB socket queues per subscriber that does not keep up.
 EVENTS_HWM = 5000
 
 
-def events_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, so no `free_port()` of a
-    later router or worker can land on it while no router of ours has it bound."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port for the KV events endpoint in 20000..32000")
-
-
-def sync_events(router_url: str, cluster: Cluster, timeout_s: float = 20) -> bool:
-    """Our router has just bound the events endpoint: let the workers' stale backlog (what
-    they queued while a peer ran) drain into it, then flush every cache and wait until each
-    worker's clear event has arrived, so the trees start as empty as the caches. False
+def sync_events(router_urls: Sequence[str], cluster: Cluster, timeout_s: float = 20) -> bool:
+    """Our routers have just subscribed: let what they replay from the workers' buffers
+    (events of earlier runs) drain in, then flush every cache and wait until each worker's
+    clear event has reached every router, so the trees start as empty as the caches. False
     when that did not happen in time (the run goes on; the record says so)."""
 
-    def batches() -> int:
+    def batches(url: str) -> int:
         try:
-            with urllib.request.urlopen(router_url + "/get_server_info", timeout=5) as resp:
+            with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
                 return int((json.load(resp).get("kv_events") or {}).get("batches") or 0)
         except (OSError, ValueError):
             return -1
 
+    def counts() -> list[int]:
+        return [batches(url) for url in router_urls]
+
     deadline = time.monotonic() + timeout_s
-    last, stable_since = batches(), time.monotonic()
+    last, stable_since = counts(), time.monotonic()
     while time.monotonic() - stable_since < 0.5 and time.monotonic() < deadline:
         time.sleep(0.1)
-        now = batches()
+        now = counts()
         if now != last:
             last, stable_since = now, time.monotonic()
     cluster.flush()
-    want = last + len(cluster.workers)
+    want = [n + len(cluster.workers) for n in last]
     while time.monotonic() < deadline:
-        if batches() >= want:
+        if all(n >= w for n, w in zip(counts(), want, strict=True)):
             return True
         time.sleep(0.05)
     return False

@@ -2,11 +2,15 @@
 
 Every cluster is started once; the systems compared on it run one after another on the same
 workers, caches flushed in between, in an order rotated per workload so a drift in the
-machine's speed does not always favour the same system.
+machine's speed does not always favour the same system. `ours prompt_tree x2 replicas` (two
+router replicas sharing state through Redis, behind a round-robin front) runs next to the
+single router in both presets; `seeds` repeats the main workloads with other seeds, so the
+two can be compared pairwise with a spread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,12 +31,16 @@ OUR_POLICIES = (
     "power_of_two",
 )
 PEER_POLICIES = ("cache_aware", "round_robin")
+TWO_REPLICAS = RouterSpec(OURS, "prompt_tree", replicas=2)
 
-ALL_SYSTEMS = tuple(RouterSpec(OURS, p) for p in OUR_POLICIES) + tuple(
-    RouterSpec(peer, p) for peer in (SGLANG_ROUTER, SMG) for p in PEER_POLICIES
+ALL_SYSTEMS = (
+    *(RouterSpec(OURS, p) for p in OUR_POLICIES),
+    TWO_REPLICAS,
+    *(RouterSpec(peer, p) for peer in (SGLANG_ROUTER, SMG) for p in PEER_POLICIES),
 )
 QUICK_SYSTEMS = (
     RouterSpec(OURS, "prompt_tree"),
+    TWO_REPLICAS,
     RouterSpec(OURS, "round_robin"),
     RouterSpec(SGLANG_ROUTER, "cache_aware"),
     RouterSpec(SGLANG_ROUTER, "round_robin"),
@@ -189,14 +197,23 @@ def full_preset(trace: Path) -> Preset:
     )
 
 
+def per_seed(builder: Any, seeds: Sequence[int]) -> list[tuple[Any, dict[str, Any]]]:
+    """The builder once per seed, each labelled with its seed (as is, unlabelled, without)."""
+    if not seeds:
+        return [(builder, {})]
+    return [(replace(builder, seed=seed), {"seed": seed}) for seed in dict.fromkeys(seeds)]
+
+
 def make_plan(
     quick: bool,
     trace: Path = DEFAULT_TRACE,
     pd: bool = True,
     workloads: set[str] | None = None,
     systems: set[str] | None = None,
+    seeds: Sequence[int] = (),
 ) -> Plan:
-    """The preset's steps; `workloads` / `systems` (names) narrow it."""
+    """The preset's steps; `workloads` / `systems` (names) narrow it; `seeds` runs each
+    main workload once per seed (the builders' own seed when empty)."""
     p = quick_preset(trace) if quick else full_preset(trace)
     ts = p.trace_time_scale
     suffix = "" if ts == 1 else f", time scale {ts:g}"
@@ -218,7 +235,8 @@ def make_plan(
         specs = chosen(p.main_systems if name in main else p.extra_systems)
         if wanted(name) and specs:
             cluster = main_cluster.get(name, "4 colocated")
-            steps.append(Step(cluster, builder, specs, "main", rate_of(builder)))
+            for seeded, labels in per_seed(builder, seeds):
+                steps.append(Step(cluster, seeded, specs, "main", rate_of(builder), labels))
     if wanted("multi_round_qa"):
         for rate in p.sweep_rates:
             floor = min(120, p.mrqa.requests)  # enough requests for a p99

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite, markdown_table, write_results
+from benchmarks.multiturn import replicas_report
 from benchmarks.multiturn.plan import Plan
 from benchmarks.multiturn.plots import plot_all
 from benchmarks.multiturn.targets import all_targets
@@ -33,6 +34,8 @@ def _pct(value: Any) -> Any:
 
 def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
     row: dict[str, Any] = {"system": run["system"]}
+    if run.get("seed") is not None:
+        row["seed"] = run["seed"]
     if with_cluster:
         row["cluster"] = f"{run['cluster']} ({run.get('cluster_label') or ''})"
     if not run.get("available"):
@@ -93,9 +96,13 @@ def per_turn_rows(runs: Sequence[dict[str, Any]], workload: str) -> list[dict[st
     return rows
 
 
-def sections(runs: Sequence[dict[str, Any]], targets: dict[str, Any]) -> list[str]:
-    """The Markdown body: targets, then one table per workload and cluster group."""
+def sections(
+    runs: Sequence[dict[str, Any]], targets: dict[str, Any], replicas: dict[str, Any]
+) -> list[str]:
+    """The Markdown body: targets, router replicas against one router, then one table per
+    workload and cluster group."""
     out = ["## Targets (reported, not asserted)", "", markdown_table(target_rows(targets)), ""]
+    out += replicas_report.sections(replicas)
     seen: list[tuple[str, str, str, float]] = []
     for run in runs:
         key = (run["group"], run["cluster"], run["workload"], run["rate"])
@@ -187,6 +194,16 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         f"Machine: {os.cpu_count()} cores run the client, the router and every worker; the "
         "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
     ]
+    if any(replicas_report.replicated(r) for r in runs):
+        out.append(
+            "`ours prompt_tree x2 replicas`: two router processes sharing state through a "
+            "private redis-server (no persistence; `--redis-url`, `--replica-id replica-1` "
+            "and `replica-2`, `--kv-events-subscribe` where the cluster publishes KV events) "
+            "behind `benchmarks/multiturn/front.py` (aiohttp, its own process, the next "
+            "replica per request, streams relayed chunk by chunk); the client talks to the "
+            "front. The replicas, the front and redis share the machine's cores with "
+            "everything else; their CPU seconds are in results.json (`cpu_s`)."
+        )
     loads = [r["loadavg_1m"] for r in runs if finite(r.get("loadavg_1m"))]
     if loads:
         out.append(
@@ -228,6 +245,7 @@ def write_all(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = all_targets(runs)
+    replicas = replicas_report.summary(runs)
     plots = plot_all(out_dir, runs)
     figures = {
         "preset": plan.preset,
@@ -235,6 +253,7 @@ def write_all(
         "elapsed_s": elapsed_s,
         "runs": runs,
         "targets": targets,
+        "replicas": replicas,
         "sim_model": sim_model(),
         "kv_capacity_tokens": plan.max_total_tokens or sim_model()["kv_capacity_tokens_default"],
         "clusters": {name: spec.__dict__ for name, spec in plan.clusters.items()},
@@ -245,7 +264,7 @@ def write_all(
         out_dir,
         figures,
         "Multi-turn cache benchmarks: policies, peers and PD caching modes",
-        [f"`{command}` ({elapsed_s / 60:.1f} min).", "", *sections(runs, targets)],
+        [f"`{command}` ({elapsed_s / 60:.1f} min).", "", *sections(runs, targets, replicas)],
         notes(plan, runs, peers),
         machine,
     )

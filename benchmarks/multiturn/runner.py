@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ from benchmarks.multiturn.client import Outcome, run_workload
 from benchmarks.multiturn.cluster import (
     Cluster,
     RouterSpec,
-    cpu_seconds,
     model_name,
     scrape,
     start_router,
@@ -27,6 +27,7 @@ from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import replay
 from benchmarks.multiturn.plan import Plan, Step
+from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS, PeerStatus
@@ -128,16 +129,19 @@ def run_one(
     task: TaskID = ctx.progress.add_task(label, total=len(workload.requests))
     ctx.progress.refresh()
     try:
-        router = start_router(system, cluster, ctx.log_dir, model)
+        start = start_replicated if system.replicas > 1 else start_router
+        router = start(system, cluster, ctx.log_dir, model)
     except RuntimeError as exc:
         ctx.progress.remove_task(task)
         if system.router == OURS:
             raise
         return {**record, "available": False, "reason": f"failed to start: {exc}"[:500]}
-    if system.router == OURS and cluster.events_endpoint is not None:
-        record["events_synced"] = sync_events(router.url, cluster)
+    record.update(router.extra)  # the front's overhead, for replicas
+    if router.routers and cluster.kv_events:
+        record["events_synced"] = sync_events([s.url for s in router.routers], cluster)
     else:
         cluster.flush()  # the start-up probe must not warm anyone's cache
+    replicas_before = replica_metrics(router)
     pages_before, bytes_before = cluster.kv_moved()
     counters_before = cluster.worker_counters()
     tiers_before = cluster.tier_counters()
@@ -159,11 +163,12 @@ def run_one(
         result = run_async(run_workload(router.url, workload, model, on_done, render=render))
         client_cpu = time.process_time() - client_cpu
         workers_cpu = cluster.cpu_seconds() - workers_cpu
-        router_cpu = cpu_seconds(router.server.proc.pid)
-        if system.router == OURS:
-            router_metrics = scrape(router.url + "/metrics")
+        router_cpu = router.cpu_seconds()
+        router_metrics = summed(scrape(s.url + "/metrics") for s in router.routers)
+        if router.replicas:  # before they stop: their lag histograms go with them
+            record["propagation"] = propagation(replicas_before, replica_metrics(router))
     finally:
-        router.server.stop()
+        router.stop()
     pages_after, bytes_after = cluster.kv_moved()
     counters_after = cluster.worker_counters()
     tiers_after = cluster.tier_counters()
@@ -197,13 +202,22 @@ def run_one(
     record["gpu_utilization"] = (
         sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None
     )
-    record["cpu_s"] = {"client": client_cpu, "router": router_cpu, "workers": workers_cpu}
+    record["cpu_s"] = {"client": client_cpu, **router_cpu, "workers": workers_cpu}
     # The machine's 1-minute load at the end: above its core count, something else (another
     # benchmark, a test suite) competed for the CPU during this run.
     record["loadavg_1m"] = os.getloadavg()[0]
     with contextlib.suppress(KeyError):
         record["workload_params"] = dict(workload.params)
     return record
+
+
+def summed(scrapes: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Several routers' metrics as one (each sample added up): replicas' decisions."""
+    out: dict[str, float] = {}
+    for metrics in scrapes:
+        for name, value in metrics.items():
+            out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def decisions(metrics: dict[str, float]) -> dict[str, float] | None:

@@ -1,0 +1,178 @@
+"""Two router replicas against one router: the figures issue #11 asks for, per workload.
+
+Runs of `ours prompt_tree` and `ours prompt_tree xN replicas` on the same workload and seed
+are paired: the hit ratio's difference in points (the issue expects the replicas within 5
+points of the single router) and ratio, TTFT p50/p99 and throughput side by side; over
+several seeds the median and the min..max. The propagation delay is each replicated run's
+lag histogram (another replica's op applied, minus its publication), and the front's cost
+comes from its calibration at the start of each replicated run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.harness import finite, markdown_table
+
+SINGLE = "ours prompt_tree"
+HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router
+
+
+def replicated(run: dict[str, Any]) -> bool:
+    return str(run.get("system", "")).startswith(f"{SINGLE} x")
+
+
+def pairs(runs: Sequence[dict[str, Any]]) -> dict[str, list[tuple[dict[str, Any], ...]]]:
+    """workload -> [(single, replicated), ...], one pair per seed, main runs that ran."""
+    out: dict[str, list[tuple[dict[str, Any], ...]]] = {}
+    main = [r for r in runs if r.get("group") == "main" and r.get("available")]
+    for rep in (r for r in main if replicated(r)):
+        single = next(
+            (
+                r
+                for r in main
+                if r["system"] == SINGLE
+                and r["workload"] == rep["workload"]
+                and r.get("seed") == rep.get("seed")
+            ),
+            None,
+        )
+        if single is not None:
+            out.setdefault(rep["workload"], []).append((single, rep))
+    return out
+
+
+def spread(values: Sequence[Any]) -> dict[str, Any]:
+    """Median, min and max of the finite values (None when there are none)."""
+    xs = [v for v in values if finite(v)]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """For results.json: per workload the paired hit ratios, latencies, propagation delay and
+    front overhead, each with its spread over seeds."""
+    out: dict[str, Any] = {}
+    for workload, found in pairs(runs).items():
+        per_seed = []
+        for single, rep in found:
+            hit_1, hit_n = single.get("hit_ratio"), rep.get("hit_ratio")
+            gap = ratio = None
+            if finite(hit_1) and finite(hit_n):
+                gap, ratio = (hit_n - hit_1) * 100, (hit_n / hit_1 if hit_1 else None)
+            prop = rep.get("propagation") or {}
+            calibration = rep.get("front_overhead") or {}
+            per_seed.append(
+                {
+                    "seed": rep.get("seed"),
+                    "system": rep["system"],
+                    "hit_single": hit_1,
+                    "hit_replicas": hit_n,
+                    "hit_gap_points": gap,
+                    "hit_ratio_vs_single": ratio,
+                    **{
+                        f"{k}_{who}": r.get(k)
+                        for who, r in (("single", single), ("replicas", rep))
+                        for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
+                    },
+                    "lag_count": prop.get("count"),
+                    "lag_p50_s": prop.get("p50_s"),
+                    "lag_p99_s": prop.get("p99_s"),
+                    "lag_mean_s": prop.get("mean_s"),
+                    "ops_dropped": prop.get("dropped"),
+                    "front_added_p50_ms": (calibration.get("liveness") or {}).get("added_p50_ms"),
+                    "front_chat_added_p50_ms": (calibration.get("chat_stream") or {}).get(
+                        "added_p50_ms"
+                    ),
+                }
+            )
+        gaps = [p["hit_gap_points"] for p in per_seed]
+        out[workload] = {
+            "per_seed": per_seed,
+            **{
+                key: spread([p[key] for p in per_seed])
+                for key in (
+                    "hit_gap_points",
+                    "hit_ratio_vs_single",
+                    "lag_p50_s",
+                    "lag_p99_s",
+                    "front_added_p50_ms",
+                    "front_chat_added_p50_ms",
+                )
+            },
+            "within_5_points": sum(1 for g in gaps if finite(g) and abs(g) <= HIT_GAP_POINTS),
+            "seeds": len(per_seed),
+        }
+    return out
+
+
+def _ms(seconds: Any) -> Any:
+    return round(seconds * 1e3, 2) if finite(seconds) else None
+
+
+def _f(value: Any, digits: int = 3) -> Any:
+    return round(value, digits) if finite(value) else None
+
+
+def _range(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
+    if not s.get("n"):
+        return "?"
+    mid, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
+    text = format(mid, fmt)
+    return text if s["n"] == 1 else f"{text} ({format(lo, fmt)}..{format(hi, fmt)})"
+
+
+def sections(figures: dict[str, Any]) -> list[str]:
+    """The Markdown section: one paired table per workload, then a line of medians."""
+    if not figures:
+        return []
+    out = [
+        "## Router replicas: two replicas behind a round-robin front vs one router",
+        "",
+        "Paired runs (same workload, same seed, same workers). `gap`: the replicas' hit ratio "
+        "minus the single router's, in points (issue #11 expects |gap| <= 5). `lag`: another "
+        "replica's op applied minus its publication (`memserve_router_replica_lag_seconds`, "
+        "both replicas pooled, quantiles interpolated in the histogram's buckets). `front`: "
+        "the front's added latency from its calibration (median through the front minus "
+        "median straight to a replica; GET /liveness, and a streamed 2-token chat).",
+        "",
+    ]
+    for workload, w in figures.items():
+        rows = []
+        for p in w["per_seed"]:
+            rows.append(
+                {
+                    "seed": p["seed"] if p["seed"] is not None else "-",
+                    "hit 1 router": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
+                    "hit replicas": f"{p['hit_replicas']:.1%}"
+                    if finite(p["hit_replicas"])
+                    else None,
+                    "gap (points)": _f(p["hit_gap_points"], 1),
+                    "TTFT p50 1 / 2": f"{_f(p['ttft_p50_s_single'])} / "
+                    f"{_f(p['ttft_p50_s_replicas'])}",
+                    "TTFT p99 1 / 2": f"{_f(p['ttft_p99_s_single'])} / "
+                    f"{_f(p['ttft_p99_s_replicas'])}",
+                    "tok/s 1 / 2": f"{_f(p['output_tokens_per_s_single'], 0)} / "
+                    f"{_f(p['output_tokens_per_s_replicas'], 0)}",
+                    "lag p50 ms": _ms(p["lag_p50_s"]),
+                    "lag p99 ms": _ms(p["lag_p99_s"]),
+                    "lag ops": _f(p["lag_count"], 0),
+                    "front ms": _f(p["front_added_p50_ms"], 2),
+                    "front chat ms": _f(p["front_chat_added_p50_ms"], 2),
+                }
+            )
+        out += [f"### {workload}", "", markdown_table(rows), ""]
+        seeds = f"median (min..max) over {w['seeds']} seeds" if w["seeds"] > 1 else "one seed"
+        out += [
+            f"{seeds}: gap {_range(w['hit_gap_points'], '+.1f')} points, hit ratio "
+            f"{_range(w['hit_ratio_vs_single'], '.3f')}x the single router's, within 5 points "
+            f"in {w['within_5_points']} of {w['seeds']}; propagation delay p50 "
+            f"{_range(w['lag_p50_s'], '.2f', 1e3)} ms, p99 {_range(w['lag_p99_s'], '.2f', 1e3)} "
+            f"ms; the front adds {_range(w['front_added_p50_ms'], '.2f')} ms to a round trip "
+            f"and {_range(w['front_chat_added_p50_ms'], '.2f')} ms to a streamed chat.",
+            "",
+        ]
+    return out
