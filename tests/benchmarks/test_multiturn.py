@@ -126,6 +126,31 @@ def test_targets_are_reported_not_asserted(results: dict[str, Any]) -> None:
             assert t.get("why"), f"{name} missed without a reason"
 
 
+def test_two_replicas_run_next_to_the_single_router(out_dir: Path, results: dict[str, Any]) -> None:
+    """The replicated system ran both main workloads through its front, and the results pair
+    it with the single router: hit ratios, the propagation delay measured during the run
+    (both replicas applied the other's ops) and the front's calibrated overhead."""
+    main = [r for r in available(results) if r["group"] == "main"]
+    for workload in ("trace", "multi_round_qa"):
+        systems = {r["system"] for r in main if r["workload"] == workload}
+        assert {"ours prompt_tree", "ours prompt_tree x2 replicas"} <= systems, workload
+    replicated = [r for r in main if r["system"] == "ours prompt_tree x2 replicas"]
+    for run in replicated:
+        prop = run["propagation"]
+        assert prop["count"] > 0 and prop["dropped"] == 0, prop
+        assert all(r["count"] > 0 and r["applied"] > 0 for r in prop["per_replica"]), prop
+        assert 0 < prop["p50_s"] <= prop["p99_s"] < 2.5, prop
+        assert run["front_overhead"]["chat_stream"]["front_p50_ms"] > 0
+        assert {"router", "front", "redis"} <= run["cpu_s"].keys()
+    summary = results["replicas"]
+    assert set(summary) == {"trace", "multi_round_qa"}
+    for figures in summary.values():
+        (pair,) = figures["per_seed"]
+        assert finite(pair["hit_gap_points"]) and finite(pair["lag_p99_s"])
+    md = (out_dir / "results.md").read_text()
+    assert "## Router replicas" in md and "propagation delay p50" in md
+
+
 def test_setup_is_recorded(results: dict[str, Any]) -> None:
     model = results["sim_model"]
     assert model["model"] and model["gpu"]
@@ -637,7 +662,8 @@ def test_scrape_sums_a_metric_over_its_labels() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--seeds", "1"], "--seeds and --multiples belong to --capacity"),
+        (["--multiples", "2"], "--multiples belongs to --capacity"),
+        (["--quick", "--workloads", "pd", "--systems", "smg round_robin"], "nothing to run"),
         (["--capacity", "--multiples", "0"], "--multiples must be positive"),
         (["--capacity", "--max-total-tokens", "4096"], "sizes the KV from the working set"),
         (["--capacity", "--quick", "--multiples", "200"], "less than the largest request"),
