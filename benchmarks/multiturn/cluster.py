@@ -311,7 +311,10 @@ class RunningRouter:
         return out
 
     def stop(self) -> None:
-        stop_all(self.processes())
+        """The front and routers first, then the helpers (redis outlives its clients, which
+        would otherwise log it as lost on their way out)."""
+        stop_all([self.server, *self.replicas])
+        stop_all(self.helpers)
 
 
 def launch(name: str, args: list[str], port: int, log: Path) -> Launch:

@@ -142,12 +142,26 @@ def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
             r for r in runs if r["workload"] == workload and r["group"] in ("main", "no_cache")
         ]
         subset = [r for r in subset if _ok(r)]
-        names = [r["system"] + (" (no cache)" if not r["radix_cache"] else "") for r in subset]
+        seeded = any(r.get("seed") is not None for r in subset)
+        if seeded:  # one group of bars per seed, each seed's own oracle over its bars
+            subset.sort(key=lambda r: r.get("seed") or 0)
+        names = [
+            r["system"]
+            + (" (no cache)" if not r["radix_cache"] else "")
+            + (f", seed {r.get('seed')}" if seeded else "")
+            for r in subset
+        ]
         hits = [r.get("hit_ratio") or 0 for r in subset]
         oracle = max((r.get("oracle_hit_ratio") or 0 for r in subset), default=0)
         ax.bar(range(len(subset)), hits, color=[color(r["system"]) for r in subset])
-        ax.axhline(oracle, color="k", ls="--", lw=1, label=f"oracle {oracle:.0%}")
-        ax.axhline(0.9 * oracle, color="k", ls=":", lw=1, label="90% of oracle")
+        if seeded:
+            xs = range(len(subset))
+            oracles = [r.get("oracle_hit_ratio") or 0 for r in subset]
+            ax.hlines(oracles, [x - 0.45 for x in xs], [x + 0.45 for x in xs], color="k", lw=1)
+            ax.plot([], [], color="k", lw=1, label="its seed's oracle")
+        else:
+            ax.axhline(oracle, color="k", ls="--", lw=1, label=f"oracle {oracle:.0%}")
+            ax.axhline(0.9 * oracle, color="k", ls=":", lw=1, label="90% of oracle")
         ax.set_xticks(range(len(subset)), names, rotation=70, fontsize=7, ha="right")
         ax.set_ylim(0, 1)
         ax.set_title(workload)
