@@ -12,6 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from router.trees import PromptTrees
 from router.workers import WorkerRegistry, WorkerType
 
+# time to first token: 10 ms (a cached prompt) to a minute (a long one queued)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10, 20, 60)
+
 
 class RouterMetrics:
     """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
@@ -47,6 +50,13 @@ class RouterMetrics:
         self.pd_requests = Counter(
             "sgl_router_pd_requests", "Requests sent to a prefill/decode pair", registry=r
         )
+        self.ttft = Histogram(
+            "memserve_router_time_to_first_token_seconds",
+            "Streamed requests: arrival at the router to the first token sent to the client",
+            ["route"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.pd_errors = Counter(
             "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
@@ -66,6 +76,9 @@ class RouterMetrics:
             self._child("requests", route, self.requests.labels),
             self._child("duration", route, self.duration.labels),
         )
+
+    def ttft_for(self, route: str) -> Any:
+        return self._child("ttft", route, self.ttft.labels)
 
     def event(self, reason: str) -> Any:
         return self._child("event", reason, self.events.labels)

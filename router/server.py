@@ -326,7 +326,8 @@ class Router:
                     full_tokens(prompt, encoder)
                 prompt.session = session_key(request.headers, body)
                 try:
-                    return await self.dispatcher.dispatch(Call(request, route, body, raw, prompt))
+                    call = Call(request, route, body, raw, prompt, started)
+                    return await self.dispatcher.dispatch(call)
                 finally:
                     duration.observe(time.perf_counter() - started)
         finally:

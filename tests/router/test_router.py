@@ -230,6 +230,19 @@ def test_streaming_is_the_workers_stream(model_dir: Path, tmp_path: Path) -> Non
             ]
 
         assert strip(via_router) == strip(direct)
+        # the router's time to first token: this streamed request's, at most its duration
+        metrics = call(r.url + "/metrics")[1]
+        route = '{route="/v1/chat/completions"}'
+        ttft = value(metrics, f"memserve_router_time_to_first_token_seconds_sum{route}")
+        whole = value(metrics, f"sgl_router_request_duration_seconds_sum{route}")
+        assert 0 < ttft <= whole
+        assert value(metrics, f"memserve_router_time_to_first_token_seconds_count{route}") == 1
+
+
+def value(metrics: str, series: str) -> float:
+    """One series' value in a Prometheus text page."""
+    line = next(x for x in metrics.splitlines() if x.startswith(series + " "))
+    return float(line.split()[-1])
 
 
 def test_stream_bytes_pass_through_unchanged(tmp_path: Path) -> None:
