@@ -137,6 +137,8 @@ class Router:
             else contextlib.nullcontext
         )
         self.kv_applier = KVEventApplier(trees, registry, quiet)
+        if config.kv_events_endpoint or config.kv_events_subscribe:
+            self.metrics.kv_events = self._kv_event_counts
         self.kv_listener: KVEventListener | None = None
         self.kv_subscriber: KVEventSubscriber | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -395,6 +397,13 @@ class Router:
                 **self._replica_info(),
             }
         )
+
+    def _kv_event_counts(self) -> dict[str, int]:
+        info = self._kv_events_info() or {}
+        counts = {k: v for k, v in info.items() if isinstance(v, int)}
+        counts["batches"] = self.kv_applier.batches
+        counts["unknown_topics"] = self.kv_applier.unknown_topics
+        return counts
 
     def _kv_events_info(self) -> dict[str, object] | None:
         if self.kv_subscriber is not None:
