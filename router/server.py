@@ -25,7 +25,7 @@ from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.kv_listener import KVEventApplier, KVEventListener
-from router.kv_subscriber import EventSource, KVEventSubscriber
+from router.kv_subscriber import EventSource, FeedStats, KVEventSubscriber
 from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
@@ -401,6 +401,8 @@ class Router:
     def _kv_event_counts(self) -> dict[str, int]:
         info = self._kv_events_info() or {}
         counts = {k: v for k, v in info.items() if isinstance(v, int)}
+        if self.config.kv_events_subscribe:  # the feeds' counters, zero until they start
+            counts = {**FeedStats().as_dict(), **counts}
         counts["batches"] = self.kv_applier.batches
         counts["unknown_topics"] = self.kv_applier.unknown_topics
         return counts
