@@ -50,7 +50,9 @@ from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
-OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics", "/openapi.json"}
+# Open without the API key: probes and the API's description. /metrics on this port lists
+# the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
+OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

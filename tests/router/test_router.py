@@ -358,9 +358,13 @@ def test_api_key_protects_routes(model_dir: Path, tmp_path: Path) -> None:
         assert call(r.url + "/health")[0] == 200
         status, body = call(r.url + "/generate", {"text": "hi"})
         assert status == 401 and body["code"] == 401
-        req = urllib.request.Request(r.url + "/workers", headers={"Authorization": "Bearer s3cret"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 200
+        # /metrics names every worker: with a key, this port's copy needs it too
+        assert call(r.url + "/metrics")[0] == 401
+        for path in ("/workers", "/metrics"):
+            headers = {"Authorization": "Bearer s3cret"}
+            req = urllib.request.Request(r.url + path, headers=headers)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
 
 
 def test_full_queue_answers_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:
