@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,11 @@ class Call:
     body: dict[str, Any]
     raw: bytes
     prompt: RouteRequest
+    arrived: float = 0.0  # time.perf_counter() when the router received it
+
+    @property
+    def streamed(self) -> bool:
+        return self.body.get("stream") is True
 
 
 @dataclass(slots=True)
@@ -117,6 +123,17 @@ class Sender:
             reused = max(reused, decision.holders[0][1])
         return max(prompt.num_tokens - reused, 0)
 
+    def _first_token(self, call: Call, then: Callable[[], None]) -> Callable[[], None]:
+        """`then`, after observing the request's time to first token (a streamed answer's
+        first bytes are its first token)."""
+        ttft = self.metrics.ttft_for(call.route)
+
+        def first_byte() -> None:
+            ttft.observe(time.perf_counter() - call.arrived)
+            then()
+
+        return first_byte
+
     async def relay(
         self,
         call: Call,
@@ -138,6 +155,9 @@ class Sender:
         pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
         try:
             with pulling, worker.request(self.pending(call.prompt, decision)) as flight:
+                first_byte = flight.prefill_done
+                if side != "prefill" and call.streamed:  # the first token reaches the client
+                    first_byte = self._first_token(call, flight.prefill_done)
                 return await forward(
                     self.upstream,
                     call.http,
@@ -145,7 +165,7 @@ class Sender:
                     payload,
                     self.timeout_s,
                     outcome,
-                    flight.prefill_done,
+                    first_byte,
                     inspect=self.uses_tokens,  # only token policies learn from answers
                     watch=worker.exchanges,
                 )

@@ -91,6 +91,9 @@ class FeedStats:
     restarts: int = 0
     duplicates: int = 0
 
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in FeedStats.__dataclass_fields__}
+
 
 @dataclass(slots=True)
 class _Feed:
@@ -165,7 +168,7 @@ class KVEventSubscriber:
         return {
             "mode": "subscribe",
             "sources": {url: f.source.endpoint for url, f in self.feeds.items()},
-            **{name: getattr(totals, name) for name in FeedStats.__dataclass_fields__},
+            **totals.as_dict(),
         }
 
     # ----------------------------------------------------------------- one worker

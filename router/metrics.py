@@ -12,6 +12,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from router.trees import PromptTrees
 from router.workers import WorkerRegistry, WorkerType
 
+# time to first token: 10 ms (a cached prompt) to a minute (a long one queued)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10, 20, 60)
+
+# what the KV-event feeds count (router.kv_listener, router.kv_subscriber)
+KV_EVENT_COUNTERS = {
+    "batches": "KV event batches applied to the prompt trees",
+    "gaps": "KV event batches that came after missing ones",
+    "replayed": "KV event batches recovered from workers' replay sockets",
+    "lost": "KV event batches missed and not recovered",
+    "restarts": "Workers whose KV events started again (a new process)",
+    "unknown_topics": "KV event batches from workers the router does not know",
+}
+
 
 class RouterMetrics:
     """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
@@ -47,9 +60,18 @@ class RouterMetrics:
         self.pd_requests = Counter(
             "sgl_router_pd_requests", "Requests sent to a prefill/decode pair", registry=r
         )
+        self.ttft = Histogram(
+            "memserve_router_time_to_first_token_seconds",
+            "Streamed requests: arrival at the router to the first token sent to the client",
+            ["route"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.pd_errors = Counter(
             "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
+        # KV-event feed counters (name -> value), set by the router when it has a feed
+        self.kv_events: Callable[[], dict[str, int]] | None = None
         r.register(self)
         self._children: dict[tuple[str, str], Any] = {}
 
@@ -66,6 +88,9 @@ class RouterMetrics:
             self._child("requests", route, self.requests.labels),
             self._child("duration", route, self.duration.labels),
         )
+
+    def ttft_for(self, route: str) -> Any:
+        return self._child("ttft", route, self.ttft.labels)
 
     def event(self, reason: str) -> Any:
         return self._child("event", reason, self.events.labels)
@@ -112,3 +137,9 @@ class RouterMetrics:
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
+        if self.kv_events is not None:
+            counts = self.kv_events()
+            for what, help_text in KV_EVENT_COUNTERS.items():
+                if what in counts:
+                    name = f"memserve_router_kv_event_{what}"
+                    yield CounterMetricFamily(name, help_text, counts[what])

@@ -9,6 +9,7 @@ replica needs to rebuild the same holdings; `holder_pages` is what tests compare
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from array import array
@@ -28,6 +29,8 @@ from router.replica_ops import (
 )
 from router.trees import PromptTrees, Tier
 from router.workers import WorkerType
+
+SNAPSHOT_PART = 512  # nodes walked between two chances for requests to run
 
 
 def _holder(key: Hashable) -> tuple[str, Tier]:
@@ -140,22 +143,46 @@ class ReplicatedTrees(PromptTrees):
     def snapshot(self) -> list[SnapshotEntry]:
         """Per holder, the deepest paths it holds: recording them rebuilds its holdings."""
         out: list[SnapshotEntry] = []
+        for entries in self._snapshot_parts():
+            out.extend(entries)
+        return out
+
+    async def snapshot_async(self) -> list[SnapshotEntry]:
+        """`snapshot`, letting requests run between parts (a large tree takes tens of ms).
+        Changes made meanwhile may or may not be in it; the stream after the cursor read
+        before it began carries them (records and drops apply twice harmlessly)."""
+        out: list[SnapshotEntry] = []
+        for entries in self._snapshot_parts():
+            out.extend(entries)
+            await asyncio.sleep(0)
+        return out
+
+    def _snapshot_parts(self) -> Iterator[list[SnapshotEntry]]:
+        """The snapshot's entries, SNAPSHOT_PART nodes' worth at a time. The walk holds
+        each node with its path: a node split meanwhile keeps its lower part (and so its
+        path); nodes added after it passed are missed, as changes after the cursor may be."""
+        part: list[SnapshotEntry] = []
+        visited = 0
         for type in WorkerType:
             for node, path in self._walk(type):
+                visited += 1
+                if visited % SNAPSHOT_PART == 0:
+                    yield part
+                    part = []
                 if not node.holders:
                     continue
                 below: set[Hashable] = set()
                 for child in node.children.values():
                     below.update(child.holders or ())
                 tokens: bytes | None = None
-                for key in node.holders:
+                for key in list(node.holders):
                     if key in below:
                         continue
                     if tokens is None:  # the tree's key bytes are native uint32s
                         tokens = pack_tokens(unpack_native(path))
                     url, tier = _holder(key)
-                    out.append(SnapshotEntry(type.value, url, tier.value, tokens))
-        return out
+                    part.append(SnapshotEntry(type.value, url, tier.value, tokens))
+        yield part
 
     def load(self, entries: Sequence[SnapshotEntry]) -> int:
         """Record a snapshot's entries (not published); returns how many were valid."""

@@ -482,12 +482,13 @@ class Replicator:
         px = max(1, int(self.config.snapshot_interval_s * 1000 * 0.9))
         if not force and not await self._writer.set(self.lease_key, self.id, nx=True, px=px):
             return False
+        cursor, taken = self.cursor, time.time()  # before the walk: what follows is replayed
         snap = Snapshot(
             VERSION,
             self.id,
-            self.cursor,
-            time.time(),
-            self.trees.snapshot(),
+            cursor,
+            taken,
+            await self.trees.snapshot_async(),
             [
                 WorkerEntry(w.url, w.type.value, w.bootstrap_port)
                 for w in self.registry.workers.values()

@@ -25,7 +25,7 @@ from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.kv_listener import KVEventApplier, KVEventListener
-from router.kv_subscriber import EventSource, KVEventSubscriber
+from router.kv_subscriber import EventSource, FeedStats, KVEventSubscriber
 from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
@@ -50,7 +50,9 @@ from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
-OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/metrics", "/openapi.json"}
+# Open without the API key: probes and the API's description. /metrics on this port lists
+# the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
+OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -137,6 +139,8 @@ class Router:
             else contextlib.nullcontext
         )
         self.kv_applier = KVEventApplier(trees, registry, quiet)
+        if config.kv_events_endpoint or config.kv_events_subscribe:
+            self.metrics.kv_events = self._kv_event_counts
         self.kv_listener: KVEventListener | None = None
         self.kv_subscriber: KVEventSubscriber | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -326,7 +330,8 @@ class Router:
                     full_tokens(prompt, encoder)
                 prompt.session = session_key(request.headers, body)
                 try:
-                    return await self.dispatcher.dispatch(Call(request, route, body, raw, prompt))
+                    call = Call(request, route, body, raw, prompt, started)
+                    return await self.dispatcher.dispatch(call)
                 finally:
                     duration.observe(time.perf_counter() - started)
         finally:
@@ -394,6 +399,15 @@ class Router:
                 **self._replica_info(),
             }
         )
+
+    def _kv_event_counts(self) -> dict[str, int]:
+        info = self._kv_events_info() or {}
+        counts = {k: v for k, v in info.items() if isinstance(v, int)}
+        if self.config.kv_events_subscribe:  # the feeds' counters, zero until they start
+            counts = {**FeedStats().as_dict(), **counts}
+        counts["batches"] = self.kv_applier.batches
+        counts["unknown_topics"] = self.kv_applier.unknown_topics
+        return counts
 
     def _kv_events_info(self) -> dict[str, object] | None:
         if self.kv_subscriber is not None:

@@ -72,9 +72,11 @@ def router_args(argv: list[str]) -> argparse.Namespace:
 
 
 def built_router() -> Router:
-    """A router as `python -m router` builds it, not started (its one worker never answers)."""
+    """A router as `python -m router` builds it for deploy/ (KV events subscribed), not
+    started (its one worker never answers)."""
     url = "http://127.0.0.1:9"
-    return build_router(build_parser().parse_args(["--policy", "round_robin"]), [url])
+    args = build_parser().parse_args(["--policy", "round_robin", "--kv-events-subscribe"])
+    return build_router(args, [url])
 
 
 def router_routes() -> set[str]:

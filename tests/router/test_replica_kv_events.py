@@ -112,6 +112,9 @@ def test_every_replica_hears_every_worker(model_dir: Path, tmp_path: Path, redis
         wait_for(lambda: all(pages_of(late, u) >= 10 for u in urls))
         events = info(late)["kv_events"]
         assert events["replayed"] >= 2 and events["lost"] == 0
+        metrics = call(late.url + "/metrics")[1]
+        assert f"memserve_router_kv_event_replayed_total {float(events['replayed'])}" in metrics
+        assert "memserve_router_kv_event_lost_total 0.0" in metrics
 
         # Worker 1 is killed and comes back as a new process with an empty cache.
         proc = workers[1].proc

@@ -146,3 +146,48 @@ def test_replay_and_snapshot_rebuild_the_same_holdings(
     late = ReplicatedTrees(page_size=4)
     late.load(decode_snapshot(encode(Snapshot(VERSION, "a", "0", 0.0, a.snapshot()))).entries)
     assert late.holder_pages() == a.holder_pages()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, ops)
+def test_a_snapshot_taken_while_the_trees_change_plus_the_stream_after_it_converges(
+    before: list[tuple[str, str, Tier, list[int], int]],
+    during: list[tuple[str, str, Tier, list[int], int]],
+) -> None:
+    """The snapshot is walked in parts with requests running between them: changes made
+    meanwhile may or may not be in it, and replaying them after loading it converges."""
+
+    def run(trees: ReplicatedTrees, step: tuple[str, str, Tier, list[int], int]) -> None:
+        kind, url, tier, toks, keep = step
+        if kind == "record":
+            trees.record(C, url, toks, tier)
+        elif kind == "drop":
+            trees.drop(C, url, toks, keep, tier if keep % 2 else None)
+        else:
+            trees.forget(url)
+
+    a, box = trees_with_outbox()
+    for step in before:
+        run(a, step)
+    box.take(1 << 20)  # the stream up to the cursor
+    entries = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("router.replica_trees.SNAPSHOT_PART", 1)  # a change after every node
+        pending = list(during)
+        for part in a._snapshot_parts():
+            entries.extend(part)
+            if pending:
+                run(a, pending.pop(0))
+        for step in pending:
+            run(a, step)
+    late = ReplicatedTrees(page_size=4)
+    late.load(entries)
+    replay(box, late)  # what came after the cursor
+    assert late.holder_pages() == a.holder_pages()
+
+
+def test_the_async_snapshot_is_the_snapshot() -> None:
+    a, _ = trees_with_outbox()
+    for i in range(50):
+        a.record(C, (A, B)[i % 2], tokens(8 + 4 * (i % 7), start=100 * (i % 5)))
+    assert asyncio.run(a.snapshot_async()) == a.snapshot()

@@ -230,6 +230,19 @@ def test_streaming_is_the_workers_stream(model_dir: Path, tmp_path: Path) -> Non
             ]
 
         assert strip(via_router) == strip(direct)
+        # the router's time to first token: this streamed request's, at most its duration
+        metrics = call(r.url + "/metrics")[1]
+        route = '{route="/v1/chat/completions"}'
+        ttft = value(metrics, f"memserve_router_time_to_first_token_seconds_sum{route}")
+        whole = value(metrics, f"sgl_router_request_duration_seconds_sum{route}")
+        assert 0 < ttft <= whole
+        assert value(metrics, f"memserve_router_time_to_first_token_seconds_count{route}") == 1
+
+
+def value(metrics: str, series: str) -> float:
+    """One series' value in a Prometheus text page."""
+    line = next(x for x in metrics.splitlines() if x.startswith(series + " "))
+    return float(line.split()[-1])
 
 
 def test_stream_bytes_pass_through_unchanged(tmp_path: Path) -> None:
@@ -345,9 +358,13 @@ def test_api_key_protects_routes(model_dir: Path, tmp_path: Path) -> None:
         assert call(r.url + "/health")[0] == 200
         status, body = call(r.url + "/generate", {"text": "hi"})
         assert status == 401 and body["code"] == 401
-        req = urllib.request.Request(r.url + "/workers", headers={"Authorization": "Bearer s3cret"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 200
+        # /metrics names every worker: with a key, this port's copy needs it too
+        assert call(r.url + "/metrics")[0] == 401
+        for path in ("/workers", "/metrics"):
+            headers = {"Authorization": "Bearer s3cret"}
+            req = urllib.request.Request(r.url + path, headers=headers)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
 
 
 def test_full_queue_answers_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:

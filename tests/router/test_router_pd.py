@@ -82,6 +82,11 @@ def test_multi_turn_chat_through_pd_equals_colocated_and_reuses_the_history(
         )
         direct = call(colocated.url + "/v1/chat/completions", {**body, "stream": False})[1]
         assert text == direct["choices"][0]["message"]["content"]
+        # one time to first token: the streamed request's (the unstreamed ones have none),
+        # taken when the decode's first token reached the client, not the prefill's answer
+        ttft = "memserve_router_time_to_first_token_seconds"
+        metrics = call(r.url + "/metrics")[1]
+        assert f'{ttft}_count{{route="/v1/chat/completions"}} 1.0' in metrics
         time.sleep(0.5)
         for worker in (p, d):  # every block is cache; nothing a request held is left over
             pool = call(worker.url + "/get_server_info")[1]["mempool"]
