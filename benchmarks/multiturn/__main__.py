@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="results directory (default: benchmarks/results/multiturn, or "
         "benchmarks/results/multiturn_capacity with --capacity)",
     )
-    parser.add_argument("--quick", action="store_true", help="the < 5 minute preset")
+    parser.add_argument("--quick", action="store_true", help="the quick preset (about 5 minutes)")
     parser.add_argument(
         "--capacity",
         action="store_true",
