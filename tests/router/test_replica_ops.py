@@ -127,19 +127,25 @@ ops = st.lists(
 )
 
 
+def run(trees: ReplicatedTrees, step: tuple[str, str, Tier, list[int], int]) -> None:
+    """One step of a generated script: record, drop (one tier or all) or forget."""
+    kind, url, tier, toks, keep = step
+    if kind == "record":
+        trees.record(C, url, toks, tier)
+    elif kind == "drop":
+        trees.drop(C, url, toks, keep, tier if keep % 2 else None)
+    else:
+        trees.forget(url)
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_replay_and_snapshot_rebuild_the_same_holdings(
     script: list[tuple[str, str, Tier, list[int], int]],
 ) -> None:
     a, box = trees_with_outbox()
-    for kind, url, tier, toks, keep in script:
-        if kind == "record":
-            a.record(C, url, toks, tier)
-        elif kind == "drop":
-            a.drop(C, url, toks, keep, tier if keep % 2 else None)
-        else:
-            a.forget(url)
+    for step in script:
+        run(a, step)
     replica = ReplicatedTrees(page_size=4)
     replay(box, replica)
     assert replica.holder_pages() == a.holder_pages()
@@ -156,16 +162,6 @@ def test_a_snapshot_taken_while_the_trees_change_plus_the_stream_after_it_conver
 ) -> None:
     """The snapshot is walked in parts with requests running between them: changes made
     meanwhile may or may not be in it, and replaying them after loading it converges."""
-
-    def run(trees: ReplicatedTrees, step: tuple[str, str, Tier, list[int], int]) -> None:
-        kind, url, tier, toks, keep = step
-        if kind == "record":
-            trees.record(C, url, toks, tier)
-        elif kind == "drop":
-            trees.drop(C, url, toks, keep, tier if keep % 2 else None)
-        else:
-            trees.forget(url)
-
     a, box = trees_with_outbox()
     for step in before:
         run(a, step)
