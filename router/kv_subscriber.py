@@ -161,31 +161,37 @@ class KVEventSubscriber:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def info(self) -> dict[str, object]:
-        totals = FeedStats()
+        totals = FeedStats().as_dict()
         for feed in self.feeds.values():
-            for name in FeedStats.__dataclass_fields__:
-                setattr(totals, name, getattr(totals, name) + getattr(feed.stats, name))
+            for name, count in feed.stats.as_dict().items():
+                totals[name] += count
         return {
             "mode": "subscribe",
             "sources": {url: f.source.endpoint for url, f in self.feeds.items()},
-            **totals.as_dict(),
+            **totals,
         }
 
     # ----------------------------------------------------------------- one worker
 
     async def _run(self, feed: _Feed) -> None:
-        await self._replay(feed, 0)  # what the worker published before (a late replica)
+        first = True
         while True:
-            if not await feed.sock.poll(CHECK_INTERVAL_S * 1000):
-                await self._check(feed)
-                continue
-            frames = await feed.sock.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
-                continue
             try:
-                await self._receive(feed, int.from_bytes(frames[1], "big", signed=True), frames[2])
-            except Exception:  # one bad batch must not end the subscription
+                if first:  # what the worker published before (a late replica)
+                    first = False
+                    await self._replay(feed, 0)
+                elif not await feed.sock.poll(CHECK_INTERVAL_S * 1000):
+                    await self._check(feed)
+                else:
+                    frames = await feed.sock.recv_multipart()
+                    if len(frames) == 3 and len(frames[1]) == 8:
+                        seq = int.from_bytes(frames[1], "big", signed=True)
+                        await self._receive(feed, seq, frames[2])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad batch or exchange must not end the subscription
                 log.exception("KV events of %s: batch not applied", feed.url)
+                await asyncio.sleep(CHECK_INTERVAL_S)
 
     async def _receive(self, feed: _Feed, seq: int, payload: bytes) -> None:
         if seq <= feed.applied_last:
