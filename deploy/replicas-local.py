@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, with or without the package installed
 
 from router.procs import (  # noqa: E402
-    LOOPBACK,
     Launch,
     Server,
     free_port,
     http_ok,
     module_command,
+    redis_url,
     start_all,
+    start_redis,
     stop_all,
     wait_until,
 )
@@ -50,21 +50,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--run-dir", help="logs and KV-event sockets (default: a new temp dir)")
     p.add_argument("router_args", nargs="*", help="after --: more flags for every router")
     return p.parse_args()
-
-
-def redis_launch(run: Path) -> Launch:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (scripts/install.sh installs it)")
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
-    return Launch("redis", [*args, "--dir", str(run)], port, run / "redis.log")
-
-
-def redis_answers(port: int) -> bool:
-    import redis
-
-    return bool(redis.Redis(host=LOOPBACK, port=port, socket_timeout=1).ping())
 
 
 def worker_launch(args: argparse.Namespace, run: Path, i: int) -> Launch:
@@ -123,20 +108,19 @@ def main() -> int:
     run.mkdir(parents=True, exist_ok=True)
     servers: list[Server] = []
     try:
-        redis = redis_launch(run).start()
+        redis = start_redis(run / "redis.log")
         servers.append(redis)
-        why = wait_until(redis, lambda: redis_answers(redis.port), 10)
-        if why is not None:
-            raise RuntimeError(why)
-        redis_url = f"redis://{LOOPBACK}:{redis.port}/0"
+        redis_address = redis_url(redis)
         workers = [worker_launch(args, run, i) for i in range(1, args.workers + 1)]
         servers += start_all(workers, START_TIMEOUT_S)
         urls = [s.url for s in servers[1:]]
-        routers = [router_launch(args, run, i, redis_url, urls) for i in range(1, args.routers + 1)]
+        routers = [
+            router_launch(args, run, i, redis_address, urls) for i in range(1, args.routers + 1)
+        ]
         servers += start_all(routers, START_TIMEOUT_S)
         for router in servers[-len(routers) :]:
             ready(router)
-        print(f"redis     {redis_url}")
+        print(f"redis     {redis_address}")
         for s in servers[1:]:
             print(f"{s.name:<9} {s.url}")
         print(f"ready: logs in {run}; Ctrl-C stops everything", flush=True)

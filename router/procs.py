@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -134,6 +135,33 @@ def wait_until(
         time.sleep(poll_s)
     sep, detail = (":\n", server.output()) if full_log else (": ", server.tail())
     return why + sep + detail if detail else why
+
+
+def start_redis(log: Path, timeout_s: float = 10.0, port: int | None = None) -> Server:
+    """A private redis-server on a loopback port (a free one, or `port`: a restart where the
+    last one was) that keeps nothing on disk (what it holds, its users rebuild), answering
+    PING. RuntimeError, the server stopped, if it does not come up."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (scripts/install.sh installs it)")
+    port = port or free_port()
+    args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
+    server = Launch("redis", [*args, "--dir", str(log.parent)], port, log).start()
+    why = wait_until(server, lambda: redis_pong(port), timeout_s, poll_s=0.05)
+    if why is not None:
+        server.stop(5)
+        raise RuntimeError(why)
+    return server
+
+
+def redis_pong(port: int) -> bool:
+    with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
+
+
+def redis_url(server: Server) -> str:
+    return f"redis://{LOOPBACK}:{server.port}/0"
 
 
 def healthy(server: Server) -> Callable[[], bool]:

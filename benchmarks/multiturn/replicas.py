@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +32,15 @@ from benchmarks.multiturn.cluster import (
     scrape,
     slug,
 )
-from router.procs import LOOPBACK, Server, free_port, module_command, stop_all, wait_until
+from router.procs import (
+    Server,
+    free_port,
+    module_command,
+    redis_url,
+    start_redis,
+    stop_all,
+    wait_until,
+)
 
 LAG = "memserve_router_replica_lag_seconds"
 OPS = ("published", "applied", "dropped")  # memserve_router_replica_ops_*_total
@@ -53,12 +59,12 @@ def start_replicated(
     try:
         redis = start_redis(Path(f"{base}-redis.log"), timeout_s)
         started.append(redis)
-        redis_url = f"redis://{LOOPBACK}:{redis.port}/0"
+        url = redis_url(redis)
         replicas = []
         for i in range(1, spec.replicas + 1):
             port = free_port()
             args = router_args(spec, cluster, port)
-            args += ["--redis-url", redis_url, "--replica-id", f"replica-{i}"]
+            args += ["--redis-url", url, "--replica-id", f"replica-{i}"]
             server = launch(f"replica-{i}", args, port, Path(f"{base}-replica-{i}.log")).start()
             started.append(server)
             replicas.append(server)
@@ -82,25 +88,6 @@ def ready(server: Server, probe: Callable[[], bool], timeout_s: float) -> None:
     why = wait_until(server, probe, timeout_s)
     if why is not None:
         raise RuntimeError(why)
-
-
-def start_redis(log: Path, timeout_s: float) -> Server:
-    """A private redis-server on a free loopback port: no snapshots, no append-only file."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (scripts/install.sh installs it)")
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"]
-    args += ["--dir", str(log.parent)]
-    server = launch("redis", args, port, log).start()
-    ready(server, lambda: pong(port), timeout_s)
-    return server
-
-
-def pong(port: int) -> bool:
-    with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
-        s.sendall(b"PING\r\n")
-        return s.recv(16).startswith(b"+PONG")
 
 
 # --------------------------------------------------------------------------- the front's cost
