@@ -116,14 +116,10 @@ class MemPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         views = self._page_views(keys, host_indices)
-        rt = self._rt()
-        found = rt.pin(keys)
-        try:
+        with self._rt().pinned(keys) as found:
             for view, hit in zip(views, found, strict=True):
                 if hit is not None:
                     view.copy_(self._block(hit.addrs[0], view))
-        finally:
-            rt.unpin(found)
         return [hit is not None for hit in found]
 
     def batch_set_v1(
@@ -133,16 +129,10 @@ class MemPoolStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         views = self._page_views(keys, host_indices)
-        rt = self._rt()
-        addrs = rt.reserve(keys)
-        try:
+        with self._rt().filling(keys) as addrs:
             for view, addr in zip(views, addrs, strict=True):
                 if addr is not None:
                     self._block(addr, view).copy_(view)
-        except BaseException:
-            rt.abort(addrs)
-            raise
-        rt.commit(keys, addrs)
         return [True] * len(keys)
 
     # ----------------------------------------------------------------- tensors (legacy)
@@ -171,10 +161,8 @@ class MemPoolStorage(HiCacheStorage):
         """Copy each cached page into its target tensor (SGLang passes flat dummy pages)."""
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError("batch_get needs one target tensor per key")
-        rt = self._rt()
-        found = rt.pin(keys)
         out: list[torch.Tensor | None] = []
-        try:
+        with self._rt().pinned(keys) as found:
             for target, hit in zip(target_locations, found, strict=True):
                 if hit is None:
                     out.append(None)
@@ -186,8 +174,6 @@ class MemPoolStorage(HiCacheStorage):
                 else:
                     target.copy_(src.view(target.dtype).view(target.shape))
                 out.append(target)
-        finally:
-            rt.unpin(found)
         return out
 
     def set(
@@ -208,17 +194,11 @@ class MemPoolStorage(HiCacheStorage):
     ) -> bool:
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set needs one value tensor per key")
-        rt = self._rt()
-        addrs = rt.reserve(keys)
-        try:
+        with self._rt().filling(keys) as addrs:
             for value, addr in zip(values, addrs, strict=True):
                 if addr is not None:
                     raw = self._raw(value)
                     self._bytes_of(addr, raw.numel()).copy_(raw)
-        except BaseException:
-            rt.abort(addrs)
-            raise
-        rt.commit(keys, addrs)
         return True
 
     # ----------------------------------------------------------------- lookups

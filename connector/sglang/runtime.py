@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -113,8 +115,30 @@ class PoolRuntime:
 
         return self.call(count)
 
-    def pin(self, keys: Sequence[str]) -> list[PrefixMatch | None]:
-        """Pin each key's page (None for a miss) so its block is safe to read off the loop."""
+    @contextlib.contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[list[PrefixMatch | None]]:
+        """Each key's cached page (None for a miss), pinned for the block: safe to read off
+        the loop thread while it lasts."""
+        found = self._pin(keys)
+        try:
+            yield found
+        finally:
+            self._unpin(found)
+
+    @contextlib.contextmanager
+    def filling(self, keys: Sequence[str]) -> Iterator[list[int | None]]:
+        """A fresh block for each key the pool lacks (None: cached already, or repeated), to
+        fill in the block; indexed (and pushed to the writeback peers) when it ends, freed
+        if it raises."""
+        addrs = self._reserve(keys)
+        try:
+            yield addrs
+        except BaseException:
+            self._abort(addrs)
+            raise
+        self._commit(keys, addrs)
+
+    def _pin(self, keys: Sequence[str]) -> list[PrefixMatch | None]:
 
         def pin_all() -> list[PrefixMatch | None]:
             out: list[PrefixMatch | None] = []
@@ -129,7 +153,7 @@ class PoolRuntime:
 
         return self.call(pin_all)
 
-    def unpin(self, found: Sequence[PrefixMatch | None]) -> None:
+    def _unpin(self, found: Sequence[PrefixMatch | None]) -> None:
         def release() -> None:
             for f in found:
                 if f is not None:
@@ -137,9 +161,7 @@ class PoolRuntime:
 
         self.call(release)
 
-    def reserve(self, keys: Sequence[str]) -> list[int | None]:
-        """A fresh block for each key the pool lacks (None: cached already, or repeated in
-        `keys`); the caller fills them and then calls `commit`, or `abort`."""
+    def _reserve(self, keys: Sequence[str]) -> list[int | None]:
 
         def alloc() -> list[int | None]:
             seen: set[str] = set()
@@ -157,8 +179,7 @@ class PoolRuntime:
 
         return self.call(alloc)
 
-    def commit(self, keys: Sequence[str], addrs: Sequence[int | None]) -> None:
-        """Index the filled blocks; push them to the writeback peers when configured."""
+    def _commit(self, keys: Sequence[str], addrs: Sequence[int | None]) -> None:
         pairs = [(k, a) for k, a in zip(keys, addrs, strict=True) if a is not None]
 
         def insert() -> None:
@@ -169,7 +190,7 @@ class PoolRuntime:
         if pairs and self.peers:
             self._spawn_writeback([k for k, _ in pairs])
 
-    def abort(self, addrs: Sequence[int | None]) -> None:
+    def _abort(self, addrs: Sequence[int | None]) -> None:
         blocks = [a for a in addrs if a is not None]
         if blocks:
             self.call(self.pool.free_mem, blocks)
@@ -187,12 +208,7 @@ class PoolRuntime:
             wb = self.writeback
             stats["writeback"] = {
                 "peers": [f"{p.instance_id}@{p.host}:{p.port}" for p in self.peers],
-                "batches": wb.batches,
-                "pages_sent": wb.pages_sent,
-                "pages_skipped": wb.pages_skipped,
-                "bytes": wb.bytes,
-                "failures": wb.failures,
-                "errors": list(wb.errors),
+                **dataclasses.asdict(wb),
                 "pending": len(self._pending),
             }
         stats["listen"] = f"{self.config.host}:{self.agent.port}"
@@ -257,9 +273,7 @@ class PoolRuntime:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout)
         with self._lock:
-            return WritebackStats(
-                **{**self.writeback.__dict__, "errors": list(self.writeback.errors)}
-            )
+            return dataclasses.replace(self.writeback, errors=list(self.writeback.errors))
 
     # ----------------------------------------------------------------- lifecycle
 
