@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,9 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "errors": sum(
                     (r.get("errors") or 0) + (r.get("warmup_errors") or 0) for r in mine.values()
                 ),
+                # summed over the seeds (None: runs from before the engines counted them)
+                "retracted": _total(mine.values(), "retracted"),
+                "engine_aborts": _total(mine.values(), "engine_aborts"),
             }
             for name, (_, value) in PAIRED.items():
                 per_seed = {s: value(r, baseline.get(s)) for s, r in mine.items()}
@@ -337,9 +340,20 @@ def figure_rows(summary: Sequence[dict[str, Any]], config: Config) -> list[dict[
                 "sent/s": _r(e.get("offered_rps"), 2),
                 "GPU busy": pct(e.get("gpu_utilization")),
                 "errors": e.get("errors"),
+                "aborted": _count(e.get("engine_aborts")),
+                "retracted": _count(e.get("retracted")),
             }
         )
     return rows
+
+
+def _total(runs: Iterable[Run], key: str) -> float | None:
+    values = [r[key] for r in runs if finite(r.get(key))]
+    return sum(values) if values else None
+
+
+def _count(value: float | None) -> int | str:
+    return int(value) if finite(value) else "n/a"
 
 
 def config_line(runs: Sequence[Run], config: Config) -> str:

@@ -186,12 +186,15 @@ class Cluster:
         return out
 
     def worker_counters(self) -> list[dict[str, float]]:
-        """Per worker: requests, prompt and cached tokens so far (its Prometheus counters)."""
+        """Per worker: requests, prompt and cached tokens, evictions, retractions and aborts
+        so far (its Prometheus counters)."""
         names = {
             "sglang:num_requests_total": "requests",
             "sglang:prompt_tokens_total": "prompt_tokens",
             "sglang:cached_tokens_total": "cached_tokens",
             "memserve:evicted_blocks_total": "evicted_blocks",
+            "sglang:num_retracted_requests_total": "retracted",
+            "sglang:num_aborted_requests_total": "aborted",
         }
         out = []
         for w in self.workers:

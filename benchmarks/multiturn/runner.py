@@ -196,6 +196,9 @@ def run_one(
         {k: after[k] - before.get(k, 0.0) for k in after}
         for before, after in zip(counters_before, counters_after, strict=True)
     ]
+    # Engines: requests retracted under KV pressure (and resumed) and requests they aborted.
+    record["retracted"] = sum(w.get("retracted", 0.0) for w in record["per_worker"])
+    record["engine_aborts"] = sum(w.get("aborted", 0.0) for w in record["per_worker"])
     record["router_decisions"] = decisions(router_metrics)
     span = active_span(result.outcomes, result.wall_s)  # warm-ups kept the GPUs busy too
     record["gpu_busy_s"] = busy

@@ -5,10 +5,11 @@ Flags keep SGLang's names where the meaning is the same (--model-path, --host, -
 --disable-radix-cache, --enable-hierarchical-cache, --hicache-ratio, --hicache-size,
 --chunked-prefill-size, --kv-events-config, --disaggregation-mode,
 --disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
---context-length). Ours: --pd-caching (MemServe's caching modes of a disaggregated pair),
---mempool-port, --mempool-secret, --cluster-redis, --enable-mempool-pull,
---mempool-pull-timeout-secs, --tokenizer-cache, --backend, --time-scale,
---sim-interconnect-gbps.
+--context-length; --init-new-token-ratio, --min-new-token-ratio, --new-token-ratio-decay, which
+SGLang 0.5.23 reads from environment variables). Ours: --pd-caching (MemServe's caching
+modes of a disaggregated pair), --mempool-port, --mempool-secret, --cluster-redis,
+--enable-mempool-pull, --mempool-pull-timeout-secs, --tokenizer-cache, --backend,
+--time-scale, --sim-interconnect-gbps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from aiohttp import web
 from connector.kv_events import KVEventPublisher, KVEventsConfig
 from connector.pd_caching import Caching
 from connector.tokenizer import ChatTokenizer
+from connector.worker.admission import TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache, host_tier_tokens
@@ -101,6 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt tokens prefilled per step, a longer prompt over several steps (SGLang's "
         "flag; -1 or <= 0 disables; default: sim 8192, SGLang's for an 80 GB H100; hf off)",
+    )
+    p.add_argument(
+        "--init-new-token-ratio",
+        type=float,
+        default=0.7,
+        help="share of its remaining max_new_tokens a running request is first expected to "
+        "generate, for admission (SGLang 0.5.23: $SGLANG_INIT_NEW_TOKEN_RATIO, 0.7)",
+    )
+    p.add_argument(
+        "--min-new-token-ratio",
+        type=float,
+        default=0.098,
+        help="the floor it decays to (SGLang: init x $SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14)",
+    )
+    p.add_argument(
+        "--new-token-ratio-decay",
+        type=float,
+        default=(0.7 - 0.098) / 600,
+        help="decay per decode step without retraction (SGLang: (init - min) / 600 steps); "
+        "a retraction raises the ratio to what the running requests generated so far",
     )
     p.add_argument(
         "--kv-events-config",
@@ -301,6 +323,16 @@ def host_tier_blocks(args: argparse.Namespace, backend: Backend, device_blocks: 
     return tokens // page
 
 
+def token_ratio(args: argparse.Namespace) -> TokenRatio:
+    """SGLang's new-token ratio from the three flags; SystemExit naming what is wrong."""
+    try:
+        return TokenRatio(
+            args.init_new_token_ratio, args.min_new_token_ratio, args.new_token_ratio_decay
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--init-new-token-ratio/--min-new-token-ratio: {exc}") from None
+
+
 def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     """Everything a worker is, from its arguments; raises SystemExit with a message on misuse."""
     try:
@@ -400,6 +432,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             max_prefill_tokens=args.max_prefill_tokens,
             chunked_prefill_size=args.chunked_prefill_size,
             enable_cache=enable_cache,
+            ratio=token_ratio(args),
         ),
         hooks,
     )

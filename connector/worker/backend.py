@@ -77,6 +77,11 @@ class Backend(ABC):
         """Forget per-sequence state (finished or aborted)."""
         seq.backend_state = None
 
+    def retract(self, seq: Sequence) -> None:
+        """The sequence gave its KV up and will prefill again: forget its KV state, keep
+        what must survive (`seq.resume_state`)."""
+        seq.backend_state = None
+
     def info(self) -> dict[str, Any]:
         """What /get_server_info reports about the backend (model, latency parameters)."""
         return {"backend": self.name}

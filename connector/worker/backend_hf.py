@@ -161,7 +161,7 @@ class HFBackend(Backend):
     def _prefill(self, seq: Sequence) -> tuple[HFState, torch.Tensor]:
         from transformers import DynamicCache
 
-        prompt = seq.prompt_ids
+        prompt = seq.fill_ids
         if not prompt:
             raise ValueError(f"request {seq.rid}: empty prompt")
         if len(prompt) >= self.context_length:
@@ -178,8 +178,18 @@ class HFBackend(Backend):
             cache = DynamicCache(config=self.model.config)
             if start > 0:
                 self._load_kv(seq.rid, seq.prefix.addrs if seq.prefix else [], cache, start)
-            state = HFState(cache, self._generator(seq.sampling))
+            kept = seq.resume_state  # a retracted sequence samples on from where it was
+            generator = kept if isinstance(kept, torch.Generator) else None
+            state = HFState(cache, generator or self._generator(seq.sampling))
         return state, self._forward(prompt[start:end], start, state.cache)
+
+    def retract(self, seq: Sequence) -> None:
+        """Drop the sequence's KV but keep its sampling RNG, so that a seeded request
+        retracted and resumed samples the same tokens as one never retracted."""
+        state = seq.backend_state
+        if isinstance(state, HFState):
+            seq.resume_state = state.generator
+        seq.backend_state = None
 
     @staticmethod
     def _generator(sampling: SamplingParams) -> torch.Generator | None:
@@ -258,6 +268,8 @@ class HFBackend(Backend):
         """
         state = seq.backend_state
         page = self.spec.page_size
+        if state is None and _already_there(seq, first_page, addrs, page):
+            return  # KV that arrived from a prefill instance, not yet decoded on: in place
         if not isinstance(state, HFState):
             raise ValueError(f"request {seq.rid}: no KV (not prefilled, or released)")
         if first_page < 0 or not addrs:
@@ -324,6 +336,12 @@ class HFBackend(Backend):
             "page_size": self.spec.page_size,
             "context_length": self.context_length,
         }
+
+
+def _already_there(seq: Sequence, first_page: int, addrs: list[int], page: int) -> bool:
+    """The pages are blocks a prefill instance wrote this sequence's KV into (preloaded)."""
+    end = first_page + len(addrs)
+    return first_page >= 0 and end * page <= seq.preloaded and seq.kv_addrs[first_page:end] == addrs
 
 
 def _as_page(buffer: Any, shape: torch.Size) -> torch.Tensor:

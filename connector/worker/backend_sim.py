@@ -164,7 +164,7 @@ class SimBackend(Backend):
             pages, addrs = seq.cached_tokens // ps, seq.prefix.addrs if seq.prefix else []
         if not pages:
             return
-        hashes = page_hashes(seq.prompt_ids[: pages * ps], ps)
+        hashes = page_hashes(seq.fill_ids[: pages * ps], ps)
         for page, (addr, page_hash) in enumerate(zip(addrs[:pages], hashes, strict=True)):
             want = page_hash.to_bytes(8, "big", signed=True)
             got = bytes(self.pool.view_block(addr)[:8])

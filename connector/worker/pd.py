@@ -14,6 +14,9 @@ freed). A decode instance waiting for a room's KV gives up as soon as the prefil
 gone (its bootstrap server refuses connections, or membership declares it dead), not only at
 the timeout. A `wire` model (the sim backend) adds the modelled time of the real bytes to
 each transfer, between its allocation and its data, while the bytes moved are a stand-in.
+A decode instance whose KV memory is held by its running requests refuses the allocation; the
+prefill then keeps the KV pinned and offers it again until the decode has room or the
+disaggregation timeout passes, as SGLang's prefill waits for its decode's pre-allocation.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from aiohttp import web
 
 from connector.http_errors import json_error
 from connector.pd_caching import Caching
-from mempool import MemPool, MemType
+from mempool import MemPool, MemType, OutOfBlocks
 from mempool.transfer.agent import TransferAgent, TransferResult
 from mempool.transfer.base import DataTransport, PeerInfo, TransferFailed
 from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
@@ -124,6 +127,7 @@ class PDLink:
             "modelled_transfer_s": 0.0,
             "transfer_wall_s": 0.0,
             "late_arrivals_freed": 0,
+            "waits_for_room": 0,  # pushes the decode had no room for at first
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -364,16 +368,7 @@ class PDLink:
         private = {"room": room, "first_token": first_token, "prefill_cached": cached_tokens}
         try:
             await self._know(peer)
-            if self.config.caching.decode_caches:
-                await self._push(
-                    peer.instance_id,
-                    addrs,
-                    tokens=tokens,
-                    flags=TransferFlags.LOCK,
-                    private=private,
-                )
-            else:
-                await self._push(peer.instance_id, addrs, num_tokens=len(tokens), private=private)
+            await self._push_when_room(peer, room, tokens, addrs, private)
         except TransferFailed as exc:
             self.stats["failures"] += 1
             why = (
@@ -383,6 +378,45 @@ class PDLink:
             self.fail_room(room, why)
             raise TransferFailed(why) from None
         self.stats["sent"] += 1
+
+    async def _push_when_room(
+        self,
+        peer: PeerInfo,
+        room: int,
+        tokens: list[int],
+        addrs: list[int],
+        private: dict[str, Any],
+    ) -> None:
+        """Push the room's KV; while the decode has no memory for it (its running requests
+        hold it all), offer it again, backing off, until the disaggregation timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        delay = 0.01
+        while True:
+            try:
+                if self.config.caching.decode_caches:
+                    await self._push(
+                        peer.instance_id,
+                        addrs,
+                        tokens=tokens,
+                        flags=TransferFlags.LOCK,
+                        private=private,
+                    )
+                else:
+                    await self._push(
+                        peer.instance_id, addrs, num_tokens=len(tokens), private=private
+                    )
+                return
+            except OutOfBlocks as exc:
+                if delay == 0.01:
+                    self.stats["waits_for_room"] += 1
+                if loop.time() + delay > deadline:
+                    raise TransferFailed(
+                        f"the decode instance had no KV memory for bootstrap_room {room} "
+                        f"within {self.config.timeout_s:g} s: {exc}"
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
 
     # ----------------------------------------------------------------- decode side
 

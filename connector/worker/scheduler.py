@@ -9,6 +9,15 @@ request's prompt and output become historical KV through `insert` (context cachi
 the cache changes are published as KV events. Hooks (`RequestHooks`) take a request over on
 submit or on finish, as one side of a disaggregated pair does; they call back through the
 `Engine` methods (`enqueue`, `join_prefilled`, `retire`).
+
+Nothing is lost when KV memory runs out (SGLang's retraction): before each step every running
+request gets the block its next token's KV needs; when memory is short, running requests are
+retracted, those that lose least first (fewest generated tokens, then the longest prompt),
+until the rest fit. A retracted request keeps what it generated, leaves its computed pages
+in the cache (where caching is on: with a host tier they move there rather than vanish),
+and waits ahead of new work to prefill its prompt and output again, reusing whatever the
+cache still holds; the new-token ratio jumps so that admission takes less. Only a request
+that cannot fit even alone is aborted, with a message that says what it needs.
 """
 
 from __future__ import annotations
@@ -19,11 +28,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from connector.tokenizer import ChatTokenizer
-from connector.worker.admission import Admission
+from connector.worker.admission import Admission, TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache
@@ -42,6 +51,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384  # new prompt tokens admitted per step (SGLang's name)
     enable_cache: bool = True  # False: SGLang's --disable-radix-cache
     chunked_prefill_size: int | None = None  # prompt tokens prefilled per step; None: all
+    ratio: TokenRatio = field(default_factory=TokenRatio)  # SGLang's new-token ratio
 
 
 @dataclass(slots=True)
@@ -54,6 +64,11 @@ class SchedulerStats:
     host_cached_tokens: int = 0  # of cached_tokens: loaded from the host tier
     generation_tokens: int = 0
     aborted: int = 0
+    # SGLang's retraction counters (sglang:num_retracted_*_total) and the last step's count.
+    retracted: int = 0
+    retracted_input_tokens: int = 0
+    retracted_output_tokens: int = 0
+    last_retracted: int = 0
 
 
 class Scheduler:
@@ -78,7 +93,9 @@ class Scheduler:
             config.max_prefill_tokens,
             config.enable_cache,
             config.chunked_prefill_size,
+            config.ratio,
         )
+        self.ratio = self.admission.ratio
         self.page = kv.page
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -148,7 +165,23 @@ class Scheduler:
             "num_reqs": len(self.running) + (self.chunked is not None),
             "num_waiting_reqs": len(self.waiting),
             "num_tokens": self.kv.used_tokens,
-            "num_pending_tokens": sum(len(s.prompt_ids) for s in self.waiting),
+            "num_pending_tokens": sum(len(s.prompt_ids) + s.fill_outputs for s in self.waiting),
+        }
+
+    def state(self) -> dict[str, Any]:
+        """/get_server_info's `internal_states` entry: the load, the new-token ratio and the
+        retractions, under SGLang's names."""
+        load = self.load()
+        return {
+            **load,
+            "num_running_reqs": load["num_reqs"],
+            "num_queue_reqs": load["num_waiting_reqs"],
+            "num_queue_tokens": load["num_pending_tokens"],
+            "num_retracted_queue_reqs": sum(1 for s in self.waiting if s.resumed),
+            "new_token_ratio": round(self.ratio.current, 6),
+            "num_retracted_reqs": self.stats.retracted,
+            "num_retracted_input_tokens": self.stats.retracted_input_tokens,
+            "num_retracted_output_tokens": self.stats.retracted_output_tokens,
         }
 
     def kv_tiers(self) -> dict[str, Any]:
@@ -161,8 +194,11 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             if not self.waiting and not self.running and self.chunked is None:
+                self.ratio.reset()
                 self._wake.clear()
                 await self._wake.wait()
+            self._finish_left()
+            self._reserve_decodes()
             prefills = self._admit()
             decodes = list(self.running)
             if not prefills and not decodes:
@@ -183,9 +219,12 @@ class Scheduler:
             now = time.perf_counter()
             prefilled = [seq for seq in prefills if seq.ends_prompt]  # the rest: chunks to go
             for seq in prefilled:
-                self._first_token(seq, now)
-                if seq.sampling.max_new_tokens == 0:
-                    seq.output_ids.pop()  # a prefill-only request returns no token
+                if seq.resumed:  # its prefill brought it back where it was retracted
+                    seq.prefilled = True
+                else:
+                    self._first_token(seq, now)
+                    if seq.sampling.max_new_tokens == 0:
+                        seq.output_ids.pop()  # a prefill-only request returns no token
                 self.running.append(seq)
             for seq in (*prefilled, *decodes):
                 self._after_step(seq)
@@ -195,19 +234,115 @@ class Scheduler:
             self.kv.publish()
             await asyncio.sleep(0)  # let HTTP handlers run between steps, even when steps are free
 
+    def _finish_left(self) -> None:
+        """Running requests whose client left finish before the step (they get no token)."""
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self.running.remove(seq)
+            self._finish(seq, cache=self.config.enable_cache)
+
+    def _reserve_decodes(self) -> None:
+        """Give each running request the block its next token's KV needs; retract running
+        requests (SGLang's order: fewest generated tokens, then longest prompt, go first)
+        until the others fit. The new-token ratio decays at a step that retracted none and
+        is raised at one that did."""
+        if not self.running:
+            return
+        keep = sorted(
+            self.running, key=lambda s: (len(s.output_ids), -len(s.prompt_ids)), reverse=True
+        )
+        retracted: list[Sequence] = []
+        i = 0
+        while i < len(keep):
+            if self._grow(keep[i], ahead=1):
+                i += 1
+            elif len(keep) > 1:  # (the one retracted may be keep[i] itself: the loop ends)
+                retracted.append(keep.pop())
+                self._retract(retracted[-1])
+            elif self.chunked is not None:  # the last one left: a half-prefilled prompt yields
+                chunked, self.chunked = self.chunked, None
+                self._retract(chunked)
+                retracted.append(chunked)
+            else:
+                self._abort_alone(keep.pop())
+        self.stats.last_retracted = len(retracted)
+        if retracted:
+            for seq in sorted(retracted, key=lambda s: s.arrival, reverse=True):
+                self.waiting.appendleft(seq)  # ahead of new work, the earliest first
+            self.ratio.after_retract(self.running)
+            log.warning(
+                "KV cache full: retracted %d requests, new-token ratio now %.3f",
+                len(retracted),
+                self.ratio.current,
+            )
+        else:
+            self.ratio.step()
+
+    def _retract(self, seq: Sequence) -> None:
+        """Free `seq`'s KV and make it wait to prefill again with what it generated; its
+        computed whole pages stay as cache (when caching is on) for that prefill to reuse."""
+        if seq in self.running:
+            self.running.remove(seq)
+        computed = seq.num_computed if seq.prefilled else seq.extend_from + seq.extend_len
+        self.stats.retracted += 1
+        self.stats.retracted_input_tokens += len(seq.prompt_ids)
+        self.stats.retracted_output_tokens += len(seq.output_ids)
+        free = seq.blocks
+        cached_pages, full = seq.cached_tokens // self.page, computed // self.page
+        if self.config.enable_cache and full > cached_pages:
+            adopt, free = seq.blocks[: full - cached_pages], seq.blocks[full - cached_pages :]
+            try:
+                self.kv.keep(seq, full, adopt)
+            except Exception:  # caching failed: free everything, never leak
+                log.exception("caching retracted request %s failed", seq.rid)
+                free = seq.blocks
+        self.kv.free(free)
+        seq.blocks = []
+        if seq.prefix is not None:
+            self.kv.release(seq.prefix)
+            seq.prefix = None
+        self.backend.retract(seq)
+        if seq.reported_cached is None:  # the response reports the first admission's hit
+            seq.reported_cached = seq.report_cached
+        seq.retractions += 1
+        seq.fill_outputs = len(seq.output_ids)
+        seq.cached_tokens = seq.host_cached_tokens = seq.preloaded = 0
+        seq.extend_from = seq.extend_len = 0
+        seq.prefilled = False
+
+    def _abort_alone(self, seq: Sequence) -> None:
+        """Every other request is retracted and `seq` still has no block for its next token."""
+        self.running.remove(seq)
+        need = -(-(seq.num_computed + 1) // self.page) * self.page
+        seq.finish_reason = {
+            "type": "abort",
+            "message": f"out of KV cache memory: this request needs {need} tokens of KV and "
+            f"this worker holds {self.kv.capacity_tokens} "
+            f"({self.kv.pinned_pages * self.page} of them pinned by transfers), with every "
+            "other request retracted",
+        }
+        self._finish(seq, cache=self.config.enable_cache)
+
     def _admit(self) -> list[Sequence]:
         """This step's prefills; requests that can never fit end here."""
         chunked = self.chunked
         if chunked is not None and chunked.finish_reason is not None:  # aborted mid-prompt
             self.chunked = None
             self._finish(chunked, cache=False)
-        step = self.admission.admit(self.waiting, len(self.running), self.chunked)
+        step = self.admission.admit(self.waiting, self.running, self.chunked)
         self.chunked = step.chunked
         for seq in step.refused:
-            seq.finish_reason = {"type": "abort", "message": "out of KV cache memory"}
+            need = len(seq.prompt_ids) + seq.fill_outputs
+            seq.finish_reason = {
+                "type": "abort",
+                "message": f"out of KV cache memory: the prompt needs {need} tokens of KV and "
+                f"this worker holds {self.kv.capacity_tokens} "
+                f"({self.kv.pinned_pages * self.page} of them pinned by transfers)",
+            }
+            self.stats.aborted += 1
             seq.events.put_nowait(DONE)
         for seq in step.new:
-            self._count(seq)
+            if not seq.resumed:
+                self._count(seq)
         return step.prefills
 
     def _count(self, seq: Sequence) -> None:
@@ -222,11 +357,9 @@ class Scheduler:
         self.on_first_token(now - seq.arrival)
 
     def _after_step(self, seq: Sequence) -> None:
-        """A new token: is the request done, has it a block for its next KV; tell the client."""
+        """A new token: is the request done; tell the client."""
         if seq.finish_reason is None:
             self._check_finish(seq)
-        if seq.finish_reason is None and not self._grow(seq):
-            seq.finish_reason = {"type": "abort", "message": "out of KV cache memory"}
         seq.events.put_nowait(TOKEN)
 
     def join_prefilled(self, seq: Sequence) -> None:
@@ -241,10 +374,11 @@ class Scheduler:
             self._finish(seq, cache=self.config.enable_cache)
         self._wake.set()
 
-    def _grow(self, seq: Sequence) -> bool:
-        """Own a block for every page holding computed KV (one more page every page_size tokens)."""
+    def _grow(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Own a block for every page holding computed KV and the KV of the next `ahead`
+        tokens (one more page every page_size tokens); False when memory is short."""
         owned = seq.cached_tokens // self.page + len(seq.blocks)
-        missing = -(-seq.num_computed // self.page) - owned
+        missing = -(-(seq.num_computed + ahead) // self.page) - owned
         if missing <= 0:
             return True
         blocks = self.kv.alloc(missing)

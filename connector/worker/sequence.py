@@ -73,6 +73,12 @@ class Sequence:
     # brought into this instance's cache for this request.
     pulled_from: int = 0
     pulled_to: int = 0
+    # Retraction (SGLang's): a running request whose KV was given up for memory waits again
+    # and prefills its prompt plus the first `fill_outputs` output tokens, reusing what the
+    # cache kept; `resume_state` is what the backend keeps across it (a sampling RNG).
+    retractions: int = 0
+    fill_outputs: int = 0
+    resume_state: Any = None
 
     @property
     def pulled_tokens(self) -> int:
@@ -94,18 +100,31 @@ class Sequence:
         return {"device": self.report_cached - host, "host": host}
 
     @property
+    def fill_ids(self) -> list[int]:
+        """The tokens a prefill computes through: the prompt, and after a retraction the
+        output generated before it (its next token comes from the last one's logits)."""
+        if not self.fill_outputs:
+            return self.prompt_ids
+        return self.prompt_ids + self.output_ids[: self.fill_outputs]
+
+    @property
+    def resumed(self) -> bool:
+        """Retracted at least once: its first token was sent long ago."""
+        return self.retractions > 0
+
+    @property
     def chunk(self) -> tuple[int, int]:
-        """Prompt tokens [start, end) this step's prefill computes: the chunk admission set,
+        """Fill tokens [start, end) this step's prefill computes: the chunk admission set,
         or (none set) everything after the cached prefix."""
-        n = len(self.prompt_ids)
+        n = len(self.prompt_ids) + self.fill_outputs
         if self.extend_len:
             return self.extend_from, self.extend_from + self.extend_len
         return min(self.cached_tokens, n - 1), n  # the last token's logits give the first
 
     @property
     def ends_prompt(self) -> bool:
-        """This step's prefill reaches the end of the prompt (its first token comes out)."""
-        return self.chunk[1] >= len(self.prompt_ids)
+        """This step's prefill reaches the end of the fill tokens (a token comes out)."""
+        return self.chunk[1] >= len(self.prompt_ids) + self.fill_outputs
 
     @property
     def kv_addrs(self) -> list[int]:

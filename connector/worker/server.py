@@ -152,6 +152,35 @@ class WorkerMetrics:
                 "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
             )
         yield counter("sglang:num_aborted_requests", "Aborted requests", stats.aborted)
+        yield counter(
+            "sglang:num_retracted_requests",
+            "Retracted requests (KV given up, requeued)",
+            stats.retracted,
+        )
+        yield counter(
+            "sglang:num_retracted_input_tokens",
+            "Prompt tokens of retracted requests",
+            stats.retracted_input_tokens,
+        )
+        yield counter(
+            "sglang:num_retracted_output_tokens",
+            "Output tokens generated before a retraction (kept, not lost)",
+            stats.retracted_output_tokens,
+        )
+        yield gauge(
+            "sglang:num_retracted_reqs", "Requests retracted at the last step", stats.last_retracted
+        )
+        yield gauge(
+            "sglang:new_token_ratio",
+            "Expected share of max_new_tokens still to generate (admission)",
+            s.ratio.current,
+        )
+        queued = s.load()
+        yield gauge(
+            "memserve:num_queue_tokens",
+            "Prompt tokens waiting (retracted ones with their output)",
+            queued["num_pending_tokens"],
+        )
         yield counter("memserve:evicted_blocks", "KV blocks evicted", s.kv.evicted_blocks)
         yield gauge("sglang:num_running_reqs", "Running requests", len(s.running))
         yield gauge("sglang:num_queue_reqs", "Waiting requests", len(s.waiting))
@@ -463,7 +492,7 @@ class WorkerServer:
                 "mempool": kv.stats(),
                 "disaggregation": self.scheduler.hooks.info(),
                 **self.scheduler.hooks.server_info(),
-                "internal_states": [self.scheduler.load()],
+                "internal_states": [self.scheduler.state()],
             }
         )
 

@@ -137,7 +137,7 @@ def test_admission_runs_one_chunked_request_first_and_fills_the_rest(
     windows = []
     chunked = None
     for _ in range(6):
-        step = admission.admit(waiting, 0, chunked)
+        step = admission.admit(waiting, [], chunked)
         windows.append([(s.rid, s.extend_from, s.extend_len) for s in step.prefills])
         chunked = step.chunked
     assert windows == [

@@ -401,6 +401,9 @@ def test_a_prompt_shorter_than_a_page_crosses_a_pair(
         for n in (1, PAGE - 1, PAGE, PAGE + 1):
             _, answer = pd_generate(p, d, boot, [2000 + i for i in range(n)])
             assert answer["meta_info"]["prompt_tokens"] == n
+        # (a caching-3 write-back runs after the decode answered: a loaded machine may still
+        # have it on the wire; a leak never settles)
+        wait_for("the pair settled", lambda: all(len(set(used_pages(w))) == 1 for w in (p, d)))
         no_leak(p)
         no_leak(d)
 
