@@ -77,7 +77,8 @@ def test_a_colocated_worker_retracts_instead_of_aborting(
     with running("connector.worker", args, tmp_path) as worker, ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda ids: generate(worker.url, ids, 96), batch))
         for ids, answer in zip(batch, answers, strict=True):
-            assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]["finish_reason"]
+            finish = answer["meta_info"]["finish_reason"]
+            assert finish["type"] == "length", finish
             assert answer["output_ids"] == generate(roomy.url, ids, 96)["output_ids"]
         internal = state(worker)["internal_states"][0]
         assert internal["num_retracted_reqs"] > 0
@@ -146,7 +147,8 @@ def test_a_pd_decode_retracts_what_it_received_and_finishes_it(
 
         answers = list(pool.map(pd, batch))
         for ids, answer in zip(batch, answers, strict=True):
-            assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]["finish_reason"]
+            finish = answer["meta_info"]["finish_reason"]
+            assert finish["type"] == "length", finish
             assert answer["output_ids"] == generate(roomy.url, ids, 96)["output_ids"]
         info = state(d)
         assert info["internal_states"][0]["num_retracted_reqs"] > 0
@@ -184,7 +186,8 @@ def test_requests_that_pulled_their_prefix_are_retracted_and_finish(
         batch = [shared + tail for tail in tails]
         answers = list(pool.map(lambda ids: generate(puller.url, ids, 96, hint), batch))
         for ids, answer in zip(batch, answers, strict=True):
-            assert answer["meta_info"]["finish_reason"]["type"] == "length", answer["meta_info"]["finish_reason"]
+            finish = answer["meta_info"]["finish_reason"]
+            assert finish["type"] == "length", finish
             assert answer["output_ids"] == generate(roomy.url, ids, 96)["output_ids"]
         info = state(puller)
         assert info["pull"]["pulls"] >= 1 and info["pull"]["pulled_tokens"] >= 160
