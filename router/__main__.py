@@ -24,8 +24,7 @@ from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
-from router.replica_trees import ReplicatedTrees
-from router.replicas import ReplicaConfig, new_replica_id
+from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import Router, RouterConfig
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType

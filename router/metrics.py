@@ -15,7 +15,7 @@ from router.workers import WorkerRegistry, WorkerType
 # time to first token: 10 ms (a cached prompt) to a minute (a long one queued)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10, 20, 60)
 
-# what the KV-event feeds count (router.kv_listener, router.kv_subscriber)
+# what the KV-event feeds count (router.kv_events.listener, router.kv_events.subscriber)
 KV_EVENT_COUNTERS = {
     "batches": "KV event batches applied to the prompt trees",
     "gaps": "KV event batches that came after missing ones",

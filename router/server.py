@@ -24,16 +24,20 @@ from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
-from router.kv_listener import KVEventApplier, KVEventListener
-from router.kv_subscriber import EventSource, FeedStats, KVEventSubscriber
+from router.kv_events import (
+    EventSource,
+    FeedStats,
+    KVEventApplier,
+    KVEventListener,
+    KVEventSubscriber,
+)
 from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
-from router.replica_trees import ReplicatedTrees
-from router.replicas import ReplicaConfig, Replicator
+from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
 from router.request import (
     INFERENCE_ROUTES,
     RequestError,
