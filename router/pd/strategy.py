@@ -71,7 +71,11 @@ class PrefillDecode(Strategy):
         keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
         payload, _room = bootstrap_payload(call.body, prefill)
         sender.metrics.pd_requests.inc()
+        # in flight on the prefill from now, not from its task's first step: the next
+        # admission by expected wait must see it (router.admission)
+        flight = prefill.request(sender.pending(call.prompt, p_dec)).__enter__()
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
+        p_task.add_done_callback(lambda _: flight.__exit__(None, None, None))
         if caching.prefill_caches:
             sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()
@@ -119,14 +123,13 @@ class PrefillDecode(Strategy):
     ) -> PrefillResult:
         worker = decision.worker
         try:
-            with worker.request(self.sender.pending(call.prompt, decision)):
-                return await drain_prefill(
-                    self.sender.upstream,
-                    worker.url + call.route,
-                    payload,
-                    self.sender.timeout_s,
-                    keep,
-                    worker.exchanges,
-                )
+            return await drain_prefill(
+                self.sender.upstream,
+                worker.url + call.route,
+                payload,
+                self.sender.timeout_s,
+                keep,
+                worker.exchanges,
+            )
         finally:
             self.sender.metrics.for_worker(worker.url).inc()

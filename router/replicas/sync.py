@@ -456,6 +456,7 @@ class Replicator:
                 total[1] += tokens
         for w in self.registry.workers.values():
             w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
+        self.registry.load_changed()
 
     @property
     def peers(self) -> list[str]:
