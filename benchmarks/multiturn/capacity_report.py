@@ -118,6 +118,7 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "errors": sum(
                     (r.get("errors") or 0) + (r.get("warmup_errors") or 0) for r in mine.values()
                 ),
+                "retries_429": sum(r.get("retries_429") or 0 for r in mine.values()),
             }
             for name, (_, value) in PAIRED.items():
                 per_seed = {s: value(r, baseline.get(s)) for s, r in mine.items()}
@@ -337,6 +338,7 @@ def figure_rows(summary: Sequence[dict[str, Any]], config: Config) -> list[dict[
                 "sent/s": _r(e.get("offered_rps"), 2),
                 "GPU busy": pct(e.get("gpu_utilization")),
                 "errors": e.get("errors"),
+                "429 retries": e.get("retries_429"),
             }
         )
     return rows
