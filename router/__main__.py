@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import urllib.request
@@ -24,8 +25,7 @@ from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
-from router.replica_trees import ReplicatedTrees
-from router.replicas import ReplicaConfig, new_replica_id
+from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import Router, RouterConfig
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
@@ -60,8 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="requests admitted a second (a token bucket, as sglang-router's); 0: unlimited",
     )
-    a("--queue-size", type=int, default=100)
-    a("--queue-timeout-secs", type=float, default=60)
+    a("--queue-size", type=int, default=100, help="requests that may wait to be admitted")
+    a("--queue-timeout-secs", type=float, default=60, help="the longest one may wait")
+    a(
+        "--max-expected-wait-secs",
+        type=float,
+        default=0,
+        metavar="SECS",
+        help="admission by expected wait (0: off): while every worker a request may go to "
+        "(colocated, or PD prefill) is expected to start it only after SECS (the cost model's "
+        "queue term: queued prefill tokens, running requests), hold it in the queue "
+        "(--queue-size, --queue-timeout-secs) until one is within SECS; refuse it with 429 "
+        "at once when its wait past SECS exceeds --queue-timeout-secs (or the queue is "
+        "full), Retry-After being that excess rounded up; --queue-size 0 refuses at once",
+    )
     a("--retry-max-retries", type=int, default=5)
     a("--retry-initial-backoff-ms", type=float, default=50)
     a("--retry-max-backoff-ms", type=float, default=30000)
@@ -232,6 +244,11 @@ def check_limits(args: argparse.Namespace) -> None:
     ):
         if not value >= 0:
             raise SystemExit(f"{flag} must be >= 0, got {value}")
+    if not 0 <= args.max_expected_wait_secs < math.inf:
+        raise SystemExit(
+            "--max-expected-wait-secs must be a number of seconds >= 0 (0: off), "
+            f"got {args.max_expected_wait_secs}"
+        )
     for flag, value in (
         ("--queue-timeout-secs", args.queue_timeout_secs),
         ("--request-timeout-secs", args.request_timeout_secs),
@@ -309,6 +326,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         rate_limit_per_s=args.rate_limit_tokens_per_second,
         queue_size=args.queue_size,
         queue_timeout_s=args.queue_timeout_secs,
+        max_expected_wait_s=args.max_expected_wait_secs,
         retry=RetryConfig(
             args.retry_max_retries,
             args.retry_initial_backoff_ms / 1000,

@@ -1,4 +1,5 @@
-"""Admission: how many requests the router lets in at once, and how fast.
+"""Admission: how many requests the router lets in at once, how fast, and how far behind
+the workers may be.
 
 sglang-router's limits with its flag names: `--max-concurrent-requests` (0: unlimited) caps
 requests inside the router, `--rate-limit-tokens-per-second` refills a token bucket that every
@@ -6,19 +7,47 @@ request takes one token from (burst: the bucket holds a second's worth, at least
 request that cannot go in at once waits in a queue of `--queue-size` for at most
 `--queue-timeout-secs`; a full queue or a wait that runs out is a 429 with Retry-After, never
 a hang.
+
+Ours, `--max-expected-wait-secs` (0: off; router.wait_gate): while every eligible worker's
+expected wait is past that deadline, a request waits in the same queue, and goes in when one
+is within it. Holding is the default; a request is refused at once instead when its wait
+past the deadline is longer than it may wait in the queue (it would time out anyway), and
+`--queue-size 0` refuses every request that would wait. Such a 429's Retry-After is the
+smallest expected wait minus the deadline, rounded up (at least 1 s). The router admits a
+request once its body is read and before it is tokenized or sent to a worker: from
+admission to the worker's in-flight count nothing waits, so a burst cannot all pass on the
+same stale load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from router.wait_gate import TooLate, WaitGate
+
+# why a request waited in the queue, and why one was refused (metric labels)
+HOLD_REASONS = ("expected_wait", "concurrency", "rate_limit", "queued_ahead")
+REFUSAL_REASONS = ("queue_full", "queue_timeout", "expected_wait")
+
 
 class Refused(Exception):
-    """The request cannot be admitted now; the message says why (answered as a 429)."""
+    """The request cannot be admitted now: answered 429 with the message and Retry-After."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.reason = reason  # one of REFUSAL_REASONS
+        self.retry_after_s = retry_after_s
+
+
+def retry_after(excess_s: float) -> int:
+    """Whole seconds (at least 1) a client should wait: the wait past the deadline, rounded
+    up."""
+    return max(1, math.ceil(excess_s)) if math.isfinite(excess_s) else 1
 
 
 @dataclass(slots=True)
@@ -27,6 +56,7 @@ class Limits:
     rate_per_s: float = 0.0  # requests a second; 0: unlimited
     queue_size: int = 100
     queue_timeout_s: float = 60.0
+    max_expected_wait_s: float = 0.0  # 0: off
 
 
 class TokenBucket:
@@ -58,9 +88,16 @@ class TokenBucket:
 
 
 class Admission:
-    """The gate every inference request passes: `async with admission.slot(): ...`."""
+    """The gate every inference request passes: `async with admission.slot(): ...`.
 
-    def __init__(self, limits: Limits) -> None:
+    `smallest_wait` (needed with a deadline): the smallest expected wait, in seconds, among
+    the workers a request may go to, or None when none is available. The owner calls
+    `load_changed` whenever a worker's load changes, so held requests look again.
+    """
+
+    def __init__(
+        self, limits: Limits, smallest_wait: Callable[[], float | None] | None = None
+    ) -> None:
         self.limits = limits
         self._slots = (
             asyncio.Semaphore(limits.max_concurrent) if limits.max_concurrent > 0 else None
@@ -70,38 +107,91 @@ class Admission:
             if limits.rate_per_s > 0
             else None
         )
+        self.gate: WaitGate | None = None
+        if limits.max_expected_wait_s > 0:
+            if smallest_wait is None:
+                raise ValueError("a deadline on the expected wait needs smallest_wait")
+            self.gate = WaitGate(limits.max_expected_wait_s, smallest_wait)
         self.queued = 0
-        self.refused = 0
+        self.holds = dict.fromkeys(HOLD_REASONS, 0)
+        self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        """Hold one admitted request's place while the block runs; Refused when none frees
-        within the queue's limits."""
-        if self._must_wait():
-            if self.queued >= self.limits.queue_size:
-                self.refused += 1
-                raise Refused("the router's queue is full; retry later")
-            self.queued += 1
-            try:
-                async with asyncio.timeout(self.limits.queue_timeout_s):
-                    await self._wait_turn()
-            except TimeoutError:
-                self.refused += 1
-                raise Refused("timed out waiting in the router's queue") from None
-            finally:
-                self.queued -= 1
-        else:
+        """Hold one admitted request's place while the block runs; Refused when it cannot
+        go in within the queue's limits."""
+        reason = self._hold_reason()
+        if reason is None:
             await self._wait_turn()  # free at once: nothing waits
+        else:
+            await self._queue(reason)
         try:
             yield
         finally:
             if self._slots is not None:
                 self._slots.release()
+            # it ended (or failed before reaching a worker): whoever is held looks again
+            self.load_changed()
 
-    def _must_wait(self) -> bool:
-        busy = self._slots is not None and self._slots.locked()
-        empty = self._bucket is not None and self._bucket.available() < 1
-        return busy or empty or self.queued > 0
+    def load_changed(self) -> None:
+        if self.gate is not None:
+            self.gate.load_changed()
+
+    def excess(self) -> float:
+        """Seconds the least-waiting eligible worker is past the deadline (-inf without
+        one)."""
+        return -math.inf if self.gate is None else self.gate.excess()
+
+    def _hold_reason(self) -> str | None:
+        """Why this request must wait in the queue; None: it goes in at once."""
+        if self.queued > 0:
+            return "queued_ahead"  # first in, first out
+        if self.gate is not None and self.gate.excess() > 0:
+            return "expected_wait"
+        if self._slots is not None and self._slots.locked():
+            return "concurrency"
+        if self._bucket is not None and self._bucket.available() < 1:
+            return "rate_limit"
+        return None
+
+    async def _queue(self, reason: str) -> None:
+        """Wait in the queue for the gate, a token and a slot, or raise Refused."""
+        limits = self.limits
+        excess = self.excess()
+        if excess > limits.queue_timeout_s:
+            raise self._refuse("expected_wait", excess)
+        if self.queued >= limits.queue_size:
+            raise self._refuse("queue_full", excess)
+        self.holds[reason] += 1
+        self.queued += 1
+        give_up_at = asyncio.get_running_loop().time() + limits.queue_timeout_s
+        try:
+            async with asyncio.timeout_at(give_up_at):
+                if self.gate is not None:
+                    await self.gate.admit(give_up_at)
+                await self._wait_turn()
+        except TooLate as exc:
+            raise self._refuse("expected_wait", exc.excess_s) from None
+        except TimeoutError:
+            raise self._refuse("queue_timeout", self.excess()) from None
+        finally:
+            self.queued -= 1
+
+    def _refuse(self, reason: str, excess_s: float) -> Refused:
+        """Count a refusal; its Retry-After comes from the wait past the deadline."""
+        self.refusals[reason] += 1
+        if reason == "queue_full":
+            message = "the router's queue is full; retry later"
+        elif reason == "queue_timeout":
+            message = "timed out waiting in the router's queue; retry later"
+        else:
+            assert self.gate is not None
+            message = (
+                f"every worker's expected wait ({excess_s + self.gate.deadline_s:.2f} s at "
+                f"the least) is past --max-expected-wait-secs ({self.gate.deadline_s:g} s) "
+                "for longer than a request may wait in the router's queue; retry later"
+            )
+        return Refused(message, reason, retry_after(excess_s))
 
     async def _wait_turn(self) -> None:
         """A token from the bucket, then a concurrency slot."""

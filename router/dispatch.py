@@ -74,11 +74,18 @@ class Strategy(ABC):
     """Where a request goes and how it is sent."""
 
     policies: Sequence[Policy]
+    registry: WorkerRegistry
     unit = "worker"  # what the strategy sends to, for error messages
 
     @abstractmethod
     def kinds(self) -> tuple[WorkerType, ...]:
-        """The worker types this strategy routes to (readiness needs one of each)."""
+        """The worker types this strategy routes to (readiness needs one of each); the
+        first is where a new request queues first."""
+
+    def eligible(self) -> list[Worker]:
+        """The available workers a new request would queue at first: the ones its policy
+        chooses from (colocated workers; a PD pair's prefill)."""
+        return self.registry.available(self.kinds()[0])
 
     @abstractmethod
     async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:

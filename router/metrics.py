@@ -9,13 +9,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.admission import Admission
 from router.trees import PromptTrees
-from router.workers import WorkerRegistry, WorkerType
+from router.workers import Worker, WorkerRegistry, WorkerType
 
 # time to first token: 10 ms (a cached prompt) to a minute (a long one queued)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10, 20, 60)
 
-# what the KV-event feeds count (router.kv_listener, router.kv_subscriber)
+# what the KV-event feeds count (router.kv_events.listener, router.kv_events.subscriber)
 KV_EVENT_COUNTERS = {
     "batches": "KV event batches applied to the prompt trees",
     "gaps": "KV event batches that came after missing ones",
@@ -72,6 +73,10 @@ class RouterMetrics:
         )
         # KV-event feed counters (name -> value), set by the router when it has a feed
         self.kv_events: Callable[[], dict[str, int]] | None = None
+        # admission's hold and refusal counts, and a worker's expected wait (seconds), set
+        # by the router
+        self.admission: Admission | None = None
+        self.expected_wait: Callable[[Worker], float] | None = None
         r.register(self)
         self._children: dict[tuple[str, str], Any] = {}
 
@@ -98,6 +103,33 @@ class RouterMetrics:
     def for_worker(self, url: str) -> Any:
         return self._child("processed", url, self.processed.labels)
 
+    def _admission(self) -> Iterator[Metric]:
+        """Requests held and refused by reason, held now, and each worker's expected wait."""
+        if self.expected_wait is not None:
+            wait = GaugeMetricFamily(
+                "memserve_router_worker_expected_wait_seconds",
+                "Cost model's expected wait before a new prefill starts on the worker",
+                labels=["worker"],
+            )
+            for w in self.workers.workers.values():
+                wait.add_metric([w.url], self.expected_wait(w))
+            yield wait
+        a = self.admission
+        if a is None:
+            return
+        for what, doc, counts in (
+            ("holds", "Requests that waited in the router's queue, by why", a.holds),
+            ("refusals", "Requests refused with 429 before reaching a worker, by why", a.refusals),
+        ):
+            name = f"memserve_router_admission_{what}"
+            family = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in counts.items():
+                family.add_metric([reason], n)
+            yield family
+        yield GaugeMetricFamily(
+            "memserve_router_admission_queued", "Requests waiting in the queue now", a.queued
+        )
+
     def collect(self) -> Iterator[Metric]:
         health = GaugeMetricFamily("sgl_router_worker_health", "1 healthy", labels=["worker"])
         load = GaugeMetricFamily("sgl_router_worker_load", "Requests in flight", labels=["worker"])
@@ -109,6 +141,7 @@ class RouterMetrics:
             load.add_metric([w.url], w.load)
             breaker.add_metric([w.url], w.breaker.value)
         yield from (health, load, breaker)
+        yield from self._admission()
         size = GaugeMetricFamily(
             "sgl_router_tree_size", "Pages in the prompt tree", labels=["type"]
         )

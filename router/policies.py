@@ -106,6 +106,14 @@ class CostModel:
             + new * (cached + new / 2) * self.prefill_s_per_token_pair
         )
 
+    def queue_s(self, worker: Worker, host: int = 0) -> float:
+        """Seconds before a new prefill starts on `worker`: its queued prefill tokens and
+        running requests, then `host` tokens of the request's own prefix to load from its
+        host tier. With `host=0` it is the worker's expected wait, the same for any request
+        (admission by expected wait uses it: router.admission)."""
+        queue = worker.queued_tokens * self.prefill_s_per_token
+        return queue + (worker.load * self.busy_s_per_request + host * self.host_load_s_per_token)
+
     def plan(
         self,
         worker: Worker,
@@ -118,8 +126,7 @@ class CostModel:
         """`worker` holds `cached` tokens of the prompt (`host` of them in host memory, to
         load first); `source`, when given, holds `best` and may be pulled from: the pull
         shares the source's link with the pulls already planned from it."""
-        queue = worker.queued_tokens * self.prefill_s_per_token
-        queue += worker.load * self.busy_s_per_request + host * self.host_load_s_per_token
+        queue = self.queue_s(worker, host)
         own = Plan(queue + self.prefill_s(tokens - cached, cached), tokens - cached)
         if source is None or best <= cached or not worker.can_pull:
             return own

@@ -1,7 +1,8 @@
 """The router's HTTP surface: SGLang's and OpenAI's inference routes, management, metrics.
 
 Every refusal is a 4xx JSON body decided before any worker is touched (malformed JSON,
-wrong types, empty messages, unknown model, oversized body, missing API key, full queue).
+wrong types, empty messages, unknown model, oversized body, missing API key, full queue,
+workers past the expected-wait deadline).
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits, Refused
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
-from router.kv_listener import KVEventApplier, KVEventListener
-from router.kv_subscriber import EventSource, FeedStats, KVEventSubscriber
+from router.kv_events import (
+    EventSource,
+    FeedStats,
+    KVEventApplier,
+    KVEventListener,
+    KVEventSubscriber,
+)
 from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
-from router.replica_trees import ReplicatedTrees
-from router.replicas import ReplicaConfig, Replicator
+from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
 from router.request import (
     INFERENCE_ROUTES,
     RequestError,
@@ -66,6 +71,9 @@ class RouterConfig:
     rate_limit_per_s: float = 0.0  # requests admitted a second (token bucket); 0: unlimited
     queue_size: int = 100
     queue_timeout_s: float = 60.0
+    # hold (then refuse) requests while every eligible worker's expected wait is past this;
+    # 0: off (router.admission)
+    max_expected_wait_s: float = 0.0
     retry: RetryConfig = field(default_factory=RetryConfig)
     kv_events_endpoint: str | None = None  # bind a ZMQ SUB socket here for KV events
     kv_events_subscribe: bool = False  # connect to every worker's KV-event publisher
@@ -101,8 +109,14 @@ class Router:
                 config.rate_limit_per_s,
                 config.queue_size,
                 config.queue_timeout_s,
-            )
+                config.max_expected_wait_s,
+            ),
+            self._smallest_wait,
         )
+        if self.admission.gate is not None:
+            registry.when_load_changes(self.admission.load_changed)
+        self.metrics.admission = self.admission
+        self.metrics.expected_wait = config.cost.queue_s
         self._active = 0  # inference requests inside the router now
         registry.when_gone(self._gone)
         registry.when_back(self._back)
@@ -295,7 +309,7 @@ class Router:
         except RequestError as exc:
             return json_error(exc.status, str(exc), headers=exc.headers)
         except Refused as exc:
-            return json_error(429, str(exc), headers={"Retry-After": "1"})
+            return json_error(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
         except web.HTTPRequestEntityTooLarge:
             return json_error(
                 413,
@@ -310,6 +324,12 @@ class Router:
 
     # ----------------------------------------------------------------- inference
 
+    def _smallest_wait(self) -> float | None:
+        """The smallest expected wait among the workers a request may go to (None: none is
+        available); admission by expected wait compares it with the deadline."""
+        cost = self.config.cost
+        return min((cost.queue_s(w) for w in self.strategy.eligible()), default=None)
+
     async def inference(self, request: web.Request) -> web.StreamResponse:
         route = request.path
         requests, duration = self.metrics.for_route(route)
@@ -317,11 +337,13 @@ class Router:
         started = time.perf_counter()
         self._active += 1
         try:
+            raw = await request.read()
+            body = parse_json_object(raw)
+            raw = without_router_fields(body, raw)
+            check_model(body, self.model_ids)
+            # Admitted with its body in hand: from here until the worker counts it in flight
+            # nothing waits, so the next admission by expected wait sees its load.
             async with self.admission.slot():
-                raw = await request.read()
-                body = parse_json_object(raw)
-                raw = without_router_fields(body, raw)
-                check_model(body, self.model_ids)
                 encoder = self.encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text)
                 if self.replicator is not None and prompt.rest:
@@ -395,10 +417,20 @@ class Router:
                 },
                 "tokenizer": None if self.encoder is None else self.encoder.stats(),
                 "kv_events": self._kv_events_info(),
+                "admission": self._admission_info(),
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
                 **self._replica_info(),
             }
         )
+
+    def _admission_info(self) -> dict[str, Any]:
+        a = self.admission
+        return {
+            "max_expected_wait_secs": a.limits.max_expected_wait_s,
+            "queued": a.queued,
+            "holds": dict(a.holds),
+            "refusals": dict(a.refusals),
+        }
 
     def _kv_event_counts(self) -> dict[str, int]:
         info = self._kv_events_info() or {}
@@ -447,6 +479,7 @@ class Router:
                         "load": w.load,
                         "in_flight": w.in_flight,
                         "queued_tokens": w.queued_tokens,
+                        "expected_wait_secs": round(self.config.cost.queue_s(w), 6),
                     }
                     for w in self.registry.workers.values()
                 ]

@@ -100,6 +100,9 @@ class Worker:
     # the deadlines of the exchanges in flight to it (router.proxy.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
     exchanges: set[asyncio.Timeout] = field(default_factory=set)
+    # called whenever its load figures change (the registry's load_changed: requests held
+    # for an expected wait re-evaluate then, instead of polling)
+    changed: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def load(self) -> int:
@@ -153,6 +156,7 @@ class Worker:
         self.reported_pending_tokens = sum(
             int(x.get("num_pending_tokens", 0) or 0) for x in entries
         )
+        self.changed()
 
 
 class InFlight:
@@ -168,17 +172,22 @@ class InFlight:
     def __enter__(self) -> InFlight:
         self.worker.in_flight += 1
         self.worker.in_flight_tokens += self._tokens
+        self.worker.changed()
         return self
 
     def prefill_done(self) -> None:
         """The worker has begun answering: its prompt is no longer queued work."""
-        self.worker.in_flight_tokens -= self._tokens
-        self._tokens = 0
+        if self._tokens:
+            self.worker.in_flight_tokens -= self._tokens
+            self._tokens = 0
+            self.worker.changed()
 
     def __exit__(self, *exc: object) -> None:
-        self.prefill_done()
+        self.worker.in_flight_tokens -= self._tokens
+        self._tokens = 0
         self.worker.in_flight -= 1
         self.worker.processed += 1
+        self.worker.changed()
 
 
 def normalize_url(url: str) -> str:
@@ -211,6 +220,7 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._on_gone: list[Callable[[Worker], None]] = []
         self._on_back: list[Callable[[Worker], None]] = []
+        self._on_load: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -220,8 +230,9 @@ class WorkerRegistry:
         url = normalize_url(url)
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
-        worker = Worker(url, type, bootstrap_port)
+        worker = Worker(url, type, bootstrap_port, changed=self.load_changed)
         self.workers[url] = worker
+        self.load_changed()
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -232,6 +243,7 @@ class WorkerRegistry:
             raise KeyError(f"no worker {url}") from None
         for callback in self._on_gone:
             callback(worker)
+        self.load_changed()
         return worker
 
     def when_gone(self, callback: Callable[[Worker], None]) -> None:
@@ -243,6 +255,15 @@ class WorkerRegistry:
         """Call `callback(worker)` when an unhealthy worker passes its health checks again,
         or a worker not learned yet (down when it was added) passes one."""
         self._on_back.append(callback)
+
+    def when_load_changes(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever a worker's load figures or the set of available
+        workers may have changed (one listener: admission's held requests)."""
+        self._on_load = callback
+
+    def load_changed(self) -> None:
+        if self._on_load is not None:
+            self._on_load()
 
     def available(self, type: WorkerType | None = None) -> list[Worker]:
         """Workers a request may go to: healthy, breaker not open, of the wanted type."""
@@ -279,6 +300,7 @@ class WorkerRegistry:
         ):
             worker.breaker = BreakerState.OPEN
             worker.breaker_opened_at = time.monotonic()
+            self.load_changed()
             log.warning("circuit breaker opened for %s", worker.url)
 
     # ----------------------------------------------------------------- health
@@ -331,6 +353,7 @@ class WorkerRegistry:
             if back:
                 worker.healthy = True
                 log.warning("worker %s is healthy again", worker.url)
+                self.load_changed()
             if back or (worker.healthy and not worker.learned):
                 for callback in self._on_back:
                     callback(worker)
@@ -342,6 +365,7 @@ class WorkerRegistry:
             log.warning("worker %s marked unhealthy", worker.url)
             for callback in self._on_gone:
                 callback(worker)
+            self.load_changed()
 
     def mark_dead(self, worker: Worker) -> None:
         """A connection to it failed outright: count it as a failed health probe now."""

@@ -121,6 +121,7 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 # summed over the seeds (None: runs from before the engines counted them)
                 "retracted": _total(mine.values(), "retracted"),
                 "engine_aborts": _total(mine.values(), "engine_aborts"),
+                "retries_429": sum(r.get("retries_429") or 0 for r in mine.values()),
             }
             for name, (_, value) in PAIRED.items():
                 per_seed = {s: value(r, baseline.get(s)) for s, r in mine.items()}
@@ -342,6 +343,7 @@ def figure_rows(summary: Sequence[dict[str, Any]], config: Config) -> list[dict[
                 "errors": e.get("errors"),
                 "aborted": _count(e.get("engine_aborts")),
                 "retracted": _count(e.get("retracted")),
+                "429 retries": e.get("retries_429"),
             }
         )
     return rows

@@ -7,12 +7,16 @@ OpenAI's chat and completions routes, or SGLang's /generate (a chat rendered to 
 the model's template, as SGLang's own multi-turn benchmark sends it). Prompt, cached and
 completion tokens come from the answer: OpenAI's usage in the last chunk, or SGLang's
 meta_info, which also says where the cached tokens came from (device or host tier) and
-how many were pulled from a peer.
+how many were pulled from a peer. A request refused with 429 is sent again after the
+server's Retry-After, a bounded number of times (`Retry429`); its TTFT and JCT count from
+its first try, and `retries_429` says how many tries it took beyond that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +54,7 @@ class Outcome:
     answer: str = ""
     messages: list[dict[str, str]] | None = None  # chat: what was sent
     error: str | None = None
+    retries_429: int = 0  # times the server refused it with 429 and it was sent again
 
     @property
     def ok(self) -> bool:
@@ -60,6 +65,44 @@ class Outcome:
         if self.ttft_s is None or self.jct_s is None or self.completion_tokens < 2:
             return None
         return (self.jct_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Retry429:
+    """How a client answers a 429, as the OpenAI SDK does: wait the server's Retry-After
+    (`default_wait_s` when it gives none it can read), then send again, at most
+    `max_retries` times; a Retry-After beyond `max_wait_s` is not waited for (an error)."""
+
+    max_retries: int = 3
+    default_wait_s: float = 1.0
+    max_wait_s: float = 60.0
+
+    def wait_s(self, status: int, retry_after: str | None, retries: int) -> float | None:
+        """Seconds to wait before the next try, or None: do not try again."""
+        if status != 429 or retries >= self.max_retries:
+            return None
+        wait = parse_retry_after(retry_after)
+        wait = self.default_wait_s if wait is None else wait
+        return wait if wait <= self.max_wait_s else None
+
+
+RETRY_429 = Retry429()
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds (delay-seconds, or an HTTP date from now); None when
+    absent or unreadable."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 @dataclass
@@ -114,6 +157,7 @@ def path_for(request: Request, api: str) -> str:
 class Stream:
     """What the chunks of one streamed answer said so far."""
 
+    started: bool = False  # the server answered 200 and began streaming
     pieces: list[str] = field(default_factory=list)  # OpenAI: text deltas
     text: str = ""  # SGLang: the answer so far (each chunk carries all of it)
     usage: dict[str, Any] | None = None
@@ -174,37 +218,25 @@ async def send_one(
     body: bytes,
     started: float,
     path: str,
+    retry: Retry429 = RETRY_429,
 ) -> None:
+    """Send one request (again after each 429 `retry` allows) and read its answer into
+    `outcome`; TTFT and JCT count from the first try, as its user waited from then."""
     t0 = time.perf_counter()
     outcome.sent_s = t0 - started
-    chat = request.route == CHAT
     stream = Stream()
     try:
-        async with session.post(url + path, data=body, headers=JSON_HEADERS) as resp:
-            if resp.status != 200:
-                text = (await resp.read())[:300].decode(errors="replace")
-                outcome.error = f"HTTP {resp.status}: {text}"
-                return
-            buffer = b""
-            async for data in resp.content.iter_any():
-                buffer += data
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        continue
-                    chunk = _decode(payload)
-                    if not isinstance(chunk, dict):
-                        continue
-                    if chunk.get("error"):
-                        outcome.error = f"stream error: {str(chunk['error'])[:200]}"
-                    if stream.take(chunk, chat) and outcome.ttft_s is None:
-                        outcome.ttft_s = time.perf_counter() - t0
+        while True:
+            wait = await _try(session, url + path, body, request, outcome, stream, t0, retry)
+            if wait is None:
+                break
+            outcome.retries_429 += 1
+            await asyncio.sleep(wait)
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"[:300]
         return
+    if not stream.started:
+        return  # refused: `outcome.error` says how
     outcome.jct_s = time.perf_counter() - t0
     outcome.answer = stream.answer()
     if outcome.error is not None:
@@ -212,6 +244,49 @@ async def send_one(
     outcome.error = stream.finish(outcome)
     if outcome.error is None and outcome.ttft_s is None:
         outcome.error = "no content in the stream"
+
+
+async def _try(
+    session: aiohttp.ClientSession,
+    target: str,
+    body: bytes,
+    request: Request,
+    outcome: Outcome,
+    stream: Stream,
+    t0: float,
+    retry: Retry429,
+) -> float | None:
+    """One POST, its streamed answer read into `stream`: the seconds to wait before trying
+    again after a 429 `retry` allows, else None (answered, or `outcome.error` says why
+    not)."""
+    chat = request.route == CHAT
+    async with session.post(target, data=body, headers=JSON_HEADERS) as resp:
+        if resp.status != 200:
+            text = (await resp.read())[:300].decode(errors="replace")
+            wait = retry.wait_s(resp.status, resp.headers.get("Retry-After"), outcome.retries_429)
+            if wait is None:
+                tries = f" (after {outcome.retries_429} retries)" if outcome.retries_429 else ""
+                outcome.error = f"HTTP {resp.status}{tries}: {text}"
+            return wait
+        stream.started = True
+        buffer = b""
+        async for data in resp.content.iter_any():
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    continue
+                chunk = _decode(payload)
+                if not isinstance(chunk, dict):
+                    continue
+                if chunk.get("error"):
+                    outcome.error = f"stream error: {str(chunk['error'])[:200]}"
+                if stream.take(chunk, chat) and outcome.ttft_s is None:
+                    outcome.ttft_s = time.perf_counter() - t0
+    return None
 
 
 def read_split(outcome: Outcome, places: Sequence[dict[str, Any]]) -> None:
@@ -237,9 +312,11 @@ async def run_workload(
     on_done: Callable[[Outcome], None] | None = None,
     timeout_s: float = 600,
     render: Callable[[list[dict[str, str]]], str] | None = None,
+    retry: Retry429 = RETRY_429,
 ) -> RunResult:
     """Send every request of `workload` to `url` as its plan says, through the workload's
-    API (`render` makes a chat's text for SGLang's /generate); wait for all answers."""
+    API (`render` makes a chat's text for SGLang's /generate); wait for all answers (a 429
+    is tried again as `retry` says)."""
     requests = workload.requests
     outcomes = [Outcome(r.rid, r.session, r.turn) for r in requests]
     done = [asyncio.Event() for _ in requests]
@@ -271,7 +348,7 @@ async def run_workload(
                     outcome.messages = messages
                 body = body_for(request, model, messages, workload.api, render)
                 path = path_for(request, workload.api)
-                await send_one(session, url, request, outcome, body, started, path)
+                await send_one(session, url, request, outcome, body, started, path, retry)
             finally:
                 done[request.rid].set()
                 if on_done is not None:

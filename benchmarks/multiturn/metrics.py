@@ -51,6 +51,8 @@ def summarize(
         "completed": len(ok),
         "errors": len(outcomes) - len(ok),
         "error_samples": sorted({o.error for o in outcomes if o.error})[:5],
+        # tries refused with 429 and sent again (TTFT and JCT count from the first try)
+        "retries_429": sum(o.retries_429 for o in outcomes),
         **stats("ttft", ttft),
         **stats("tpot", tpot),
         **stats("jct", jct),

@@ -45,6 +45,7 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
         {
             "req": run.get("completed"),
             "err": run.get("errors"),
+            "429 retries": run.get("retries_429"),
             "sent/s": _r(run.get("offered_rps"), 2),
             "TTFT mean": _r(run.get("ttft_mean_s")),
             "p50": _r(run.get("ttft_p50_s")),

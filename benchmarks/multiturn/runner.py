@@ -188,6 +188,7 @@ def run_one(
     if warmups:  # a failed warm-up is a failure like any other (the targets say so)
         failed = [o.error for o in warmups if not o.ok]
         record["warmup_requests"], record["warmup_errors"] = len(warmups), len(failed)
+        record["warmup_retries_429"] = sum(o.retries_429 for o in warmups)
         record["error_samples"] = sorted({*record["error_samples"], *failed})[:5]
     record["kv_pages_moved"] = pages_after - pages_before
     record["kv_bytes_moved"] = bytes_after - bytes_before

@@ -24,6 +24,7 @@ REQUIRED = (
     "workload",
     "requests",
     "errors",
+    "retries_429",
     "ttft_mean_s",
     "ttft_p50_s",
     "ttft_p99_s",

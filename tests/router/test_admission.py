@@ -1,17 +1,24 @@
-"""Admission limits in-process (the token bucket, the queue) and over HTTP (429s)."""
+"""Admission limits in-process (the token bucket, the queue) and over HTTP (429s), and
+admission by expected wait end to end: OpenAI SDK clients retrying the router's 429s."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from router.admission import Admission, Limits, Refused, TokenBucket
-from tests.procs import running
+from tests.http_client import call
+from tests.procs import ROOT, running
 
 
 class Clock:
@@ -104,3 +111,99 @@ def test_nonsense_limits_are_a_one_line_start_error(flag: tuple[str, str]) -> No
     args = build_parser().parse_args(list(flag))
     with pytest.raises(SystemExit, match=flag[0]):
         check_limits(args)
+
+
+# Admission by expected wait, end to end: a sim worker whose prefills take real time (its
+# H100 model slowed 20x), the router's cost model slowed to match, a deadline of 0.3 s.
+TIME_SCALE = 20
+WAIT_ROUTER_ARGS = [
+    "--max-expected-wait-secs",
+    "0.3",
+    "--queue-size",
+    "3",
+    "--queue-timeout-secs",
+    "10",
+    "--prefill-secs-per-token",
+    str(4e-5 * TIME_SCALE),
+    "--busy-secs-per-request",
+    str(2e-3 * TIME_SCALE),
+]
+
+
+def admission_counts(metrics: str) -> dict[str, float]:
+    """`holds/REASON` and `refusals/REASON` from the router's /metrics page."""
+    counts = {}
+    for line in metrics.splitlines():
+        for kind in ("holds", "refusals"):
+            prefix = f'memserve_router_admission_{kind}_total{{reason="'
+            if line.startswith(prefix):
+                reason, value = line[len(prefix) :].split('"} ')
+                counts[f"{kind}/{reason}"] = float(value)
+    return counts
+
+
+def test_openai_clients_retrying_429s_all_succeed(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker_args = ["--backend", "sim", "--model-path", str(model_dir)]
+    worker_args += ["--time-scale", str(TIME_SCALE)]
+    with running("connector.worker", worker_args, tmp_path) as w:
+        args = ["--policy", "prompt-tree", "--worker-urls", w.url, *WAIT_ROUTER_ARGS]
+        with running("router", args, tmp_path) as r:
+
+            async def burst(n: int) -> list[str]:
+                # the SDK's defaults: 2 retries, Retry-After honoured
+                client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="none")
+                model = (await client.models.list()).data[0].id
+
+                async def one(i: int) -> str:
+                    # about 500 prompt tokens: 0.4 s of prefill on the slowed sim
+                    text = f"question {i}: " + " ".join(f"item{i}x{j}" for j in range(100))
+                    out = await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": text}], max_tokens=1
+                    )
+                    return out.choices[0].finish_reason or ""
+
+                try:
+                    return await asyncio.gather(*(one(i) for i in range(n)))
+                finally:
+                    await client.close()
+
+            started = time.monotonic()
+            with caplog.at_level(logging.INFO, logger="openai"):
+                finished = asyncio.run(burst(8))
+            took = time.monotonic() - started
+            counts = admission_counts(call(r.url + "/metrics")[1])
+            info = call(r.url + "/get_server_info")[1]
+    assert len(finished) == 8  # every request succeeded (an error would have raised)
+    refused = sum(v for k, v in counts.items() if k.startswith("refusals/"))
+    assert refused >= 1, counts  # admission did fire
+    assert counts["holds/expected_wait"] >= 1, counts
+    # each refusal was retried once by the SDK, after the router's Retry-After (whole seconds)
+    retries = [r.getMessage() for r in caplog.records if "Retrying request" in r.getMessage()]
+    assert len(retries) == refused, retries
+    assert all(m.startswith("Retrying request in 1.000000 seconds") for m in retries), retries
+    # a refused request never reached the worker: it served each request once
+    assert sum(wk["processed"] for wk in info["workers"]) == 8
+    assert took < 20
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "--max-expected-wait-secs must be a number of seconds >= 0"),
+        ("nan", "--max-expected-wait-secs must be a number of seconds >= 0"),
+        ("soon", "argument --max-expected-wait-secs: invalid float value: 'soon'"),
+    ],
+)
+def test_a_bad_expected_wait_deadline_stops_the_router_at_start(value: str, message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "router", "--worker-urls", "http://127.0.0.1:9"]
+        + ["--max-expected-wait-secs", value],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr

@@ -12,8 +12,8 @@ from pathlib import Path
 import zmq
 
 from connector.kv_events import KVEventPublisher, KVEventsConfig
-from router.kv_listener import KVEventApplier
-from router.kv_subscriber import EventSource, KVEventSubscriber, connectable
+from router.kv_events.listener import KVEventApplier
+from router.kv_events.subscriber import EventSource, KVEventSubscriber, connectable
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 

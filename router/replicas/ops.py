@@ -6,7 +6,7 @@ worker; the others apply them.
 Messages are msgpack (msgspec) with tokens packed as uint32 little-endian bytes, a version,
 and a header (replica id, incarnation, sequence number) that lets a reader skip its own
 messages and drop duplicates (a batch re-sent after a reply was lost). This module holds the
-formats and the outbox only; Redis I/O lives in router.replicas.
+formats and the outbox only; Redis I/O lives in router.replicas.sync.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from router.replica_ops import DROP, FORGET, RECORD, decode_op
+from router.replicas.ops import DROP, FORGET, RECORD, decode_op
 from tests.http_client import call
 from tests.procs import Server, free_port, running
 from tests.router.test_router import router

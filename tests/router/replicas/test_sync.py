@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.replica_trees import ReplicatedTrees
 from router.replicas import ReplicaConfig, Replicator
+from router.replicas.trees import ReplicatedTrees
 from router.workers import BreakerConfig, Worker, WorkerRegistry, WorkerType
 from tests.conftest import RedisServer, start_redis, stop_redis
 
@@ -162,7 +162,7 @@ def test_redis_killed_and_restarted(
             await a.stop()
             await b.stop()
 
-    with caplog.at_level(logging.WARNING, logger="router.replicas"):
+    with caplog.at_level(logging.WARNING, logger="router.replicas.sync"):
         try:
             asyncio.run(run())
         finally:

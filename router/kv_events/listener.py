@@ -3,7 +3,7 @@
 With --kv-events-bind the router binds one SUB socket; each worker publishes to it with its
 own URL as the topic (SGLang's kv-events-config: {"publisher": "zmq", "endpoint":
 "tcp://ROUTER:PORT", "topic": "http://WORKER:PORT"}); with --kv-events-subscribe every
-replica subscribes to every worker (router.kv_subscriber). BlockStored names pages by
+replica subscribes to every worker (router.kv_events.subscriber). BlockStored names pages by
 chained hashes plus their tokens, so the applier keeps, per worker, each page's parent and
 tokens to rebuild the full prefix a hash stands for; BlockRemoved drops that prefix's tail
 for the worker; AllBlocksCleared forgets the worker. SGLang's `medium` says which tier an

@@ -4,32 +4,26 @@ As sglang-router does it: pick a prefill instance (by the prefill tree) and a de
 instance (by the decode tree), add `bootstrap_host`, `bootstrap_port` and `bootstrap_room` to
 the same JSON body, POST it to both at once; the client gets the decode's answer (streamed
 as it comes), the prefill's is drained (its input logprobs are merged into a non-streamed
-answer when asked for). The trees follow the caching mode the workers run (MemServe
-table 4): which side caches the prompt, and whether decode output returns to prefill.
+answer when asked for; router.pd.prefill). The trees follow the caching mode the workers run
+(MemServe table 4): which side caches the prompt, and whether decode output returns to
+prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import random
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
 
-import msgspec
 from aiohttp import web
 
 from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy
 from router.learning import Served
+from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.policies import Decision, Policy, RouteRequest
-from router.proxy import Bound, Outcome, end_stream, read_result, timed_out
+from router.proxy import Outcome, end_stream
 from router.request import RequestError
-from router.upstream import UpstreamError, UpstreamPool
-from router.workers import Worker, WorkerRegistry, WorkerType
-
-_decode = msgspec.json.Decoder().decode
+from router.workers import WorkerRegistry, WorkerType
 
 
 @dataclass(slots=True)
@@ -37,107 +31,6 @@ class PDSettings:
     caching: Caching
     prefill_policy: Policy
     decode_policy: Policy
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    """The drained prefill answer: status, cached_tokens, and the body when wanted."""
-
-    status: int = 0
-    cached_tokens: int | None = None
-    body: dict[str, Any] | None = None
-    error: str | None = None
-
-
-def batch_size(body: dict[str, Any]) -> int | None:
-    """B for a batched /generate (a list of texts or of id lists), else None."""
-    text, ids = body.get("text"), body.get("input_ids")
-    if isinstance(text, list):
-        return len(text)
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        return len(ids)
-    return None
-
-
-def bootstrap_payload(body: dict[str, Any], prefill: Worker) -> tuple[bytes, int]:
-    """The body with SGLang's bootstrap fields (arrays for a batch); (payload, room)."""
-    host = urlsplit(prefill.url).hostname or "127.0.0.1"
-    room = random.getrandbits(63)
-    n = batch_size(body)
-    fields: dict[str, object]
-    if n is None:
-        fields = {
-            "bootstrap_host": host,
-            "bootstrap_port": prefill.bootstrap_port,
-            "bootstrap_room": room,
-        }
-    else:
-        fields = {
-            "bootstrap_host": [host] * n,
-            "bootstrap_port": [prefill.bootstrap_port] * n,
-            "bootstrap_room": [room + i for i in range(n)],
-        }
-    return msgspec.json.encode({**body, **fields}), room
-
-
-async def drain_prefill(
-    upstream: UpstreamPool,
-    url: str,
-    payload: bytes,
-    timeout_s: float,
-    keep_body: bool,
-    watch: set[asyncio.Timeout] | None = None,
-) -> PrefillResult:
-    """POST to the prefill instance and read its answer to the end (SSE included); `watch`:
-    the instance's exchanges, ended early when it fails its health checks."""
-    out = PrefillResult()
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    try:
-        async with Bound(deadline, watch):
-            resp = await upstream.post(url, payload)
-            try:
-                out.status = resp.status
-                raw = await resp.read()
-            finally:
-                resp.release()
-    except UpstreamError as exc:
-        out.error = f"prefill {url} failed: {exc}"
-        return out
-    except TimeoutError:
-        out.error = "prefill " + timed_out(url, deadline, timeout_s, "did not answer")
-        return out
-    if out.status != 200:
-        message: Any = raw[:200]
-        with contextlib.suppress(msgspec.DecodeError, AttributeError):
-            message = _decode(raw).get("message") or message
-        out.error = f"prefill {url} answered {out.status}: {message}"
-        return out
-    if raw.startswith(b"data:"):  # a streamed prefill answer: its last JSON event counts
-        events = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
-        raw = next((e for e in reversed(events) if e and e != b"[DONE]"), b"{}")
-    with contextlib.suppress(msgspec.DecodeError):
-        body = _decode(raw)
-        probe = Outcome()
-        read_result(body, probe)
-        out.cached_tokens = probe.cached_tokens
-        if keep_body and isinstance(body, dict):
-            out.body = body
-    return out
-
-
-def merge_input_logprobs(prefill: dict[str, Any], decode_raw: bytes) -> bytes:
-    """sglang-router's rule: the prefill's input_token_logprobs go before the decode's."""
-    try:
-        decoded = _decode(decode_raw)
-    except msgspec.DecodeError:
-        return decode_raw
-    if not isinstance(decoded, dict):
-        return decode_raw
-    theirs = (prefill.get("meta_info") or {}).get("input_token_logprobs")
-    meta = decoded.get("meta_info")
-    if isinstance(theirs, list) and isinstance(meta, dict):
-        meta["input_token_logprobs"] = theirs + (meta.get("input_token_logprobs") or [])
-    return msgspec.json.encode(decoded)
 
 
 class PrefillDecode(Strategy):
@@ -178,7 +71,11 @@ class PrefillDecode(Strategy):
         keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
         payload, _room = bootstrap_payload(call.body, prefill)
         sender.metrics.pd_requests.inc()
+        # in flight on the prefill from now, not from its task's first step: the next
+        # admission by expected wait must see it (router.admission)
+        flight = prefill.request(sender.pending(call.prompt, p_dec)).__enter__()
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
+        p_task.add_done_callback(lambda _: flight.__exit__(None, None, None))
         if caching.prefill_caches:
             sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()
@@ -226,14 +123,13 @@ class PrefillDecode(Strategy):
     ) -> PrefillResult:
         worker = decision.worker
         try:
-            with worker.request(self.sender.pending(call.prompt, decision)):
-                return await drain_prefill(
-                    self.sender.upstream,
-                    worker.url + call.route,
-                    payload,
-                    self.sender.timeout_s,
-                    keep,
-                    worker.exchanges,
-                )
+            return await drain_prefill(
+                self.sender.upstream,
+                worker.url + call.route,
+                payload,
+                self.sender.timeout_s,
+                keep,
+                worker.exchanges,
+            )
         finally:
             self.sender.metrics.for_worker(worker.url).inc()

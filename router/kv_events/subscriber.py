@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from connector.kv_events import KVEventBatch
-from router.kv_listener import KVEventApplier
+from router.kv_events.listener import KVEventApplier
 
 log = logging.getLogger(__name__)
 

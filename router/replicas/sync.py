@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.replica_ops import (
+from router.replicas.ops import (
     ADD_WORKER,
     LOAD,
     REMOVE_WORKER,
@@ -46,7 +46,7 @@ from router.replica_ops import (
     decode_snapshot,
     encode,
 )
-from router.replica_trees import ReplicatedTrees
+from router.replicas.trees import ReplicatedTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
 log = logging.getLogger(__name__)
@@ -456,6 +456,7 @@ class Replicator:
                 total[1] += tokens
         for w in self.registry.workers.values():
             w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
+        self.registry.load_changed()
 
     @property
     def peers(self) -> list[str]:

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from mempool.radix import TreeNode
-from router.replica_ops import (
+from router.replicas.ops import (
     CLEAR,
     DROP,
     FORGET,

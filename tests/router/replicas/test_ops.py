@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.replica_ops import (
+from router.replicas.ops import (
     ADD_WORKER,
     LOAD,
     RECORD,
@@ -25,7 +25,7 @@ from router.replica_ops import (
     pack_tokens,
     unpack_tokens,
 )
-from router.replica_trees import ReplicatedTrees
+from router.replicas.trees import ReplicatedTrees
 from router.trees import Tier
 from router.workers import WorkerType
 
@@ -168,7 +168,7 @@ def test_a_snapshot_taken_while_the_trees_change_plus_the_stream_after_it_conver
     box.take(1 << 20)  # the stream up to the cursor
     entries = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("router.replica_trees.SNAPSHOT_PART", 1)  # a change after every node
+        patch.setattr("router.replicas.trees.SNAPSHOT_PART", 1)  # a change after every node
         pending = list(during)
         for part in a._snapshot_parts():
             entries.extend(part)
