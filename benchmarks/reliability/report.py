@@ -40,6 +40,8 @@ class FaultResult:
     expectation_met: bool = True
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # the scenario itself broke (a process would not start)
+    # what a pressure row counted on the servers (retractions, 429s, seconds), for its checks
+    measured: dict[str, float] = field(default_factory=dict)
 
     @property
     def bound_met(self) -> bool:
@@ -131,7 +133,8 @@ def publish(
     ]
     details = [
         f"- **{f.scenario}**: expected {f.expected}; {f.requests} requests, {f.answered} "
-        f"answered, {f.clear_errors} clear errors, {f.unclear} unclear. " + " ".join(f.notes)
+        f"answered, {f.clear_errors} clear errors, {f.unclear} unclear. "
+        + " ".join([*f.notes, *(f"{k}: {v:g}." for k, v in f.measured.items())])
         for f in faults
     ]
     body = [
