@@ -38,6 +38,7 @@ PD_SHAPE = (120, 96)
 # A host tier behind the device KV (SGLang's HiCache); with it the sim stores each page's
 # stamp and checks the stamps of every page it reuses, so a request resumed on wrong KV fails.
 HOST_TIER = ["--enable-hierarchical-cache", "--hicache-ratio", "4"]
+RETRACT_HOW = "running requests retracted and resumed, never aborted"
 WHOLE = ("length", "stop")  # a finish that is not an abort
 IDLE_S = 10.0
 
@@ -182,9 +183,21 @@ def retracted_and_intact(
     return finish(r, [*workers, roomy])
 
 
-def needed(n: int, shape: tuple[int, int]) -> int:
-    """KV tokens `n` requests of `shape` (prompt, max_new) hold once each has finished."""
-    return n * sum(shape)
+def squeezed(name: str, n: int, shape: tuple[int, int], where: str, how: str) -> FaultResult:
+    """A retraction row's result: `n` requests of `shape` (prompt, max_new tokens) at once,
+    `where` (the KV they are sent to), the workers expected to cope `how`."""
+    return FaultResult(
+        name,
+        f"{n} concurrent requests needing {n * sum(shape)} tokens of KV {where}",
+        bound_s=BOUND_S,
+        expected=f"every request answered in full, equal to a roomy worker's answer; {how}",
+    )
+
+
+def tight(tokens: int) -> list[str]:
+    """A worker's flags: `tokens` of device KV, a new-token ratio that admits more than
+    fits, and a host tier."""
+    return ["--max-total-tokens", str(tokens), *LOW_RATIO, *HOST_TIER]
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -196,16 +209,9 @@ def kv_exhausted(c: Cluster, s: Settings) -> FaultResult:
     order) and resume them from the pages they kept, never abort one, and the resumed
     outputs must be the same tokens."""
     n = 2 * s.requests
-    r = FaultResult(
-        "KV exhausted mid-decode",
-        f"{n} concurrent requests needing {needed(n, COLOCATED_SHAPE)} tokens of KV on 2 "
-        f"workers of {TIGHT_TOKENS} tokens each (+ a host tier; new-token ratio 0.05)",
-        bound_s=BOUND_S,
-        expected="every request answered in full (retracted and resumed, never aborted), "
-        "equal to a roomy worker's answer",
-    )
-    tight = ["--max-total-tokens", str(TIGHT_TOKENS), *LOW_RATIO, *HOST_TIER]
-    workers = c.workers(2, *tight, time_scale=0.25)
+    where = f"on 2 workers of {TIGHT_TOKENS} tokens each (+ a host tier; new-token ratio 0.05)"
+    r = squeezed("KV exhausted mid-decode", n, COLOCATED_SHAPE, where, RETRACT_HOW)
+    workers = c.workers(2, *tight(TIGHT_TOKENS), time_scale=0.25)
     (roomy,) = c.workers(1, time_scale=0)
     router = c.colocated_router(workers)
     bodies = batch(21, n, *COLOCATED_SHAPE)
@@ -217,16 +223,13 @@ def retracted_pd_decode(c: Cluster, s: Settings) -> FaultResult:
     requests whose KV it received by transfer, keep that KV in its host tier, recompute or
     reload the rest itself, and finish every one with the same tokens."""
     n = s.requests
-    r = FaultResult(
-        "retracted PD decode",
-        f"{n} concurrent requests needing {needed(n, PD_SHAPE)} tokens of KV through a 1P1D "
-        f"pair (caching-3) whose decode holds {TIGHT_DECODE_TOKENS} (+ a host tier)",
-        bound_s=BOUND_S,
-        expected="every request answered in full, equal to a roomy worker's answer; the "
-        "decode retracts, keeps the KV in its host tier and resumes, never aborts",
+    where = (
+        f"through a 1P1D pair (caching-3) whose decode holds {TIGHT_DECODE_TOKENS} (+ a host tier)"
     )
-    tight = ["--max-total-tokens", str(TIGHT_DECODE_TOKENS), *LOW_RATIO, *HOST_TIER]
-    router, prefill, (decode,) = pd_cluster(c, 1, time_scale=1.0, decode_extra=tight)
+    how = "the decode retracts, keeps the KV in its host tier and resumes, never aborts"
+    r = squeezed("retracted PD decode", n, PD_SHAPE, where, how)
+    decode_flags = tight(TIGHT_DECODE_TOKENS)
+    router, prefill, (decode,) = pd_cluster(c, 1, time_scale=1.0, decode_extra=decode_flags)
     (roomy,) = c.workers(1, time_scale=0)
     bodies = batch(23, n, *PD_SHAPE)
     retracted_and_intact(r, router, [prefill, decode], roomy, bodies, [decode])

@@ -158,6 +158,12 @@ def publish(
         "Healed: the router marked the broken worker unhealthy (or its requests went "
         "elsewhere), saw it healthy again after a restart or SIGCONT, and requests after "
         "the fault succeeded.",
+        "Pressure rows (KV exhausted, overloaded cluster, retracted PD decode) kill nothing: "
+        "they pass only if the servers counted the pressure (retractions in the workers' "
+        "/get_server_info `internal_states`, 429s in the router's "
+        "`memserve_router_admission_refusals_total`), every answer is whole (never an "
+        "abort) and, for the retraction rows, token for token a roomy worker's; healed "
+        "there means every worker idle again, all healthy, later requests answered.",
         "Regenerate: `python -m benchmarks.reliability --out benchmarks/results/reliability`.",
     ]
     write_results(out, NAME, figures, headline, TITLE, notes, body=body)
