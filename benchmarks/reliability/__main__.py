@@ -11,14 +11,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.harness import REPO_ROOT, progress_bar, step
-from benchmarks.reliability import bad_inputs, faults, pd_faults
+from benchmarks.reliability import bad_inputs, faults, pd_faults, pressure
 from benchmarks.reliability.cluster import Cluster, cluster
 from benchmarks.reliability.faults import Settings
 from benchmarks.reliability.report import FaultResult, InputResult, counts, publish
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "reliability"
 Scenario = Callable[[Cluster, Settings], FaultResult]
-ALL: list[Scenario] = [*faults.SCENARIOS, *pd_faults.SCENARIOS]
+ALL: list[Scenario] = [*faults.SCENARIOS, *pd_faults.SCENARIOS, *pressure.SCENARIOS]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

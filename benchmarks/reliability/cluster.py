@@ -42,6 +42,19 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
         return json.load(resp)
 
 
+def metric(server: Server, name: str, labels: str = "") -> float:
+    """A counter or gauge from a server's /metrics (Prometheus text), summed over its labels
+    (or only the series whose labels contain `labels`); 0 when it is not exported."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and labels in series:
+            total += float(value)
+    return total
+
+
 @dataclass(frozen=True)
 class PoolCount:
     """One worker's MemPool: blocks allocated, blocks the index holds, pages pinned."""

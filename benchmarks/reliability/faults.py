@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.reliability.client import Seen, Tally, post, until_answered
-from benchmarks.reliability.cluster import Cluster, get_json, settled_leak
+from benchmarks.reliability.cluster import Cluster, get_json, metric, settled_leak
 from benchmarks.reliability.report import FaultResult
 from router.procs import Server
 
@@ -54,12 +53,7 @@ def served(router: Server) -> dict[str, int]:
 
 def retries(router: Server) -> float:
     """The router's own count of retries (sgl_router_retries_total)."""
-    with urllib.request.urlopen(router.url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    for line in text.splitlines():
-        if line.startswith("sgl_router_retries_total"):
-            return float(line.split()[-1])
-    return 0.0
+    return metric(router, "sgl_router_retries_total")
 
 
 def holder_of(router: Server, before: dict[str, int]) -> str:

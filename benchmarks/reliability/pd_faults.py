@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,10 +28,10 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def pd_cluster(
-    c: Cluster, decodes: int, *extra: str, time_scale: float
+    c: Cluster, decodes: int, *extra: str, time_scale: float, decode_extra: Sequence[str] = ()
 ) -> tuple[Server, Server, list[Server]]:
-    """One prefill, `decodes` decode workers and a router in PD mode; (router, prefill,
-    decodes)."""
+    """One prefill, `decodes` decode workers (with `decode_extra` flags too) and a router in
+    PD mode; (router, prefill, decodes)."""
     boot = free_port()
     common = ["--pd-caching", "caching-3", "--disaggregation-timeout-secs", PD_TIMEOUT_S, *extra]
     prefill = c.worker_launch(
@@ -42,7 +43,9 @@ def pd_cluster(
         time_scale=time_scale,
     )
     decode = [
-        c.worker_launch("--disaggregation-mode", "decode", *common, time_scale=time_scale)
+        c.worker_launch(
+            "--disaggregation-mode", "decode", *common, *decode_extra, time_scale=time_scale
+        )
         for _ in range(decodes)
     ]
     servers = c.start([prefill, *decode])

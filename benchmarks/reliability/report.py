@@ -40,6 +40,8 @@ class FaultResult:
     expectation_met: bool = True
     notes: list[str] = field(default_factory=list)
     error: str | None = None  # the scenario itself broke (a process would not start)
+    # what a pressure row counted on the servers (retractions, 429s, seconds), for its checks
+    measured: dict[str, float] = field(default_factory=dict)
 
     @property
     def bound_met(self) -> bool:
@@ -131,7 +133,8 @@ def publish(
     ]
     details = [
         f"- **{f.scenario}**: expected {f.expected}; {f.requests} requests, {f.answered} "
-        f"answered, {f.clear_errors} clear errors, {f.unclear} unclear. " + " ".join(f.notes)
+        f"answered, {f.clear_errors} clear errors, {f.unclear} unclear. "
+        + " ".join([*f.notes, *(f"{k}: {v:g}." for k, v in f.measured.items())])
         for f in faults
     ]
     body = [
@@ -155,6 +158,12 @@ def publish(
         "Healed: the router marked the broken worker unhealthy (or its requests went "
         "elsewhere), saw it healthy again after a restart or SIGCONT, and requests after "
         "the fault succeeded.",
+        "Pressure rows (KV exhausted, overloaded cluster, retracted PD decode) kill nothing: "
+        "they pass only if the servers counted the pressure (retractions in the workers' "
+        "/get_server_info `internal_states`, 429s in the router's "
+        "`memserve_router_admission_refusals_total`), every answer is whole (never an "
+        "abort) and, for the retraction rows, token for token a roomy worker's; healed "
+        "there means every worker idle again, all healthy, later requests answered.",
         "Regenerate: `python -m benchmarks.reliability --out benchmarks/results/reliability`.",
     ]
     write_results(out, NAME, figures, headline, TITLE, notes, body=body)

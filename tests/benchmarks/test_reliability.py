@@ -1,6 +1,9 @@
 """The reliability benchmark run end to end (--quick): every fault scenario and bad input
 passes. A fault passes when no request hung, each got its answer (first try or a retry) or
-a clear error, no MemPool block was left held on a surviving worker, and the pool healed."""
+a clear error, no MemPool block was left held on a surviving worker, and the pool healed.
+The pressure rows must also show the pressure they claim: retractions counted by the
+workers with every answer whole and equal to a roomy worker's, 429s counted by the router
+with every OpenAI SDK request ending in success."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from tests.benchmarks.runs import quick_results
 
 out_dir, results = quick_results("reliability", timeout=600, json_name="results")
 
+RETRACTION_ROWS = ("KV exhausted mid-decode", "retracted PD decode")
 SCENARIOS = {
     "worker killed before the request",
     "worker killed mid-request",
@@ -22,6 +26,8 @@ SCENARIOS = {
     "router restarted under load",
     "decode killed during the KV transfer",
     "prefill killed after the hand-off",
+    *RETRACTION_ROWS,
+    "overloaded cluster",
 }
 
 
@@ -62,3 +68,35 @@ def test_counts_add_up(results: dict[str, Any]) -> None:
     counts = results["counts"]
     assert counts["faults_tried"] == len(SCENARIOS) == counts["faults_passed"]
     assert counts["inputs_tried"] == len(results["inputs"]) == counts["inputs_passed"]
+
+
+def row(results: dict[str, Any], scenario: str) -> dict[str, Any]:
+    (f,) = [f for f in results["faults"] if f["scenario"] == scenario]
+    return f
+
+
+@pytest.mark.parametrize("scenario", RETRACTION_ROWS)
+def test_retraction_rows_retracted_and_every_answer_is_whole_and_intact(
+    results: dict[str, Any], scenario: str
+) -> None:
+    m = row(results, scenario)["measured"]
+    assert m["retracted_reqs"] > 0 and m["retracted_output_tokens"] > 0, m
+    assert m["aborted_reqs"] == 0, m
+    assert m["burst"] > 0 and m["whole"] == m["equal_to_roomy"] == m["burst"], m
+    assert m["verified_pages"] > 0, m  # the reused KV's stamps were checked
+
+
+def test_the_retracted_pd_decode_kept_its_kv_in_its_host_tier(results: dict[str, Any]) -> None:
+    m = row(results, "retracted PD decode")["measured"]
+    assert m["host_swapped_out_tokens"] > 0 and m["host_swapped_in_tokens"] > 0, m
+
+
+def test_the_overloaded_cluster_refused_and_every_sdk_request_succeeded(
+    results: dict[str, Any],
+) -> None:
+    f = row(results, "overloaded cluster")
+    m = f["measured"]
+    assert m["refusals_429"] > 0, m
+    assert m["sdk_retries"] == m["refusals_429"], m  # each 429 retried, nothing else
+    assert f["answered"] == f["requests"] and f["requests"] >= m["burst"], f
+    assert m["burst_s"] <= 15, m
