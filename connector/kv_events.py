@@ -71,12 +71,30 @@ def page_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
     return hashes
 
 
+def publisher_binds(endpoint: str, bind: bool | None = None) -> bool:
+    """Whether a publisher binds `endpoint` (rather than connecting to a listener there):
+    `bind` when its config gives one, else SGLang 0.5.23's rule (ZmqEventPublisher.
+    _socket_setup): a wildcard host (`*`, `0.0.0.0`, `::`) or a local transport binds, a
+    concrete address connects. Routers use it to tell where a worker can be subscribed to."""
+    if bind is not None:
+        return bind
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or "0.0.0.0" in endpoint
+        or endpoint.startswith(("ipc://", "inproc://"))
+    )
+
+
 @dataclass(slots=True)
 class KVEventsConfig:
     """SGLang's --kv-events-config JSON: publisher, endpoint, replay_endpoint, topic, ..."""
 
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
+    # SGLang's: bind (True) or connect (False) the PUB socket; None: publisher_binds' rule.
+    # True binds a concrete address, e.g. loopback only.
+    bind: bool | None = None
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
@@ -96,6 +114,8 @@ class KVEventsConfig:
             raise ValueError(f"--kv-events-config: unknown keys {sorted(unknown)}")
         raw.pop("max_queue_size", None)
         config = cls(**raw)
+        if config.bind is not None and not isinstance(config.bind, bool):
+            raise ValueError(f"--kv-events-config: bind must be true or false, not {config.bind!r}")
         if config.publisher not in {"null", "zmq"}:
             raise ValueError(f"--kv-events-config: unknown publisher {config.publisher!r}")
         return config
@@ -114,19 +134,14 @@ class KVEventPublisher:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self._bind_or_connect(self._pub, config.endpoint)
+        if publisher_binds(config.endpoint, config.bind):
+            self._pub.bind(config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
         self._replay: _ReplayServer | None = None
         if config.replay_endpoint:
             self._replay = _ReplayServer(self._ctx, config.replay_endpoint, self._buffered)
         self._pending: list[Any] = []
-
-    @staticmethod
-    def _bind_or_connect(sock: zmq.Socket, endpoint: str) -> None:
-        # As SGLang: a wildcard or local transport binds, a concrete address connects.
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
 
     def stored(
         self, tokens: Sequence[int], first_page: int, num_pages: int, medium: str | None = None

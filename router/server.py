@@ -31,6 +31,7 @@ from router.kv_events import (
     KVEventApplier,
     KVEventListener,
     KVEventSubscriber,
+    unfollowable_reason,
 )
 from router.learning import Learner
 from router.metrics import RouterMetrics
@@ -263,9 +264,9 @@ class Router:
                 self.kv_subscriber.follow(worker.url, source)
             elif worker.url not in self.kv_subscriber.feeds:
                 log.warning(
-                    "%s publishes no KV events a replica can subscribe to: give it "
-                    '--kv-events-config \'{"publisher":"zmq","endpoint":"tcp://*:PORT"}\'',
+                    "cannot subscribe to the KV events of %s: %s",
                     worker.url,
+                    unfollowable_reason(info),
                 )
 
     def _gone(self, worker: Worker) -> None:

@@ -6,7 +6,13 @@ applier both feeds use; `subscriber`: every replica subscribes to every worker's
 """
 
 from router.kv_events.listener import KVEventApplier, KVEventListener
-from router.kv_events.subscriber import EventSource, FeedStats, KVEventSubscriber, connectable
+from router.kv_events.subscriber import (
+    EventSource,
+    FeedStats,
+    KVEventSubscriber,
+    connectable,
+    unfollowable_reason,
+)
 
 __all__ = [
     "EventSource",
@@ -15,4 +21,5 @@ __all__ = [
     "KVEventListener",
     "KVEventSubscriber",
     "connectable",
+    "unfollowable_reason",
 ]

@@ -1,9 +1,10 @@
 """Every router replica subscribes to every worker's KV events (--kv-events-subscribe).
 
-SGLang's publisher binds its PUB socket (`"endpoint": "tcp://*:5557"`) and fans each batch
-out to every subscriber, so replicas do not compete for a worker's events: each one
-SUB-connects to each worker, at the endpoint the worker reports in /get_server_info
-(`kv_events_config`, its host put in place of a wildcard). One socket a worker tells whose
+SGLang's publisher binds its PUB socket (`"endpoint": "tcp://*:5557"`, or a concrete address
+with `"bind": true`) and fans each batch out to every subscriber, so replicas do not compete
+for a worker's events: each one SUB-connects to each worker, at the endpoint the worker
+reports in /get_server_info (`kv_events_config`: a wildcard host becomes the worker's host, a
+concrete host and an `ipc://` path are used as given). One socket a worker tells whose
 events a batch holds (the topic is not needed) and lets the sequence numbers be checked:
 
 - a batch after a gap (a slow start, a full queue) asks the worker's replay socket for
@@ -26,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from connector.kv_events import KVEventBatch
+from connector.kv_events import KVEventBatch, publisher_binds
 from router.kv_events.listener import KVEventApplier
 
 log = logging.getLogger(__name__)
@@ -48,38 +49,74 @@ class EventSource:
     def from_server_info(cls, worker_url: str, info: object) -> EventSource | None:
         """The worker's `kv_events_config` (SGLang's JSON string, or an object) as addresses
         a subscriber can connect to; None when it publishes nothing one can subscribe to."""
-        raw = info.get("kv_events_config") if isinstance(info, dict) else None
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError:
-                return None
-        if not isinstance(raw, dict) or raw.get("publisher") != "zmq":
+        raw = events_config(info)
+        if raw is None:
             return None
         endpoint = raw.get("endpoint", "tcp://*:5557")
+        bind = raw.get("bind")
         replay = raw.get("replay_endpoint")
         host = urlsplit(worker_url).hostname or "127.0.0.1"
-        source = connectable(endpoint, host)
+        source = connectable(endpoint, host, bind if isinstance(bind, bool) else None)
         if source is None:
             return None
-        return cls(source, connectable(replay, host) if isinstance(replay, str) else None)
+        # SGLang binds its replay socket whatever its host (parse_tcp_port: "the replay ROUTER
+        # binds any host spelling")
+        return cls(source, connectable(replay, host, True) if isinstance(replay, str) else None)
 
 
-def connectable(endpoint: object, worker_host: str) -> str | None:
-    """A bound endpoint as a peer reaches it: a wildcard host becomes the worker's host.
-    None for an endpoint the worker connects to (it pushes to one listener: not ours)."""
-    if not isinstance(endpoint, str):
+def events_config(info: object) -> dict[str, object] | None:
+    """A worker's /get_server_info `kv_events_config` (SGLang reports its server args: the
+    JSON string it was given) when it publishes over ZMQ, else None."""
+    raw = info.get("kv_events_config") if isinstance(info, dict) else None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(raw, dict) or raw.get("publisher") != "zmq":
+        return None
+    return raw
+
+
+def connectable(endpoint: object, worker_host: str, bind: bool | None = None) -> str | None:
+    """A bound endpoint as a peer reaches it: a wildcard host becomes the worker's host; a
+    concrete host (`tcp://127.0.0.1:5557` with `"bind": true`, a hostname, an IP) and an
+    `ipc://` path are followed as given. None for an endpoint the worker connects to (it
+    pushes to one listener, a --kv-events-bind router: not ours) and for `inproc://`."""
+    if not isinstance(endpoint, str) or not publisher_binds(endpoint, bind):
         return None
     if endpoint.startswith("ipc://"):
         return endpoint
     if not endpoint.startswith("tcp://"):
         return None
     host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if not sep or host not in WILDCARD_HOSTS:
-        return None  # as SGLang: a concrete address means the worker connects
+    if not sep or not host or not port.isdigit():
+        return None
+    if host not in WILDCARD_HOSTS:
+        return endpoint  # bound on that address: reached there
     if ":" in worker_host:
         worker_host = f"[{worker_host}]"
     return f"tcp://{worker_host}:{port}"
+
+
+def unfollowable_reason(info: object) -> str:
+    """Why a worker's KV events cannot be followed, for the log line that says so."""
+    raw = events_config(info)
+    if raw is None:
+        return (
+            "it publishes no KV events: give it --kv-events-config "
+            '\'{"publisher":"zmq","endpoint":"tcp://*:PORT"}\''
+        )
+    endpoint = raw.get("endpoint", "tcp://*:5557")
+    if raw.get("bind") is False:
+        return f'its config says "bind": false: it connects to one listener at {endpoint}'
+    if isinstance(endpoint, str) and endpoint.startswith("tcp://") and raw.get("bind") is None:
+        return (
+            f'its endpoint {endpoint} is a concrete address without "bind": true, so it '
+            'connects to one listener there instead of binding it: add "bind": true to '
+            "its --kv-events-config to publish on that address, or use tcp://*:PORT"
+        )
+    return f"its endpoint {endpoint!r} is not one a replica can connect to (tcp:// or ipc://)"
 
 
 @dataclass(slots=True)

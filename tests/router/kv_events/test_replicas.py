@@ -139,3 +139,65 @@ def test_a_worker_down_when_the_router_starts_is_followed_once_it_is_up(
             wait_for(lambda: url in info(r)["kv_events"]["sources"], timeout=15)
             generate(w.url, PROMPTS[0])
             wait_for(lambda: pages_of(r, url) == 10)
+
+
+def batches(r: Server) -> float:
+    """The router's memserve_router_kv_event_batches_total, from its /metrics."""
+    metrics = call(r.url + "/metrics")[1]
+    (line,) = [x for x in metrics.splitlines() if x.startswith("memserve_router_kv_event_batches")]
+    return float(line.split()[-1])
+
+
+def test_a_worker_bound_on_a_concrete_address_is_followed_there(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """An engine that keeps its publisher off public interfaces binds loopback (SGLang's
+    `"bind": true`): the router follows it at that address, replay socket included. A
+    worker that binds 0.0.0.0 is followed at its URL's host; one given a concrete address
+    without "bind" connects (SGLang's rule) and the router says why it cannot follow it."""
+    bound, wildcard, pushing = free_port(), free_port(), free_port()
+    pub, replay, wild = free_port(), free_port(), free_port()
+    configs = {
+        bound: {
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "bind": True,
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        },
+        wildcard: {"publisher": "zmq", "endpoint": f"tcp://0.0.0.0:{wild}"},
+        pushing: {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"},
+    }
+    urls = {port: f"http://127.0.0.1:{port}" for port in configs}
+    with contextlib.ExitStack() as stack:
+        workers = {
+            port: stack.enter_context(
+                running(
+                    "connector.worker",
+                    ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
+                    + ["--kv-events-config", json.dumps(config)],
+                    tmp_path,
+                    port=port,
+                )
+            )
+            for port, config in configs.items()
+        }
+        r = stack.enter_context(router(list(urls.values()), tmp_path, "--kv-events-subscribe"))
+        assert info(r)["kv_events"]["sources"] == {
+            urls[bound]: f"tcp://127.0.0.1:{pub}",
+            urls[wildcard]: f"tcp://127.0.0.1:{wild}",
+        }
+        # traffic that bypasses the router: only the events tell it
+        generate(workers[bound].url, PROMPTS[0])
+        generate(workers[wildcard].url, PROMPTS[1])
+        # one batch from each (10 pages each): counted in /metrics, applied to the tree
+        wait_for(lambda: batches(r) >= 2 and info(r)["tree_pages"]["colocated"] >= 20)
+        assert info(r)["kv_events"]["lost"] == 0
+        assert r.log is not None
+        said = r.log.read_text()
+        assert f"cannot subscribe to the KV events of {urls[pushing]}" in said
+        assert 'without "bind": true' in said
+
+        # a router started later replays what it missed from the loopback replay socket
+        late = stack.enter_context(router([urls[bound]], tmp_path, "--kv-events-subscribe"))
+        wait_for(lambda: info(late)["tree_pages"]["colocated"] >= 10)
+        assert info(late)["kv_events"]["replayed"] >= 1

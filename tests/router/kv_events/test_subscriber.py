@@ -9,11 +9,17 @@ import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import zmq
 
-from connector.kv_events import KVEventPublisher, KVEventsConfig
+from connector.kv_events import KVEventPublisher, KVEventsConfig, publisher_binds
 from router.kv_events.listener import KVEventApplier
-from router.kv_events.subscriber import EventSource, KVEventSubscriber, connectable
+from router.kv_events.subscriber import (
+    EventSource,
+    KVEventSubscriber,
+    connectable,
+    unfollowable_reason,
+)
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 
@@ -34,6 +40,22 @@ def test_the_source_is_where_the_worker_binds_seen_from_the_router() -> None:
     )
     # a concrete address: the worker connects to one listener (a --kv-events-bind router)
     assert source({"publisher": "zmq", "endpoint": "tcp://10.0.0.1:5557"}) is None
+    # ... unless it binds it (SGLang's "bind": true): followed as given, replay too (SGLang
+    # binds its replay socket whatever the host)
+    for host in ("127.0.0.1", "10.0.0.7", "w7.example"):
+        loopback = {"publisher": "zmq", "endpoint": f"tcp://{host}:5557", "bind": True}
+        assert source(json.dumps(loopback)) == EventSource(f"tcp://{host}:5557")
+        loopback["replay_endpoint"] = f"tcp://{host}:5558"
+        assert source(loopback) == EventSource(f"tcp://{host}:5557", f"tcp://{host}:5558")
+    # a wildcard with "bind": false connects; 0.0.0.0 binds (SGLang's rule)
+    assert source({"publisher": "zmq", "endpoint": "tcp://*:5557", "bind": False}) is None
+    assert source({"publisher": "zmq", "endpoint": "tcp://0.0.0.0:5557"}) == EventSource(
+        "tcp://10.0.0.7:5557"
+    )
+    # a wildcard publisher with a concrete replay address: the replay is reached there
+    assert source(
+        {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://10.1.1.1:9"}
+    ) == EventSource("tcp://10.0.0.7:5557", "tcp://10.1.1.1:9")
     assert source({"publisher": "null"}) is None
     assert source("not json") is None
     assert source(None) is None
@@ -41,6 +63,21 @@ def test_the_source_is_where_the_worker_binds_seen_from_the_router() -> None:
     assert connectable("tcp://0.0.0.0:7000", "::1") == "tcp://[::1]:7000"
     assert connectable("tcp://[::]:7000", "w.example") == "tcp://w.example:7000"
     assert connectable("inproc://x", "h") is None
+    assert connectable("tcp://127.0.0.1:7000", "h", True) == "tcp://127.0.0.1:7000"
+    assert connectable("tcp://127.0.0.1:7000", "h") is None
+    assert connectable("ipc:///run/w.sock", "h", False) is None
+    assert connectable("tcp://*:nope", "h") is None
+
+
+def test_why_a_worker_cannot_be_followed_is_said() -> None:
+    def reason(config: object) -> str:
+        return unfollowable_reason({"kv_events_config": config})
+
+    assert "publishes no KV events" in reason(None)
+    assert "publishes no KV events" in reason({"publisher": "null"})
+    concrete = reason({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"})
+    assert 'without "bind": true' in concrete and "tcp://127.0.0.1:5557" in concrete
+    assert '"bind": false' in reason({"publisher": "zmq", "endpoint": "tcp://*:1", "bind": False})
 
 
 class Setup:
@@ -244,3 +281,18 @@ def test_the_replay_socket_answers_while_the_engine_is_idle(tmp_path: Path) -> N
         sock.close(linger=0)
     finally:
         pub.close()
+
+
+def test_the_worker_reads_sglangs_bind_key() -> None:
+    """SGLang 0.5.23's `bind`: the worker accepts it (true/false) and refuses anything else;
+    without it, the same rule as SGLang's publisher decides."""
+    config = KVEventsConfig.parse(
+        '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:1", "bind": true}'
+    )
+    assert config.bind is True
+    assert KVEventsConfig.parse('{"publisher": "zmq"}').bind is None
+    with pytest.raises(ValueError, match="bind must be true or false"):
+        KVEventsConfig.parse('{"publisher": "zmq", "bind": "yes"}')
+    assert publisher_binds("tcp://0.0.0.0:1") and publisher_binds("tcp://*:1")
+    assert publisher_binds("ipc:///run/w.sock") and not publisher_binds("tcp://10.0.0.1:1")
+    assert publisher_binds("tcp://10.0.0.1:1", True) and not publisher_binds("tcp://*:1", False)
