@@ -10,7 +10,7 @@ python3 -m mypy  # pyproject.toml: every package and the tests; strict on mempoo
 # The documentation site: a broken link, a page missing from the nav or a bad anchor fails it.
 # Built into a temporary directory, never into the repository.
 site="$(mktemp -d)"
+trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "$site"
-rm -rf "$site"
 # pytest exits 5 when no test ran: with set -e that fails the run, as it should.
 python3 -m pytest -p no:cacheprovider "$@"

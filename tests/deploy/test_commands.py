@@ -1,5 +1,7 @@
 """The router command lines deploy/'s README and scripts show operators: every one is
-accepted by the router's own parser, so copying one never ends in 'unrecognized arguments'."""
+accepted by the router's own parser, so copying one never ends in 'unrecognized arguments'.
+(tests/docs checks every command of the docs' pages, this README's included, for flags; this
+adds what the router checks before it starts: PD pairs, replica settings.)"""
 
 from __future__ import annotations
 
@@ -8,35 +10,29 @@ import shlex
 
 import pytest
 
+from tests.commands import commands, shell_blocks
 from tests.deploy.manifests import DEPLOY, router_args
 
 SOURCES = ["README.md", "pd-local.sh", "systemd/memserve-router.service"]
 
 
 def shell_text(source: str) -> str:
-    """What runs: a Markdown file's fenced code blocks, a shell script as it is."""
+    """What runs: a Markdown file's fenced shell blocks, a shell script as it is."""
     text = (DEPLOY / source).read_text()
-    if source.endswith(".md"):
-        return "\n".join(re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S))
-    return text
+    return shell_blocks(text) if source.endswith(".md") else text
 
 
 def router_commands(text: str) -> list[list[str]]:
-    """`python -m router ...` (and a unit's `ROUTER_ARGS=...`) lines, backslash continuations
-    joined, comments dropped, a shell default `${VAR:-value}` read as its value."""
-    text = re.sub(r"\\\n\s*", " ", text)
-    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
-    commands = []
-    for line in text.splitlines():
-        match = re.search(r"(?:ROUTER_ARGS=|python3? -m router )(.*)", line)
-        if match and match[1] != "$ROUTER_ARGS":  # the unit's ExecStart: its flags are above
-            commands.append(shlex.split(match[1].split(" # ")[0].rstrip(" &")))
-    return commands
+    """`python -m router ...` commands, and a unit's `ROUTER_ARGS=...` (what its ExecStart's
+    `$ROUTER_ARGS` expands to; the example is in a comment)."""
+    found = [list(c.args) for c in commands(text) if c.kind == "module" and c.target == "router"]
+    found += [shlex.split(args) for args in re.findall(r"ROUTER_ARGS=(.*)", text)]
+    return found
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_router_command_shown_is_accepted(source: str) -> None:
-    commands = router_commands(shell_text(source))
-    assert commands, f"no router command in {source}"
-    for argv in commands:
+    commands_shown = router_commands(shell_text(source))
+    assert commands_shown, f"no router command in {source}"
+    for argv in commands_shown:
         router_args(argv)
