@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-subscribe",
         action="store_true",
         help="subscribe to every worker's KV events where its /get_server_info says it binds "
-        "(kv_events_config endpoint tcp://*:PORT, replay_endpoint for gaps): every router "
-        "replica receives every event",
+        '(kv_events_config endpoint tcp://*:PORT, or a concrete address with "bind": true; '
+        "replay_endpoint for gaps): every router replica receives every event",
     )
     cost = CostModel()
     a(
