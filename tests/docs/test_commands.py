@@ -1,7 +1,8 @@
-"""Every command the docs and the README show works as written: each `python -m MODULE`,
-`python3 deploy/*.py` and `bash scripts/*.sh` line in their fenced shell blocks names only
-flags that its parser knows (SGLang's launcher: the installed SGLang's; a peer router's: its
-installed parser; skipped, with the reason, where that parser is not installed)."""
+"""Every command the docs, the README and deploy/'s pages show works as written: each
+`python -m MODULE`, `python3 deploy/*.py` and `bash scripts/*.sh` line in their fenced shell
+blocks names only flags that its parser knows (SGLang's launcher: the installed SGLang's; a
+peer router's: its installed parser; skipped, with the reason, where that parser is not
+installed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tests.commands import Command, Skip, commands, shell_blocks, unknown_flags
 from tests.procs import ROOT
 
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
-SOURCES = [ROOT / "README.md", *DOCS]
+# deploy/'s own pages too: tests/deploy checks their router lines further (PD pairs, replicas)
+SOURCES = [ROOT / "README.md", *DOCS, *sorted((ROOT / "deploy").glob("*.md"))]
 
 
 def shown(path_name: str) -> list[Command]:
