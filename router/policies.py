@@ -108,11 +108,14 @@ class CostModel:
 
     def queue_s(self, worker: Worker, host: int = 0) -> float:
         """Seconds before a new prefill starts on `worker`: its queued prefill tokens and
-        running requests, then `host` tokens of the request's own prefix to load from its
-        host tier. With `host=0` it is the worker's expected wait, the same for any request
-        (admission by expected wait uses it: router.admission)."""
-        queue = worker.queued_tokens * self.prefill_s_per_token
-        return queue + (worker.load * self.busy_s_per_request + host * self.host_load_s_per_token)
+        running requests, or, when longer, the wait measured from the requests waiting there
+        and the rate it serves them at (requests waiting for memory or a batch slot); then
+        `host` tokens of the request's own prefix to load from its host tier. With `host=0`
+        it is the worker's expected wait, the same for any request (admission by expected
+        wait uses it: router.admission)."""
+        modelled = worker.queued_tokens * self.prefill_s_per_token
+        modelled += worker.load * self.busy_s_per_request
+        return max(modelled, worker.measured_wait_s()) + host * self.host_load_s_per_token
 
     def plan(
         self,
