@@ -278,18 +278,28 @@ class PromptTree(Policy):
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
-        held, plans, best = o.held, o.plans, o.best
-        most = held[best.url]
+        held, plans = o.held, o.plans
+        n = request.num_tokens
+        # Where the prefix lives, or lived last: a prefix evicted everywhere is computed
+        # again where it lived rather than scattered (see router.trees: homes).
+        affinity = {
+            w.url: max(held[w.url], self._predicted(o.view.home.get(w.url, 0), n)) for w in workers
+        }
+        best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -w.load))
+        most = affinity[best.url]
         per_token = self.cost.prefill_s_per_token
-        # Expected TTFT on each worker, plus the cached prefix it lacks, paid once more:
+        # Expected TTFT on each worker, plus the prefix it lacks, paid once more:
         # recomputed, that work delays every request queued behind it; pulled, the copy
         # displaces as much of other requests' cache there (caches are full when it matters),
         # which they recompute later. So leaving a holder must win by more than this request's
         # own TTFT, pull or not: pulls make a move cheaper for the request that moves, not
         # more frequent (measured: scoring pulls as free moved 42% of multi-round QA turns off
         # their holders and halved the host-tier hits).
+        # Recomputed on a worker with requests waiting, the prefix delays each of them.
         placement = {
-            w.url: plans[w.url].seconds + (most - held[w.url]) * per_token for w in workers
+            w.url: plans[w.url].seconds
+            + (most - affinity[w.url]) * per_token * (1 + w.waiting)
+            for w in workers
         }
         soonest = min(workers, key=lambda w: (placement[w.url], w.load))
         if most == 0:
@@ -300,7 +310,7 @@ class PromptTree(Policy):
             return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
             return self._decide(o, soonest, "overload")
-        return self._decide(o, best, "cache_hit")
+        return self._decide(o, best, "cache_hit" if held[best.url] else "home")
 
     def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
         """The decision for `choice`; the reason says how its prefix comes (`pull` or
