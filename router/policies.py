@@ -297,8 +297,7 @@ class PromptTree(Policy):
         # their holders and halved the host-tier hits).
         # Recomputed on a worker with requests waiting, the prefix delays each of them.
         placement = {
-            w.url: plans[w.url].seconds
-            + (most - affinity[w.url]) * per_token * (1 + w.waiting)
+            w.url: plans[w.url].seconds + (most - affinity[w.url]) * per_token * (1 + w.waiting)
             for w in workers
         }
         soonest = min(workers, key=lambda w: (placement[w.url], w.load))
