@@ -308,7 +308,8 @@ class PromptTree(Policy):
             lightest = min((w for w in workers if w.load == low), key=lambda w: placement[w.url])
             return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
-            return self._decide(o, soonest, "overload")
+            # off a busy holder; or, nothing being held anywhere, off the prefix's busy home
+            return self._decide(o, soonest, "overload" if held[best.url] else "home_busy")
         return self._decide(o, best, "cache_hit" if held[best.url] else "home")
 
     def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
