@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--health-failure-threshold", type=int, default=3)
     a("--health-success-threshold", type=int, default=2)
     a("--health-check-timeout-secs", type=float, default=5)
+    a(
+        "--load-check-interval-secs",
+        type=float,
+        default=1.0,
+        help="read every worker's /v1/loads this often, for the queues the policies and "
+        "admission weigh (0: only with the health checks)",
+    )
     a("--prometheus-port", type=int, default=None, help="also serve /metrics on this port")
     a("--prometheus-host", default="127.0.0.1")
     a(
@@ -241,6 +248,7 @@ def check_limits(args: argparse.Namespace) -> None:
         ("--rate-limit-tokens-per-second", args.rate_limit_tokens_per_second),
         ("--queue-size", args.queue_size),
         ("--retry-max-retries", args.retry_max_retries),
+        ("--load-check-interval-secs", args.load_check_interval_secs),
     ):
         if not value >= 0:
             raise SystemExit(f"{flag} must be >= 0, got {value}")
@@ -276,6 +284,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         args.health_failure_threshold,
         args.health_success_threshold,
         args.health_check_timeout_secs,
+        args.load_check_interval_secs,
     )
     for url in urls:
         try:

@@ -13,8 +13,11 @@ expected wait is past that deadline, a request waits in the same queue, and goes
 is within it. Holding is the default; a request is refused at once instead when its wait
 past the deadline is longer than it may wait in the queue (it would time out anyway), and
 `--queue-size 0` refuses every request that would wait. Such a 429's Retry-After is the
-smallest expected wait minus the deadline, rounded up (at least 1 s). The router admits a
-request once its body is read and before it is tokenized or sent to a worker: from
+smallest expected wait minus the deadline, rounded up (at least 1 s); a full queue's or a
+queue wait's also counts the requests queued ahead, at the rate the workers finish
+requests, so that refused clients do not all come back while the queue is still full.
+The router admits a request once its body is read and before it is tokenized or sent to a
+worker: from
 admission to the worker's in-flight count nothing waits, so a burst cannot all pass on the
 same stale load.
 """
@@ -96,9 +99,14 @@ class Admission:
     """
 
     def __init__(
-        self, limits: Limits, smallest_wait: Callable[[], float | None] | None = None
+        self,
+        limits: Limits,
+        smallest_wait: Callable[[], float | None] | None = None,
+        drain_rate: Callable[[], float | None] | None = None,
     ) -> None:
         self.limits = limits
+        # requests a second the eligible workers finish (None: not known yet)
+        self.drain_rate = drain_rate or (lambda: None)
         self._slots = (
             asyncio.Semaphore(limits.max_concurrent) if limits.max_concurrent > 0 else None
         )
@@ -178,8 +186,13 @@ class Admission:
             self.queued -= 1
 
     def _refuse(self, reason: str, excess_s: float) -> Refused:
-        """Count a refusal; its Retry-After comes from the wait past the deadline."""
+        """Count a refusal; its Retry-After comes from the wait past the deadline and, for a
+        full queue or a queue wait, the time the requests queued ahead take to drain."""
         self.refusals[reason] += 1
+        wait_s = max(excess_s, 0.0)
+        rate = self.drain_rate()
+        if reason != "expected_wait" and rate:
+            wait_s += (self.queued + 1) / rate
         if reason == "queue_full":
             message = "the router's queue is full; retry later"
         elif reason == "queue_timeout":
@@ -191,7 +204,7 @@ class Admission:
                 f"the least) is past --max-expected-wait-secs ({self.gate.deadline_s:g} s) "
                 "for longer than a request may wait in the router's queue; retry later"
             )
-        return Refused(message, reason, retry_after(excess_s))
+        return Refused(message, reason, retry_after(wait_s))
 
     async def _wait_turn(self) -> None:
         """A token from the bucket, then a concurrency slot."""

@@ -161,7 +161,11 @@ class Sender:
         source = decision.pull_from  # its link is shared by the pulls planned from it
         pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
         try:
-            with pulling, worker.request(self.pending(call.prompt, decision)) as flight:
+            begins = call.streamed or side == "prefill"  # its first byte marks its start
+            with (
+                pulling,
+                worker.request(self.pending(call.prompt, decision), begins) as flight,
+            ):
                 first_byte = flight.prefill_done
                 if side != "prefill" and call.streamed:  # the first token reaches the client
                     first_byte = self._first_token(call, flight.prefill_done)

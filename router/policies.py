@@ -108,11 +108,14 @@ class CostModel:
 
     def queue_s(self, worker: Worker, host: int = 0) -> float:
         """Seconds before a new prefill starts on `worker`: its queued prefill tokens and
-        running requests, then `host` tokens of the request's own prefix to load from its
-        host tier. With `host=0` it is the worker's expected wait, the same for any request
-        (admission by expected wait uses it: router.admission)."""
-        queue = worker.queued_tokens * self.prefill_s_per_token
-        return queue + (worker.load * self.busy_s_per_request + host * self.host_load_s_per_token)
+        running requests, or, when longer, the wait measured from the requests waiting there
+        and the rate it serves them at (requests waiting for memory or a batch slot); then
+        `host` tokens of the request's own prefix to load from its host tier. With `host=0`
+        it is the worker's expected wait, the same for any request (admission by expected
+        wait uses it: router.admission)."""
+        modelled = worker.queued_tokens * self.prefill_s_per_token
+        modelled += worker.load * self.busy_s_per_request
+        return max(modelled, worker.measured_wait_s()) + host * self.host_load_s_per_token
 
     def plan(
         self,
@@ -275,18 +278,27 @@ class PromptTree(Policy):
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
-        held, plans, best = o.held, o.plans, o.best
-        most = held[best.url]
+        held, plans = o.held, o.plans
+        n = request.num_tokens
+        # Where the prefix lives, or lived last: a prefix evicted everywhere is computed
+        # again where it lived rather than scattered (see router.trees: homes).
+        affinity = {
+            w.url: max(held[w.url], self._predicted(o.view.home.get(w.url, 0), n)) for w in workers
+        }
+        best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -w.load))
+        most = affinity[best.url]
         per_token = self.cost.prefill_s_per_token
-        # Expected TTFT on each worker, plus the cached prefix it lacks, paid once more:
+        # Expected TTFT on each worker, plus the prefix it lacks, paid once more:
         # recomputed, that work delays every request queued behind it; pulled, the copy
         # displaces as much of other requests' cache there (caches are full when it matters),
         # which they recompute later. So leaving a holder must win by more than this request's
         # own TTFT, pull or not: pulls make a move cheaper for the request that moves, not
         # more frequent (measured: scoring pulls as free moved 42% of multi-round QA turns off
         # their holders and halved the host-tier hits).
+        # Recomputed on a worker with requests waiting, the prefix delays each of them.
         placement = {
-            w.url: plans[w.url].seconds + (most - held[w.url]) * per_token for w in workers
+            w.url: plans[w.url].seconds + (most - affinity[w.url]) * per_token * (1 + w.waiting)
+            for w in workers
         }
         soonest = min(workers, key=lambda w: (placement[w.url], w.load))
         if most == 0:
@@ -296,8 +308,9 @@ class PromptTree(Policy):
             lightest = min((w for w in workers if w.load == low), key=lambda w: placement[w.url])
             return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
-            return self._decide(o, soonest, "overload")
-        return self._decide(o, best, "cache_hit")
+            # off a busy holder; or, nothing being held anywhere, off the prefix's busy home
+            return self._decide(o, soonest, "overload" if held[best.url] else "home_busy")
+        return self._decide(o, best, "cache_hit" if held[best.url] else "home")
 
     def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
         """The decision for `choice`; the reason says how its prefix comes (`pull` or

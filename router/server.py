@@ -113,6 +113,7 @@ class Router:
                 config.max_expected_wait_s,
             ),
             self._smallest_wait,
+            self._drain_rate,
         )
         if self.admission.gate is not None:
             registry.when_load_changes(self.admission.load_changed)
@@ -330,6 +331,12 @@ class Router:
         available); admission by expected wait compares it with the deadline."""
         cost = self.config.cost
         return min((cost.queue_s(w) for w in self.strategy.eligible()), default=None)
+
+    def _drain_rate(self) -> float | None:
+        """Requests a second the workers a request may go to finish, lately (None: not
+        known); a refused request's Retry-After counts the queue ahead at this rate."""
+        rates = [r for w in self.strategy.eligible() if (r := w.service_rate()) is not None]
+        return sum(rates) if rates else None
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         route = request.path

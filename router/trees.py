@@ -12,6 +12,11 @@ Tiers: a worker with a host DRAM tier behind its GPU memory holds a prefix partl
 Its device holding is recorded under its URL, its host holding under (URL, "host"), so one
 match tells per worker how much of the prefix it holds and how much of that is on its device
 (KV events with SGLang's `medium` say which; what the router routes itself is on device).
+
+Homes: a prefix a worker dropped (evicted, or reported missing) stays recorded under
+(URL, "home") until the TTL: where that prefix lived. A prefix that comes back after its
+eviction is best computed where it lived (cache-aware routing's stickiness), or every
+eviction scatters it to another worker and the caches fill with copies of the same prefixes.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ from typing import cast
 from mempool.radix import RadixTree
 from router.workers import WorkerType
 
+_HOME = "home"
+
 
 class Tier(Enum):
     """Where a worker keeps a cached page: its device (GPU) memory or its host DRAM."""
 
     DEVICE = "device"
     HOST = "host"
+    HOME = "home"  # not held any more: where it was held last (see the module's docstring)
 
     @classmethod
     def of_medium(cls, medium: str | None) -> Tier:
@@ -38,11 +46,15 @@ class Tier(Enum):
         return cls.DEVICE if medium is None or medium.upper() == "GPU" else cls.HOST
 
 
-_HOST = "host"
-
-
 def _key(url: str, tier: Tier) -> str | tuple[str, str]:
-    return url if tier is Tier.DEVICE else (url, _HOST)
+    return url if tier is Tier.DEVICE else (url, tier.value)
+
+
+def holder_of(key: object) -> tuple[str, Tier]:
+    """A tree holder key (URL, or (URL, tier)) as (URL, tier)."""
+    if isinstance(key, tuple):
+        return str(key[0]), Tier(key[1])
+    return str(key), Tier.DEVICE
 
 
 @dataclass(slots=True)
@@ -51,6 +63,11 @@ class PrefixView:
 
     held: dict[str, int]  # worker URL -> cached prefix tokens in any tier (page-aligned)
     device: dict[str, int] = field(default_factory=dict)  # of which on its device tier
+    home: dict[str, int] = field(default_factory=dict)  # tokens it held before dropping them
+
+    def affinity(self, url: str) -> int:
+        """Tokens of the prefix that live, or lived last, on this worker."""
+        return max(self.held.get(url, 0), self.home.get(url, 0))
 
     def host(self, url: str) -> int:
         """Tokens of the worker's held prefix that sit on its host tier."""
@@ -89,19 +106,23 @@ class PromptTrees:
         if len(tokens) < self.page_size:
             return PrefixView({})
         found = self.trees[type].match(tokens, ttl=self.ttl_s)
-        # holders of these trees are worker URLs (device) and (URL, "host") pairs
+        # holders of these trees are worker URLs (device) and (URL, tier) pairs
         keys = cast(dict[str | tuple[str, str], int], found.holder_tokens)
         held: dict[str, int] = {}
         device: dict[str, int] = {}
+        home: dict[str, int] = {}
         for key, n in keys.items():
             if isinstance(key, str):
                 device[key] = n
                 url = key
+            elif key[1] == _HOME:
+                home[key[0]] = n
+                continue
             else:
                 url = key[0]
             if n > held.get(url, 0):
                 held[url] = n
-        return PrefixView(held, device)
+        return PrefixView(held, device, home)
 
     def record(
         self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier = Tier.DEVICE
@@ -136,17 +157,21 @@ class PromptTrees:
         tier: Tier | None = None,
     ) -> None:
         """`url` no longer holds `tokens` beyond their first `keep_tokens` in `tier` (None:
-        in any tier): it evicted or moved them."""
+        in any tier): it evicted or moved them. The path stays its home (until the TTL)."""
         if len(tokens) < self.page_size:
             return
+        tree = self.trees[type]
+        ps = self.page_size
+        if tier is not Tier.HOME and len(tokens) // ps > max(keep_tokens, 0) // ps:
+            tree.insert(tokens, holder=_key(url, Tier.HOME))  # some page goes: home
         for t in (Tier.DEVICE, Tier.HOST) if tier is None else (tier,):
-            self.trees[type].remove_holder(_key(url, t), tokens, keep_tokens=keep_tokens)
+            tree.remove_holder(_key(url, t), tokens, keep_tokens=keep_tokens)
 
     def forget(self, url: str) -> None:
         """A removed or dead worker holds nothing any more."""
         for tree in self.trees.values():
-            tree.remove_holder(url)
-            tree.remove_holder((url, _HOST))
+            for tier in Tier:
+                tree.remove_holder(_key(url, tier))
 
     def expire(self) -> int:
         """Drop entries not confirmed within the TTL; returns the pages pruned."""

@@ -4,6 +4,13 @@ Load is what the router itself has in flight to each worker (requests and prompt
 refreshed with what the worker reports on /get_load, so a router that just started, or
 one of several replicas, still sees work it did not send; replicas sharing state through
 Redis (router.replicas) also add each other's in-flight counts.
+
+The queue a new request joins is measured, not only modelled: requests whose first byte
+tells when the worker began them (streamed answers, prefill sides) count as waiting until
+it comes, the worker's own report of its waiting requests is read every
+`load_interval_s`, and the rate at which it finishes requests is kept; waiting requests
+over that rate is how long the next one is expected to wait (Little's law). It sees what a
+model of prefill work cannot: requests waiting for KV memory or a batch slot.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +28,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 log = logging.getLogger(__name__)
+
+RATE_WINDOW = 32  # the last requests a worker finished, for the rate it serves them at
+MIN_RATE_SAMPLES = 4
 
 
 class WorkerType(Enum):
@@ -103,6 +114,10 @@ class Worker:
     # called whenever its load figures change (the registry's load_changed: requests held
     # for an expected wait re-evaluate then, instead of polling)
     changed: Callable[[], None] = field(default=lambda: None, repr=False)
+    # requests of this router not begun yet, as far as their first byte tells (see InFlight)
+    unstarted: int = 0
+    # when its last requests ended: the rate it serves them at
+    finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
 
     @property
     def load(self) -> int:
@@ -113,6 +128,32 @@ class Worker:
     @property
     def queued_tokens(self) -> int:
         return max(self.in_flight_tokens + self.peer_in_flight_tokens, self.reported_pending_tokens)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to begin on it: this router's not begun, or the worker's own
+        count of waiting requests, whichever is larger."""
+        return max(self.unstarted, self.reported_waiting)
+
+    def service_rate(self, now: float | None = None) -> float | None:
+        """Requests it finished per second lately (None: too few to tell); a worker that
+        stopped finishing any is slower than its last ones say."""
+        done = self.finished_at
+        if len(done) < MIN_RATE_SAMPLES:
+            return None
+        now = time.monotonic() if now is None else now
+        span = max(done[-1] - done[0], 1e-3)
+        lately = max(now - done[0], span)
+        return min((len(done) - 1) / span, len(done) / lately)
+
+    def measured_wait_s(self, now: float | None = None) -> float:
+        """Seconds a request sent now is expected to wait before it begins: the requests
+        waiting ahead of it over the rate it serves them (0 when none wait)."""
+        waiting = self.waiting
+        if not waiting:
+            return 0.0
+        rate = self.service_rate(now)
+        return waiting / rate if rate else 0.0
 
     @property
     def can_pull(self) -> bool:
@@ -140,9 +181,11 @@ class Worker:
             cm.reschedule(now)
         return len(pending)
 
-    def request(self, prefill_tokens: int) -> InFlight:
-        """Count one request against this worker while it runs (`with worker.request(n):`)."""
-        return InFlight(self, prefill_tokens)
+    def request(self, prefill_tokens: int, begins_at_first_byte: bool = False) -> InFlight:
+        """Count one request against this worker while it runs (`with worker.request(n):`);
+        `begins_at_first_byte`: its first byte comes when the worker begins it (a streamed
+        answer, a prefill), so until then it is counted as waiting."""
+        return InFlight(self, prefill_tokens, begins_at_first_byte)
 
     def apply_load(self, loads: object) -> None:
         """The worker's own report (SGLang's /v1/loads or /get_load body)."""
@@ -161,32 +204,39 @@ class Worker:
 
 class InFlight:
     """One request in flight on a worker: counted until it ends, its prompt tokens still to
-    compute counted as queued prefill work until its first byte (`prefill_done`)."""
+    compute counted as queued prefill work until its first byte (`prefill_done`), and, when
+    its first byte marks its beginning, counted as waiting until then."""
 
-    __slots__ = ("_tokens", "worker")
+    __slots__ = ("_tokens", "_waiting", "worker")
 
-    def __init__(self, worker: Worker, prefill_tokens: int) -> None:
+    def __init__(self, worker: Worker, prefill_tokens: int, waiting: bool = False) -> None:
         self.worker = worker
         self._tokens = max(prefill_tokens, 0)
+        self._waiting = waiting
 
     def __enter__(self) -> InFlight:
         self.worker.in_flight += 1
         self.worker.in_flight_tokens += self._tokens
+        self.worker.unstarted += self._waiting
         self.worker.changed()
         return self
 
     def prefill_done(self) -> None:
         """The worker has begun answering: its prompt is no longer queued work."""
-        if self._tokens:
+        if self._tokens or self._waiting:
             self.worker.in_flight_tokens -= self._tokens
-            self._tokens = 0
+            self.worker.unstarted -= self._waiting
+            self._tokens, self._waiting = 0, False
             self.worker.changed()
 
     def __exit__(self, *exc: object) -> None:
         self.worker.in_flight_tokens -= self._tokens
-        self._tokens = 0
+        self.worker.unstarted -= self._waiting
+        self._tokens, self._waiting = 0, False
         self.worker.in_flight -= 1
         self.worker.processed += 1
+        if not exc or exc[0] is None:  # a failure is not service (it may be instant)
+            self.worker.finished_at.append(time.monotonic())
         self.worker.changed()
 
 
@@ -211,9 +261,11 @@ class WorkerRegistry:
         health_failure_threshold: int = 3,
         health_success_threshold: int = 2,
         health_timeout_s: float = 5.0,
+        load_interval_s: float = 1.0,
     ) -> None:
         self.breaker = breaker
         self.health_interval_s = health_interval_s
+        self.load_interval_s = load_interval_s  # 0: loads are read with health checks only
         self.failure_threshold = health_failure_threshold
         self.success_threshold = health_success_threshold
         self.health_timeout_s = health_timeout_s
@@ -222,6 +274,7 @@ class WorkerRegistry:
         self._on_back: list[Callable[[Worker], None]] = []
         self._on_load: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def add(
@@ -307,12 +360,16 @@ class WorkerRegistry:
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
-        self._task = asyncio.get_running_loop().create_task(self._health_loop())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._health_loop())
+        if self.load_interval_s > 0:
+            self._load_task = loop.create_task(self._load_loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._load_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
@@ -329,12 +386,7 @@ class WorkerRegistry:
         except (aiohttp.ClientError, TimeoutError):
             ok = False
         if ok:  # the load report is best effort: a healthy worker without it stays healthy
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
-                    async with session.get(worker.url + path, timeout=timeout) as resp:
-                        if resp.status == 200:
-                            worker.apply_load(await resp.json(content_type=None))
-                            break
+            await self.read_load(worker)
         self._apply_health(worker, ok)
         # A hung worker (it accepts connections, answers nothing) would otherwise hold its
         # requests until --request-timeout-secs: let them go elsewhere now.
@@ -344,6 +396,31 @@ class WorkerRegistry:
             and (abandoned := worker.abandon_exchanges())
         ):
             log.warning("gave up on %d requests waiting on %s", abandoned, worker.url)
+
+    async def read_load(self, worker: Worker) -> None:
+        """The worker's own view of its queue (SGLang's /v1/loads, or the older /get_load);
+        best effort: a worker without it keeps the router's own counts."""
+        session = self._session
+        if session is None:
+            return
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
+                async with session.get(worker.url + path, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        worker.apply_load(await resp.json(content_type=None))
+                        return
+
+    async def _load_loop(self) -> None:
+        """Loads more often than health: the queues the policies and admission weigh
+        change within a second (a request waiting for KV memory shows only there)."""
+        while True:
+            await asyncio.sleep(self.load_interval_s)
+            workers = [w for w in self.workers.values() if w.healthy]
+            try:
+                await asyncio.gather(*(self.read_load(w) for w in workers))
+            except Exception:  # never let the loop die
+                log.exception("load check round failed")
 
     def _apply_health(self, worker: Worker, ok: bool) -> None:
         if ok:

@@ -73,7 +73,7 @@ class PrefillDecode(Strategy):
         sender.metrics.pd_requests.inc()
         # in flight on the prefill from now, not from its task's first step: the next
         # admission by expected wait must see it (router.admission)
-        flight = prefill.request(sender.pending(call.prompt, p_dec)).__enter__()
+        flight = prefill.request(sender.pending(call.prompt, p_dec), True).__enter__()
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
         p_task.add_done_callback(lambda _: flight.__exit__(None, None, None))
         if caching.prefill_caches:

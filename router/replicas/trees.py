@@ -3,8 +3,9 @@
 `ReplicatedTrees` is a PromptTrees whose state-changing calls (record, drop, forget, clear)
 also put an operation in the replica's outbox; `apply` performs another replica's operation
 without publishing it again (no loops); `snapshot` lists, per holder, the deepest paths it
-holds (prefix closure: holding a node means holding its whole path), which is all a late
-replica needs to rebuild the same holdings; `holder_pages` is what tests compare.
+holds (prefix closure: holding a node means holding its whole path), homes included, which
+is all a late replica needs to rebuild the same holdings; `holder_pages` is what tests
+compare.
 """
 
 from __future__ import annotations
@@ -27,17 +28,10 @@ from router.replicas.ops import (
     pack_tokens,
     unpack_tokens,
 )
-from router.trees import PromptTrees, Tier
+from router.trees import PromptTrees, Tier, holder_of
 from router.workers import WorkerType
 
 SNAPSHOT_PART = 512  # nodes walked between two chances for requests to run
-
-
-def _holder(key: Hashable) -> tuple[str, Tier]:
-    """A tree holder key (URL, or (URL, "host")) as (URL, tier)."""
-    if isinstance(key, tuple):
-        return str(key[0]), Tier.HOST
-    return str(key), Tier.DEVICE
 
 
 class ReplicatedTrees(PromptTrees):
@@ -180,7 +174,7 @@ class ReplicatedTrees(PromptTrees):
                         continue
                     if tokens is None:  # the tree's key bytes are native uint32s
                         tokens = pack_tokens(unpack_native(path))
-                    url, tier = _holder(key)
+                    url, tier = holder_of(key)
                     part.append(SnapshotEntry(type.value, url, tier.value, tokens))
         yield part
 
@@ -205,8 +199,8 @@ class ReplicatedTrees(PromptTrees):
             counts: dict[str, int] = {}
             for node, _ in self._walk(type):
                 for key in node.holders or ():
-                    url, tier = _holder(key)
-                    label = url if tier is Tier.DEVICE else f"{url}#host"
+                    url, tier = holder_of(key)
+                    label = url if tier is Tier.DEVICE else f"{url}#{tier.value}"
                     counts[label] = counts.get(label, 0) + len(node.key) // page_bytes
             if counts:
                 out[type.value] = dict(sorted(counts.items()))

@@ -213,3 +213,48 @@ def test_breaker_opens_half_opens_and_closes() -> None:
 def test_bad_worker_urls(bad: str) -> None:
     with pytest.raises(ValueError, match="http://host:port"):
         normalize_url(bad)
+
+
+def test_a_dropped_prefix_stays_its_workers_home_until_forgotten() -> None:
+    trees = PromptTrees(page_size=4)
+    trees.record(C, "a", list(range(16)))
+    trees.drop(C, "a", list(range(16)), keep_tokens=4)  # evicted after its first page
+    view = trees.match(C, list(range(16)))
+    assert view.held == {"a": 4} and view.home == {"a": 16}
+    assert view.affinity("a") == 16 and view.affinity("b") == 0
+    trees.drop(C, "a", list(range(16)), keep_tokens=0)
+    assert trees.match(C, list(range(16))).held == {}
+    trees.forget("a")
+    assert trees.match(C, list(range(16))).home == {}
+
+
+def test_a_prefix_evicted_everywhere_goes_back_where_it_lived() -> None:
+    """Scattering it to whichever worker is least loaded would fill the caches with copies
+    of the same prefixes; its home computes it again unless its queue costs more."""
+    trees = PromptTrees(page_size=4)
+    ws = workers(3)
+    tokens = list(range(64))
+    trees.record(C, ws[2].url, tokens[:60])
+    trees.drop(C, ws[2].url, tokens[:60], keep_tokens=0)
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    ws[2].in_flight = 1  # a little busier than the others: still its home
+    decision = policy.select(RouteRequest(tokens, "", None), ws)
+    assert decision.worker is ws[2] and decision.reason == "home"
+    assert decision.predicted_cached == 0  # nothing is expected to be cached there
+    ws[2].reported_waiting = 40  # its queue would cost more than computing elsewhere
+    ws[2].finished_at.extend([0.0, 1.0, 2.0, 3.0])
+    assert policy.select(RouteRequest(tokens, "", None), ws).worker is not ws[2]
+
+
+def test_leaving_a_holder_costs_more_where_requests_wait() -> None:
+    """Recomputing a prefix on a worker delays each request waiting there: the busier the
+    target, the longer the holder's queue must be before the prefix moves."""
+    trees = PromptTrees(page_size=4)
+    ws = workers(2)
+    tokens = list(range(4000))
+    trees.record(C, ws[0].url, tokens[:3996])
+    policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
+    ws[0].in_flight_tokens = 5000 * 16  # 3.2 s of queued prefill on the holder
+    assert policy.select(RouteRequest(tokens, "", None), ws).worker is ws[1]
+    ws[1].reported_waiting = 30  # the other worker has its own queue to delay
+    assert policy.select(RouteRequest(tokens, "", None), ws).worker is ws[0]

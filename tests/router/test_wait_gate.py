@@ -258,3 +258,25 @@ def test_the_workers_that_decide_are_the_ones_a_request_queues_at_first() -> Non
     assert Colocated(RoundRobin(), registry, sender).eligible() == [colocated]
     settings = PDSettings(Caching.parse("basic"), RoundRobin(), RoundRobin())
     assert PrefillDecode(settings, registry, sender).eligible() == [prefill]
+
+
+def test_a_full_queues_retry_after_counts_the_requests_queued_ahead() -> None:
+    """Refused clients told to come back in 1 s would all return while the queue is still
+    full: the queue ahead drains at the rate the workers finish requests."""
+
+    async def scenario() -> list[str]:
+        admission = Admission(
+            Limits(max_expected_wait_s=0.5, queue_size=4, queue_timeout_s=30),
+            lambda: 1.5,  # 1 s past the deadline
+            lambda: 2.0,  # the workers finish 2 requests a second
+        )
+        log: list[str] = []
+        tasks = [asyncio.create_task(enter(admission, log, f"r{i}")) for i in range(6)]
+        await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return log
+
+    # 4 held; the 5th and 6th are refused: 1 s past the deadline + 5 requests / 2 per s
+    assert run(scenario) == ["r4: queue_full 4", "r5: queue_full 4"]

@@ -101,7 +101,9 @@ def test_changes_are_published_and_applied_elsewhere_without_echo() -> None:
     b.outbox = Outbox("b", 8)
     assert replay(box, b) == 3
     assert b.outbox.queue.empty()  # applied, not re-published
-    assert b.holder_pages() == a.holder_pages() == {"colocated": {A: 1, f"{B}#host": 2}}
+    # (the dropped page stays A's home: where that prefix lived)
+    expected = {"colocated": {A: 1, f"{A}#home": 2, f"{B}#host": 2}}
+    assert b.holder_pages() == a.holder_pages() == expected
     a.forget(B)
     a.clear()
     replay(box, b)

@@ -74,7 +74,8 @@ def test_operations_load_and_workers_flow_between_replicas(redis_url: str) -> No
             assert b.trees.holder_pages() == {"colocated": {W1: 3}}
             assert b.outbox.queue.empty()  # applied, not re-published
             b.trees.drop(C, W1, list(range(12)), 4)
-            await until(lambda: a.trees.holder_pages() == {"colocated": {W1: 1}})
+            # (the two dropped pages stay W1's home)
+            await until(lambda: a.trees.holder_pages() == {"colocated": {W1: 1, f"{W1}#home": 3}})
 
             a.registry.workers[W2].in_flight = 3
             a.registry.workers[W2].in_flight_tokens = 900

@@ -1,0 +1,52 @@
+"""The queue a request joins, as the router measures it: requests not begun (by their first
+byte) or reported waiting by the worker, over the rate the worker finishes requests."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from router.policies import CostModel
+from router.workers import Worker
+
+
+def finish(worker: Worker, times: list[float]) -> None:
+    worker.finished_at.extend(times)
+
+
+def test_a_streamed_request_waits_until_its_first_byte() -> None:
+    worker = Worker("http://127.0.0.1:1")
+    with worker.request(100, begins_at_first_byte=True) as flight:
+        assert worker.unstarted == 1 and worker.waiting == 1
+        flight.prefill_done()
+        assert worker.unstarted == 0 and worker.in_flight == 1
+    assert worker.in_flight == 0 and len(worker.finished_at) == 1
+    with worker.request(100) as flight:  # a non-streamed answer: its first byte is its end
+        assert worker.unstarted == 0
+    with pytest.raises(RuntimeError), worker.request(5, True):
+        raise RuntimeError("the worker failed")
+    assert worker.unstarted == 0 and len(worker.finished_at) == 2  # a failure is no service
+
+
+def test_the_service_rate_comes_from_recent_finishes_and_decays_when_they_stop() -> None:
+    worker = Worker("http://127.0.0.1:1")
+    assert worker.service_rate() is None  # too few to tell
+    finish(worker, [10.0, 10.5, 11.0, 11.5, 12.0])
+    assert worker.service_rate(now=12.0) == pytest.approx(2.0)
+    # nothing finished for 8 s since: 5 in the last 10 s at most
+    assert worker.service_rate(now=20.0) == pytest.approx(0.5)
+
+
+def test_the_measured_wait_is_waiting_requests_over_the_service_rate() -> None:
+    worker = Worker("http://127.0.0.1:1")
+    now = time.monotonic()
+    finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
+    assert worker.measured_wait_s(now) == 0.0  # nobody waits
+    worker.reported_waiting = 6  # the worker says 6 wait (for KV memory, say)
+    assert worker.measured_wait_s(now) == pytest.approx(3.0)
+    # The cost model's queue term takes the longer of its model and the measurement.
+    cost = CostModel()
+    assert cost.queue_s(worker) == pytest.approx(3.0, rel=0.01)
+    worker.reported_waiting = 0
+    assert cost.queue_s(worker) == pytest.approx(0.0)
