@@ -25,12 +25,17 @@ prepend_scheme="first"), which a self-test on probe texts catches at constructio
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import os
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from connector.chat_skeleton import SkeletonRenderer
@@ -50,6 +55,10 @@ _PROBES = (
 
 # add_special_tokens=False: nothing goes around a text (never mutated)
 _NO_SPECIAL = (array("I"), array("I"))
+# New text longer than this (characters) is encoded on a thread, off the event loop
+# (`complete_async`): about 1 ms of encoding; shorter text costs less than the thread hop.
+OFF_LOOP_CHARS = 4096
+BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the workers')
 
 
 def _token_ids_array(ids: Sequence[int]) -> array:
@@ -83,6 +92,7 @@ class CachedEncoder:
         # Ids the post-processor puts around a text when add_special_tokens=True (prefix,
         # suffix); None when they are not fixed (text prompts then get full encodes).
         self._special: tuple[array, array] | None = None
+        self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
         self._added_arrays: dict[str, array] = {}
@@ -155,6 +165,50 @@ class CachedEncoder:
         if not rest:
             return known
         return self._encode_parts(rest, array("I", known))
+
+    def off_loop(self, rest: list[str]) -> bool:
+        """Whether `complete_async` would encode `rest` on a thread (long new text)."""
+        return self._pattern is not None and sum(map(len, self._missing(rest[0::2]))) >= (
+            OFF_LOOP_CHARS
+        )
+
+    async def complete_async(self, known: array, rest: list[str]) -> array:
+        """`complete`, with long new text (a cold prompt's history) encoded on a thread so
+        the event loop keeps serving meanwhile: HF tokenizers release the GIL in batch
+        encodes. Only the pieces the cache lacks go to the thread (no copy of the prompt);
+        the cache itself is read and written on the loop only."""
+        missing = self._missing(rest[0::2])
+        if sum(map(len, missing)) < OFF_LOOP_CHARS:
+            return self.complete(known, rest)
+        if self._pool is None:
+            self.start_thread()
+        assert self._pool is not None
+        loop = asyncio.get_running_loop()
+        encoded = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+        self._misses += len(missing)
+        self._encoded_tokens += sum(len(a) for a in encoded)
+        return self._encode_parts(rest, array("I", known), dict(zip(missing, encoded, strict=True)))
+
+    def start_thread(self) -> None:
+        """Start complete_async's thread now (else on first use), at a lower CPU priority
+        than the event loop: it is background work, and its first batch call starts the
+        tokenizer's own thread pool from it, at that priority too (Linux threads inherit
+        their creator's nice value)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="encode", initializer=self._background_thread
+            )
+            self._pool.submit(self._encode_batch, ["warm up", "the pool"]).result()
+
+    def _background_thread(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+    def close(self) -> None:
+        """Stop complete_async's thread, if it was started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     @staticmethod
     def estimate_tokens(rest: list[str]) -> int:
@@ -254,12 +308,19 @@ class CachedEncoder:
     def _encode_pieces(self, text: str) -> array:
         return self._encode_parts(self._split(text))
 
-    def _encode_parts(self, parts: list[str], out: array | None = None) -> array:
-        """Ids of alternating [piece, added token, piece, ...], appended to `out`."""
-        pieces = parts[0::2]
+    def _missing(self, pieces: list[str], encoded: dict[str, array] | None = None) -> list[str]:
+        """The distinct non-empty pieces neither cached nor in `encoded`, in order."""
+        cache, known = self._cache, encoded or {}
+        return [p for p in dict.fromkeys(pieces) if p and p not in cache and p not in known]
+
+    def _encode_parts(
+        self, parts: list[str], out: array | None = None, encoded: dict[str, array] | None = None
+    ) -> array:
+        """Ids of alternating [piece, added token, piece, ...], appended to `out`; `encoded`:
+        pieces already encoded (on a thread), cached here."""
         cache = self._cache
-        missing = [p for p in dict.fromkeys(pieces) if p and p not in cache]
-        fresh: dict[str, array] = {"": array("I")}
+        missing = self._missing(parts[0::2], encoded)
+        fresh: dict[str, array] = {"": array("I"), **(encoded or {})}
         if missing:
             fresh.update(zip(missing, self._encode_many(missing), strict=True))
             self._misses += len(missing)
@@ -281,6 +342,8 @@ class CachedEncoder:
         self._hits += hits
         for piece in missing:
             self._store(piece, fresh[piece])
+        for piece, ids in (encoded or {}).items():
+            self._store(piece, ids)
         return out
 
     def _encode_many(self, pieces: list[str]) -> list[array]:
@@ -292,6 +355,12 @@ class CachedEncoder:
         out = [_token_ids_array(e.ids) for e in encodings]
         self._encoded_tokens += sum(len(a) for a in out)
         return out
+
+    def _encode_batch(self, pieces: list[str]) -> list[array]:
+        """Ids of `pieces` in one batch call, which releases the GIL (a thread may run it;
+        it touches no state of this object)."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [_token_ids_array(e.ids) for e in batch(pieces, add_special_tokens=False)]
 
     def _store(self, piece: str, ids: array) -> None:
         if len(ids) > self.max_cached_tokens or piece in self._cache:

@@ -238,7 +238,9 @@ def load_encoder(path: Path | None) -> CachedEncoder | None:
         return None
     from connector.tokenizer import ChatTokenizer
 
-    return CachedEncoder(ChatTokenizer(path))
+    encoder = CachedEncoder(ChatTokenizer(path))
+    encoder.start_thread()  # before anything else starts the tokenizer's thread pool
+    return encoder
 
 
 def check_limits(args: argparse.Namespace) -> None:

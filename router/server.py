@@ -227,6 +227,8 @@ class Router:
             task.cancel()
         await self.registry.stop()
         await self.upstream.close()
+        if self.encoder is not None:
+            self.encoder.close()
         if self.session is not None:
             await self.session.close()
 
