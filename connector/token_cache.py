@@ -217,12 +217,13 @@ class CachedEncoder:
 
     def prime(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> None:
+    ) -> array | None:
         """Cache the pieces of a chat as it will be resent (no generation prompt): called with
-        a finished answer appended, so the next turn finds its history already encoded."""
+        a finished answer appended, so the next turn finds its history already encoded.
+        Returns the chat's ids (the next turn's prefix), None when nothing is cached."""
         if self._pattern is None:
-            return
-        self._encode_pieces(self.renderer.render(messages, False, tools))
+            return None
+        return self._encode_pieces(self.renderer.render(messages, False, tools))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
@@ -347,8 +348,11 @@ class CachedEncoder:
         return out
 
     def _encode_many(self, pieces: list[str]) -> list[array]:
-        if len(pieces) == 1:
-            encodings = [self._tok.encode(pieces[0], add_special_tokens=False)]
+        if len(pieces) == 1 or self._pool is not None:
+            # one by one with a background thread: a batch would wait for the tokenizer's
+            # thread pool, which runs at that thread's lower priority
+            encode = self._tok.encode
+            encodings = [encode(p, add_special_tokens=False) for p in pieces]
         else:  # one call, encoded in parallel by the Rust side; no offsets needed
             batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
             encodings = batch(pieces, add_special_tokens=False)
