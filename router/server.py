@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
@@ -49,6 +49,7 @@ from router.request import (
     session_key,
     without_router_fields,
 )
+from router.siblings import SiblingConfig, Siblings
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
@@ -59,6 +60,7 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 # the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
+METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -79,6 +81,7 @@ class RouterConfig:
     kv_events_subscribe: bool = False  # connect to every worker's KV-event publisher
     cost: CostModel = field(default_factory=CostModel)  # the policies' expected-TTFT terms
     replica: ReplicaConfig | None = None  # share state with other replicas through Redis
+    siblings: SiblingConfig | None = None  # one of several processes of this router
 
 
 class Router:
@@ -161,6 +164,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._learning: set[str] = set()  # workers being learned now
         self.replicator: Replicator | None = None
+        self.siblings: Siblings | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._openapi = router_document(VERSION)
 
@@ -191,15 +195,30 @@ class Router:
         app.on_cleanup.append(self._stop)
         return app
 
+    @property
+    def checks(self) -> bool:
+        """Whether this process checks health, reads loads and binds the KV-event socket
+        (one process per router does)."""
+        return self.config.siblings is None or self.config.siblings.checks
+
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.registry.start(self.session)
+        self.registry.start(self.session, self.checks)
         if self.config.kv_events_subscribe:
             self.kv_subscriber = KVEventSubscriber(self.kv_applier)
-        await self.registry.check_all()
+        if self.checks:
+            await self.registry.check_all()
         await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
-        if self.config.kv_events_endpoint:
+        if self.metrics.multiprocess:
+            self._background.add(asyncio.get_running_loop().create_task(self._metrics_loop()))
+        if self.config.siblings is not None:
+            if not isinstance(self.trees, ReplicatedTrees):
+                raise TypeError("sibling processes need ReplicatedTrees")
+            adopt = self._adopt if self.checks else self._learn_model
+            self.siblings = Siblings(self.config.siblings, self.trees, self.registry, adopt)
+            await self.siblings.start()
+        if self.config.kv_events_endpoint and self.checks:
             self.kv_listener = KVEventListener(self.config.kv_events_endpoint, self.kv_applier)
             self.kv_listener.start()
         if self.config.replica is not None:
@@ -217,6 +236,8 @@ class Router:
     async def _stop(self, app: web.Application) -> None:
         if self.replicator is not None:
             await self.replicator.stop()
+        if self.siblings is not None:
+            await self.siblings.stop()
         if self._expiry is not None:
             self._expiry.cancel()
         if self.kv_listener is not None:
@@ -236,6 +257,12 @@ class Router:
         while True:
             await asyncio.sleep(max(self.trees.ttl_s / 4, 0.05))
             self.trees.expire()
+
+    async def _metrics_loop(self) -> None:
+        """Several processes: this one's tree and admission counts to the metrics files."""
+        while True:
+            await asyncio.sleep(METRICS_SYNC_S)
+            self.metrics.sync()
 
     def _http(self) -> aiohttp.ClientSession:
         if self.session is None:
@@ -428,6 +455,7 @@ class Router:
                 "kv_events": self._kv_events_info(),
                 "admission": self._admission_info(),
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
+                "process": self._process_info(),
                 **self._replica_info(),
             }
         )
@@ -436,6 +464,10 @@ class Router:
         a = self.admission
         return {
             "max_expected_wait_secs": a.limits.max_expected_wait_s,
+            # this process's share of the router's limits (--processes)
+            "max_concurrent_requests": a.limits.max_concurrent,
+            "rate_limit_per_s": a.limits.rate_per_s,
+            "queue_size": a.limits.queue_size,
             "queued": a.queued,
             "holds": dict(a.holds),
             "refusals": dict(a.refusals),
@@ -454,6 +486,13 @@ class Router:
         if self.kv_subscriber is not None:
             return {**self.kv_subscriber.info(), "batches_applied": self.kv_applier.batches}
         return None if self.kv_listener is None else self.kv_listener.info()
+
+    def _process_info(self) -> dict[str, Any]:
+        """Which of the router's processes answered (--processes), and its channel."""
+        out: dict[str, Any] = {"pid": os.getpid(), "index": 0, "count": 1}
+        if self.siblings is not None:
+            out.update(self.siblings.info())
+        return out
 
     def _replica_info(self) -> dict[str, Any]:
         """With --redis-url: the replica's state, and the pages each holder holds (two
@@ -509,6 +548,8 @@ class Router:
             raise RequestError(status, str(exc)) from None
         if self.replicator is not None:
             self.replicator.worker_added(worker)
+        if self.siblings is not None:
+            self.siblings.worker_added(worker)
         await self.registry.check(worker)
         await self._learn_model(worker)
         return web.json_response(self._worker_json(worker))
@@ -535,6 +576,8 @@ class Router:
             raise RequestError(404, str(exc).strip("'\"")) from None
         if self.replicator is not None:
             self.replicator.worker_removed(worker.url)
+        if self.siblings is not None:
+            self.siblings.worker_removed(worker.url)
         return web.json_response({"removed": worker.url})
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -542,6 +585,6 @@ class Router:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(self.metrics.registry),
+            body=self.metrics.exposition(),
             headers={"Content-Type": "text/plain; version=0.0.4"},
         )

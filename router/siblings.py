@@ -1,0 +1,368 @@
+"""Router processes on one host deciding on one state (`--processes N`): the local channel.
+
+Every process (a sibling) keeps the whole state in memory, as one router does, and decides
+alone: nothing on a request's path waits for another process. What changes that state is
+passed on over ZMQ PUB/SUB on ipc:// sockets in the router's private directory (each
+sibling binds one PUB socket and subscribes to every other's), in the replicas' own
+formats (router.replicas.ops):
+
+- tree operations (records, feedback drops, forgets, flushes) and workers added or removed
+  through the API: `Op` messages, sent as they are emitted (`ReplicatedTrees` with an
+  outbox that sends at once) and applied with `ReplicatedTrees.apply`;
+- each sibling's in-flight requests and prompt tokens per worker, a millisecond after they
+  change: a worker's load is its own count plus the siblings' last ones;
+- worker state, from sibling 0 alone, which alone checks health and reads the workers'
+  load reports: its verdicts (unhealthy, healthy again) and every report it reads. A
+  sibling whose request found a worker dead marks it dead at once and tells sibling 0,
+  which decides for all.
+
+KV events are not passed on: with --kv-events-subscribe every sibling subscribes to every
+engine itself (the replicas' path). Siblings start together and wait for each other
+(`start` returns once every sibling hears every other) before they serve; one that dies
+takes the router down (router.supervisor), so no sibling ever joins late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from router.replicas.ops import (
+    ADD_WORKER,
+    REMOVE_WORKER,
+    VERSION,
+    Op,
+    Outbox,
+    decode_op,
+    encode,
+)
+from router.replicas.trees import ReplicatedTrees
+from router.workers import Worker, WorkerRegistry, WorkerType
+
+log = logging.getLogger(__name__)
+
+LOAD_DELAY_S = 0.001  # in-flight counts are sent this soon after they change
+HELLO_INTERVAL_S = 0.02
+READY_TIMEOUT_S = 60.0
+DRAIN_BATCH = 256  # messages applied per turn of the loop, then other work runs
+HWM = 1_000_000  # messages queued per socket before ZMQ drops (never, in practice)
+OP, CONTROL = b"o", b"c"
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingConfig:
+    """This process's place among the router's processes, and their private directory."""
+
+    index: int
+    count: int
+    directory: Path
+
+    @property
+    def checks(self) -> bool:
+        """Whether this process checks health and reads loads (one per router: the first)."""
+        return self.index == 0
+
+    def endpoint(self, index: int) -> str:
+        return f"ipc://{self.directory / f'sibling-{index}.ipc'}"
+
+
+class Control(msgspec.Struct, omit_defaults=True):
+    """A message between siblings that is not a replicas' `Op`."""
+
+    kind: str  # hello | load | health | report | dead
+    sender: int
+    heard: list[int] = []  # hello: the siblings this one hears
+    ready: bool = False  # hello: it hears them all and they all hear it
+    url: str = ""
+    healthy: bool = True
+    report: Any = None  # report: the worker's /v1/loads body as sibling 0 read it
+    loads: dict[str, list[int]] = {}  # load: URL -> [requests, prompt tokens]
+
+
+_control_decoder = msgspec.msgpack.Decoder(Control)
+_control_encoder = msgspec.msgpack.Encoder()
+
+
+class SendingOutbox(Outbox):
+    """The replicas' outbox, sending each operation at once instead of queueing it."""
+
+    def __init__(self, replica: str, inc: int, send: Callable[[bytes, bytes], None]) -> None:
+        super().__init__(replica, inc, maxsize=1)
+        self._send = send
+
+    def emit(self, op: str, **fields: Any) -> Op | None:
+        self.seq += 1
+        message = Op(VERSION, self.replica, self.inc, self.seq, op, ts=time.time(), **fields)
+        self._send(OP, encode(message))
+        return message
+
+
+class Siblings:
+    """This process's side of the channel: sends what changed here, applies the others'."""
+
+    def __init__(
+        self,
+        config: SiblingConfig,
+        trees: ReplicatedTrees,
+        registry: WorkerRegistry,
+        on_worker_added: Callable[[Worker], Coroutine[Any, Any, None]],
+    ) -> None:
+        self.config = config
+        self.index = config.index
+        self.others = {i for i in range(config.count) if i != config.index}
+        self.trees = trees
+        self.registry = registry
+        self.on_worker_added = on_worker_added
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._sub = self._context.socket(zmq.SUB)
+        for sock in (self._pub, self._sub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, HWM)
+        self._sub.setsockopt(zmq.RCVHWM, HWM)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.outbox = SendingOutbox(f"process-{config.index}", random.getrandbits(63), self.send)
+        trees.outbox = self.outbox
+        self.heard: set[int] = set()  # siblings whose messages arrive here
+        self.hears_me: set[int] = set()  # siblings that hear this one
+        self.ready_peers: set[int] = set()
+        self._ready = asyncio.Event()
+        self._peer_loads: dict[int, dict[str, list[int]]] = {}
+        self._last_load: dict[str, list[int]] | None = None
+        self._load_timer: asyncio.TimerHandle | None = None
+        self._following = False  # applying another process's change: not passed on again
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._fd: int | None = None
+        self.sent = self.applied = self.undecodable = 0
+        registry.when_load_changes(self._load_changed)
+        registry.when_gone(self._gone)
+        if config.checks:
+            registry.when_back(lambda w: self._health(w, True))
+            registry.when_reported(self._reported)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Bind, subscribe to every sibling, and return once every one hears every other
+        (RuntimeError after `timeout_s`: a sibling did not come up)."""
+        self._pub.bind(self.config.endpoint(self.index))
+        for i in sorted(self.others):
+            self._sub.connect(self.config.endpoint(i))
+        loop = asyncio.get_running_loop()
+        fd = self._fd = int(self._sub.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._drain)
+        loop.call_soon(self._drain)  # whatever arrived before the reader was added
+        self._spawn(self._hello_loop())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            missing = sorted(self.others - (self.heard & self.hears_me))
+            why = f"router processes {missing} did not join within {timeout_s:g} s"
+            raise RuntimeError(why) from None
+        self._publish_load()
+
+    async def stop(self) -> None:
+        if self._load_timer is not None:
+            self._load_timer.cancel()
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pub.close()
+        self._sub.close()
+        self._context.term()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hello_loop(self) -> None:
+        """Hellos until every sibling is ready: PUB/SUB loses what is sent before a
+        subscriber connects, so each says whom it hears until all hear all."""
+        while not (self._ready.is_set() and self.ready_peers >= self.others):
+            ready = self._ready.is_set()
+            self._control(Control("hello", self.index, sorted(self.heard), ready))
+            await asyncio.sleep(HELLO_INTERVAL_S)
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[None]:
+        """Changes made inside come from another process: neither trees nor state are
+        passed on again."""
+        before, self._following = self._following, True
+        try:
+            with self.trees.applying():
+                yield
+        finally:
+            self._following = before
+
+    # ----------------------------------------------------------------- sending
+
+    def send(self, kind: bytes, payload: bytes) -> None:
+        self._pub.send_multipart((kind, payload), zmq.NOBLOCK)
+        self.sent += 1
+
+    def _control(self, message: Control) -> None:
+        self.send(CONTROL, _control_encoder.encode(message))
+
+    def worker_added(self, worker: Worker) -> None:
+        """Added through this process's API: the siblings add it too."""
+        port = worker.bootstrap_port
+        self.outbox.emit(ADD_WORKER, url=worker.url, type=worker.type.value, bootstrap_port=port)
+
+    def worker_removed(self, url: str) -> None:
+        self.outbox.emit(REMOVE_WORKER, url=url)
+
+    def _load_changed(self) -> None:
+        if self._load_timer is None and not self._following:
+            loop = asyncio.get_running_loop()
+            self._load_timer = loop.call_later(LOAD_DELAY_S, self._publish_load)
+
+    def _publish_load(self) -> None:
+        self._load_timer = None
+        own = {w.url: [w.in_flight, w.in_flight_tokens] for w in self.registry.workers.values()}
+        if own != self._last_load:
+            self._control(Control("load", self.index, loads=own))
+            self._last_load = own
+
+    def _gone(self, worker: Worker) -> None:
+        """Unhealthy here: sibling 0 tells the others; another sibling found it dead on a
+        request and tells sibling 0 (a removed worker: the removal tells all)."""
+        if self._following or worker.url not in self.registry.workers:
+            return
+        if self.config.checks:
+            self._health(worker, False)
+        else:
+            self._control(Control("dead", self.index, url=worker.url))
+
+    def _health(self, worker: Worker, healthy: bool) -> None:
+        if not self._following:
+            self._control(Control("health", self.index, url=worker.url, healthy=healthy))
+
+    def _reported(self, worker: Worker, report: object) -> None:
+        message = Control("report", self.index, url=worker.url, healthy=worker.healthy)
+        message.report = report
+        self._control(message)
+
+    # ----------------------------------------------------------------- receiving
+
+    def _drain(self) -> None:
+        """Apply what arrived (edge-triggered: read until nothing is left, a batch a turn)."""
+        sub = self._sub
+        for _ in range(DRAIN_BATCH):
+            try:
+                kind, payload = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except ValueError:  # not two frames: not ours
+                self.undecodable += 1
+                continue
+            try:
+                self._apply(kind, payload)
+            except Exception:  # one bad message must not stop the channel
+                log.exception("router process %d: a sibling's message failed", self.index)
+        if int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _apply(self, kind: bytes, payload: bytes) -> None:
+        if kind == OP:
+            try:
+                op = decode_op(payload)
+            except ValueError:
+                self.undecodable += 1
+                return
+            self.applied += 1
+            if op.op == ADD_WORKER:
+                self._add_worker(op)
+            elif op.op == REMOVE_WORKER:
+                with self.following(), contextlib.suppress(KeyError, ValueError):
+                    self.registry.remove(op.url)
+            else:
+                self.trees.apply(op)
+            return
+        try:
+            message = _control_decoder.decode(payload)
+        except ValueError:
+            self.undecodable += 1
+            return
+        self.applied += 1
+        getattr(self, f"_on_{message.kind}", self._on_unknown)(message)
+
+    def _add_worker(self, op: Op) -> None:
+        try:
+            worker = self.registry.add(op.url, WorkerType(op.type), op.bootstrap_port)
+        except ValueError:  # already there, or malformed
+            return
+        self._spawn(self.on_worker_added(worker))
+
+    def _on_unknown(self, message: Control) -> None:
+        self.undecodable += 1
+
+    def _on_hello(self, message: Control) -> None:
+        sender = message.sender
+        if sender not in self.others:
+            return
+        self.heard.add(sender)
+        if self.index in message.heard:
+            self.hears_me.add(sender)
+        if message.ready:
+            self.ready_peers.add(sender)
+        if self.heard >= self.others and self.hears_me >= self.others:
+            self._ready.set()
+
+    def _on_load(self, message: Control) -> None:
+        self._peer_loads[message.sender] = message.loads
+        totals: dict[str, list[int]] = {}
+        for loads in self._peer_loads.values():
+            for url, (n, tokens) in loads.items():
+                total = totals.setdefault(url, [0, 0])
+                total[0] += n
+                total[1] += tokens
+        for w in self.registry.workers.values():
+            w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
+        with self.following():
+            self.registry.load_changed()
+
+    def _on_health(self, message: Control) -> None:
+        worker = self.registry.workers.get(message.url)
+        if worker is not None and not self.config.checks:
+            with self.following():
+                self.registry.set_health(worker, message.healthy)
+
+    def _on_report(self, message: Control) -> None:
+        worker = self.registry.workers.get(message.url)
+        if worker is None or self.config.checks:
+            return
+        with self.following():
+            worker.apply_load(message.report)
+            if message.healthy != worker.healthy:
+                self.registry.set_health(worker, message.healthy)
+
+    def _on_dead(self, message: Control) -> None:
+        worker = self.registry.workers.get(message.url)
+        if worker is not None and self.config.checks:
+            self.registry.mark_dead(worker)  # unhealthy here: _gone tells every sibling
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "count": self.config.count,
+            "ready": self._ready.is_set(),
+            "sent": self.sent,
+            "applied": self.applied,
+            "undecodable": self.undecodable,
+            "checks_health": self.config.checks,
+        }
