@@ -34,7 +34,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -93,6 +93,9 @@ class CachedEncoder:
         # suffix); None when they are not fixed (text prompts then get full encodes).
         self._special: tuple[array, array] | None = None
         self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
+        # told every piece this encoder encodes and caches (a router's sibling processes
+        # cache them too: a piece one encoded is known to all)
+        self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
         self._added_arrays: dict[str, array] = {}
@@ -341,10 +344,10 @@ class CachedEncoder:
                     hits += 1
                 extend(ids)
         self._hits += hits
-        for piece in missing:
-            self._store(piece, fresh[piece])
-        for piece, ids in (encoded or {}).items():
-            self._store(piece, ids)
+        stored = [(p, fresh[p]) for p in missing if self._store(p, fresh[p])]
+        stored += [(p, ids) for p, ids in (encoded or {}).items() if self._store(p, ids)]
+        if stored and self.on_store is not None:
+            self.on_store(stored)
         return out
 
     def _encode_many(self, pieces: list[str]) -> list[array]:
@@ -366,15 +369,22 @@ class CachedEncoder:
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [_token_ids_array(e.ids) for e in batch(pieces, add_special_tokens=False)]
 
-    def _store(self, piece: str, ids: array) -> None:
+    def adopt(self, pieces: Sequence[tuple[str, array]]) -> None:
+        """Cache pieces another process encoded (not passed to `on_store` again)."""
+        for piece, ids in pieces:
+            self._store(piece, ids)
+
+    def _store(self, piece: str, ids: array) -> bool:
+        """Cache one piece; False when it is cached already or too large to be."""
         if len(ids) > self.max_cached_tokens or piece in self._cache:
-            return
+            return False
         self._cache[piece] = ids
         self._cached_tokens += len(ids)
         while self._cached_tokens > self.max_cached_tokens:
             _, old = self._cache.popitem(last=False)
             self._cached_tokens -= len(old)
             self._evictions += 1
+        return True
 
     def _piecewise_uncached(self, text: str) -> list[int]:
         out: list[int] = []

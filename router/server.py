@@ -60,6 +60,7 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 # the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
+PROCESS_HEADER = "X-Router-Process"  # --processes: the index of the process that answered
 METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -122,6 +123,7 @@ class Router:
         self.metrics.admission = self.admission
         self.metrics.expected_wait = config.cost.queue_s
         self._active = 0  # inference requests inside the router now
+        self._requests = 0  # inference requests this process received
         registry.when_gone(self._gone)
         registry.when_back(self._back)
         self.session: aiohttp.ClientSession | None = None  # management calls
@@ -193,7 +195,14 @@ class Router:
         r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        if self.config.siblings is not None:
+            app.on_response_prepare.append(self._name_process)
         return app
+
+    async def _name_process(self, request: web.Request, response: web.StreamResponse) -> None:
+        """--processes: which process answered, in a header (tests, debugging)."""
+        assert self.config.siblings is not None
+        response.headers[PROCESS_HEADER] = str(self.config.siblings.index)
 
     @property
     def checks(self) -> bool:
@@ -216,7 +225,9 @@ class Router:
             if not isinstance(self.trees, ReplicatedTrees):
                 raise TypeError("sibling processes need ReplicatedTrees")
             adopt = self._adopt if self.checks else self._learn_model
-            self.siblings = Siblings(self.config.siblings, self.trees, self.registry, adopt)
+            self.siblings = Siblings(
+                self.config.siblings, self.trees, self.registry, adopt, self.encoder
+            )
             await self.siblings.start()
         if self.config.kv_events_endpoint and self.checks:
             self.kv_listener = KVEventListener(self.config.kv_events_endpoint, self.kv_applier)
@@ -372,6 +383,7 @@ class Router:
         requests.inc()
         started = time.perf_counter()
         self._active += 1
+        self._requests += 1
         try:
             raw = await request.read()
             body = parse_json_object(raw)
@@ -490,16 +502,20 @@ class Router:
     def _process_info(self) -> dict[str, Any]:
         """Which of the router's processes answered (--processes), and its channel."""
         out: dict[str, Any] = {"pid": os.getpid(), "index": 0, "count": 1}
+        out["inference_requests"] = self._requests
         if self.siblings is not None:
-            out.update(self.siblings.info())
+            out.update(self.siblings.info(), directory=str(self.siblings.config.directory))
         return out
 
     def _replica_info(self) -> dict[str, Any]:
-        """With --redis-url: the replica's state, and the pages each holder holds (two
-        replicas have converged when theirs are equal)."""
-        if self.replicator is None or not isinstance(self.trees, ReplicatedTrees):
+        """With --redis-url: the replica's state; with it or --processes: the pages each
+        holder holds (two replicas or processes have converged when theirs are equal)."""
+        if not isinstance(self.trees, ReplicatedTrees):
             return {}
-        return {"replica": self.replicator.info(), "tree_holders": self.trees.holder_pages()}
+        out: dict[str, Any] = {"tree_holders": self.trees.holder_pages()}
+        if self.replicator is not None:
+            out["replica"] = self.replicator.info()
+        return out
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Fan out to every worker; the trees forget everything."""

@@ -11,6 +11,9 @@ formats (router.replicas.ops):
   outbox that sends at once) and applied with `ReplicatedTrees.apply`;
 - each sibling's in-flight requests and prompt tokens per worker, a millisecond after they
   change: a worker's load is its own count plus the siblings' last ones;
+- the pieces of text each one encodes, with their token ids, so that all know every piece
+  before any tree path made of it (sent first): what one process encoded the others
+  match at once, as one router would;
 - worker state, from sibling 0 alone, which alone checks health and reads the workers'
   load reports: its verdicts (unhealthy, healthy again) and every report it reads. A
   sibling whose request found a worker dead marks it dead at once and tells sibling 0,
@@ -29,6 +32,7 @@ import contextlib
 import logging
 import random
 import time
+from array import array
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from connector.token_cache import CachedEncoder
 from router.replicas.ops import (
     ADD_WORKER,
     REMOVE_WORKER,
@@ -87,6 +92,13 @@ class Control(msgspec.Struct, omit_defaults=True):
     healthy: bool = True
     report: Any = None  # report: the worker's /v1/loads body as sibling 0 read it
     loads: dict[str, list[int]] = {}  # load: URL -> [requests, prompt tokens]
+    pieces: list[tuple[str, bytes]] = []  # pieces: text and its token ids (native uint32)
+
+
+def _ids(raw: bytes) -> array[int]:
+    ids = array("I")
+    ids.frombytes(raw)
+    return ids
 
 
 _control_decoder = msgspec.msgpack.Decoder(Control)
@@ -116,6 +128,7 @@ class Siblings:
         trees: ReplicatedTrees,
         registry: WorkerRegistry,
         on_worker_added: Callable[[Worker], Coroutine[Any, Any, None]],
+        encoder: CachedEncoder | None = None,
     ) -> None:
         self.config = config
         self.index = config.index
@@ -123,6 +136,7 @@ class Siblings:
         self.trees = trees
         self.registry = registry
         self.on_worker_added = on_worker_added
+        self.encoder = encoder
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._sub = self._context.socket(zmq.SUB)
@@ -144,6 +158,8 @@ class Siblings:
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd: int | None = None
         self.sent = self.applied = self.undecodable = 0
+        if encoder is not None:
+            encoder.on_store = self._pieces
         registry.when_load_changes(self._load_changed)
         registry.when_gone(self._gone)
         if config.checks:
@@ -237,6 +253,12 @@ class Siblings:
         if own != self._last_load:
             self._control(Control("load", self.index, loads=own))
             self._last_load = own
+
+    def _pieces(self, pieces: list[tuple[str, array[int]]]) -> None:
+        """Pieces of text this process encoded: the siblings cache them too, so a piece is
+        known to all before any tree path holding it is (sent first, on the same socket):
+        a process knows whatever text a tree path it holds was made of, as one router."""
+        self._control(Control("pieces", self.index, pieces=[(t, a.tobytes()) for t, a in pieces]))
 
     def _gone(self, worker: Worker) -> None:
         """Unhealthy here: sibling 0 tells the others; another sibling found it dead on a
@@ -350,6 +372,10 @@ class Siblings:
             worker.apply_load(message.report)
             if message.healthy != worker.healthy:
                 self.registry.set_health(worker, message.healthy)
+
+    def _on_pieces(self, message: Control) -> None:
+        if self.encoder is not None:
+            self.encoder.adopt([(text, _ids(raw)) for text, raw in message.pieces])
 
     def _on_dead(self, message: Control) -> None:
         worker = self.registry.workers.get(message.url)
