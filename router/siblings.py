@@ -51,6 +51,7 @@ from router.replicas.ops import (
     decode_op,
     encode,
 )
+from router.replicas.sync import set_peer_loads
 from router.replicas.trees import ReplicatedTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 LOAD_DELAY_S = 0.001  # in-flight counts are sent this soon after they change
 HELLO_INTERVAL_S = 0.02
 READY_TIMEOUT_S = 60.0
-DRAIN_BATCH = 256  # messages applied per turn of the loop, then other work runs
+DRAIN_BATCH = 64  # ZMQ messages (each a batch) applied per turn of the loop
 HWM = 1_000_000  # messages queued per socket before ZMQ drops (never, in practice)
 OP, CONTROL = b"o", b"c"
 
@@ -157,6 +158,7 @@ class Siblings:
         self._following = False  # applying another process's change: not passed on again
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd: int | None = None
+        self._pending: list[bytes] = []  # kind, payload, kind, payload... to send
         self.sent = self.applied = self.undecodable = 0
         if encoder is not None:
             encoder.on_store = self._pieces
@@ -197,6 +199,7 @@ class Siblings:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._flush()
         self._pub.close()
         self._sub.close()
         self._context.term()
@@ -228,8 +231,18 @@ class Siblings:
     # ----------------------------------------------------------------- sending
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        self._pub.send_multipart((kind, payload), zmq.NOBLOCK)
+        """Queue one message; what a turn of the loop queues goes out as one ZMQ message
+        (fewer sends and wake-ups than a message each), in order."""
+        pending = self._pending
+        if not pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        pending += (kind, payload)
         self.sent += 1
+
+    def _flush(self) -> None:
+        frames, self._pending = self._pending, []
+        if frames and not self._pub.closed:
+            self._pub.send_multipart(frames, zmq.NOBLOCK)
 
     def _control(self, message: Control) -> None:
         self.send(CONTROL, _control_encoder.encode(message))
@@ -286,16 +299,17 @@ class Siblings:
         sub = self._sub
         for _ in range(DRAIN_BATCH):
             try:
-                kind, payload = sub.recv_multipart(zmq.NOBLOCK)
+                frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            except ValueError:  # not two frames: not ours
+            if len(frames) % 2:  # not kind, payload pairs: not ours
                 self.undecodable += 1
                 continue
-            try:
-                self._apply(kind, payload)
-            except Exception:  # one bad message must not stop the channel
-                log.exception("router process %d: a sibling's message failed", self.index)
+            for i in range(0, len(frames), 2):
+                try:
+                    self._apply(frames[i], frames[i + 1])
+                except Exception:  # one bad message must not stop the channel
+                    log.exception("router process %d: a sibling's message failed", self.index)
         if int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             asyncio.get_running_loop().call_soon(self._drain)
 
@@ -347,14 +361,7 @@ class Siblings:
 
     def _on_load(self, message: Control) -> None:
         self._peer_loads[message.sender] = message.loads
-        totals: dict[str, list[int]] = {}
-        for loads in self._peer_loads.values():
-            for url, (n, tokens) in loads.items():
-                total = totals.setdefault(url, [0, 0])
-                total[0] += n
-                total[1] += tokens
-        for w in self.registry.workers.values():
-            w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
+        set_peer_loads(self.registry, self._peer_loads.values())
         with self.following():
             self.registry.load_changed()
 
