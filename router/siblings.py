@@ -2,9 +2,9 @@
 
 Every process (a sibling) keeps the whole state in memory, as one router does, and decides
 alone: nothing on a request's path waits for another process. What changes that state is
-passed on over ZMQ PUB/SUB on ipc:// sockets in the router's private directory (each
-sibling binds one PUB socket and subscribes to every other's), in the replicas' own
-formats (router.replicas.ops):
+passed on over Unix stream sockets in the router's private directory (each sibling listens
+on one and connects to every other's), written and read by the event loop itself, in the
+replicas' own formats (router.replicas.ops):
 
 - tree operations (records, feedback drops, forgets, flushes) and workers added or removed
   through the API: `Op` messages, sent as they are emitted (`ReplicatedTrees` with an
@@ -21,8 +21,12 @@ formats (router.replicas.ops):
 
 KV events are not passed on: with --kv-events-subscribe every sibling subscribes to every
 engine itself (the replicas' path). Siblings start together and wait for each other
-(`start` returns once every sibling hears every other) before they serve; one that dies
+(`start` returns once every one is connected to every other) before they serve; one that dies
 takes the router down (router.supervisor), so no sibling ever joins late.
+
+Why Unix sockets and not ZMQ: a ZMQ message goes through an I/O thread on each side, three
+thread wake-ups per message where a socket write wakes only the reader; on a busy host
+those hand-offs cost more than the rest of the channel.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import struct
 import time
 from array import array
 from collections.abc import Callable, Coroutine, Iterator
@@ -39,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
 
 from connector.token_cache import CachedEncoder
 from router.replicas.ops import (
@@ -58,11 +62,10 @@ from router.workers import Worker, WorkerRegistry, WorkerType
 log = logging.getLogger(__name__)
 
 LOAD_DELAY_S = 0.001  # in-flight counts are sent this soon after they change
-HELLO_INTERVAL_S = 0.02
+CONNECT_RETRY_S = 0.02
 READY_TIMEOUT_S = 60.0
-DRAIN_BATCH = 64  # ZMQ messages (each a batch) applied per turn of the loop
-HWM = 1_000_000  # messages queued per socket before ZMQ drops (never, in practice)
-OP, CONTROL = b"o", b"c"
+OP, CONTROL, HELLO = b"o", b"c", b"h"
+_HEADER = struct.Struct("<Ic")  # a frame: payload length, kind; then the payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +81,15 @@ class SiblingConfig:
         """Whether this process checks health and reads loads (one per router: the first)."""
         return self.index == 0
 
-    def endpoint(self, index: int) -> str:
-        return f"ipc://{self.directory / f'sibling-{index}.ipc'}"
+    def socket_path(self, index: int) -> str:
+        return str(self.directory / f"sibling-{index}.sock")
 
 
 class Control(msgspec.Struct, omit_defaults=True):
     """A message between siblings that is not a replicas' `Op`."""
 
-    kind: str  # hello | load | health | report | dead
+    kind: str  # load | health | report | dead | pieces
     sender: int
-    heard: list[int] = []  # hello: the siblings this one hears
-    ready: bool = False  # hello: it hears them all and they all hear it
     url: str = ""
     healthy: bool = True
     report: Any = None  # report: the worker's /v1/loads body as sibling 0 read it
@@ -138,27 +139,19 @@ class Siblings:
         self.registry = registry
         self.on_worker_added = on_worker_added
         self.encoder = encoder
-        self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
-        self._sub = self._context.socket(zmq.SUB)
-        for sock in (self._pub, self._sub):
-            sock.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, HWM)
-        self._sub.setsockopt(zmq.RCVHWM, HWM)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.outbox = SendingOutbox(f"process-{config.index}", random.getrandbits(63), self.send)
         trees.outbox = self.outbox
-        self.heard: set[int] = set()  # siblings whose messages arrive here
-        self.hears_me: set[int] = set()  # siblings that hear this one
-        self.ready_peers: set[int] = set()
+        self.heard: set[int] = set()  # siblings connected to this one (their hello came)
+        self._out: dict[int, asyncio.WriteTransport] = {}  # to each sibling
+        self._server: asyncio.AbstractServer | None = None
+        self._inbound: set[_Inbound] = set()
         self._ready = asyncio.Event()
         self._peer_loads: dict[int, dict[str, list[int]]] = {}
         self._last_load: dict[str, list[int]] | None = None
         self._load_timer: asyncio.TimerHandle | None = None
         self._following = False  # applying another process's change: not passed on again
         self._tasks: set[asyncio.Task[None]] = set()
-        self._fd: int | None = None
-        self._pending: list[bytes] = []  # kind, payload, kind, payload... to send
+        self._pending: list[bytes] = []  # frames to send this turn of the loop
         self.sent = self.applied = self.undecodable = 0
         if encoder is not None:
             encoder.on_store = self._pieces
@@ -171,51 +164,57 @@ class Siblings:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Bind, subscribe to every sibling, and return once every one hears every other
-        (RuntimeError after `timeout_s`: a sibling did not come up)."""
-        self._pub.bind(self.config.endpoint(self.index))
-        for i in sorted(self.others):
-            self._sub.connect(self.config.endpoint(i))
+        """Listen, connect to every sibling, and return once every one is connected to
+        every other (RuntimeError after `timeout_s`: a sibling did not come up)."""
         loop = asyncio.get_running_loop()
-        fd = self._fd = int(self._sub.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._drain)
-        loop.call_soon(self._drain)  # whatever arrived before the reader was added
-        self._spawn(self._hello_loop())
+        path = self.config.socket_path(self.index)
+        self._server = await loop.create_unix_server(lambda: _Inbound(self), path)
         try:
             async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(self._connect(i) for i in sorted(self.others)))
                 await self._ready.wait()
         except TimeoutError:
-            missing = sorted(self.others - (self.heard & self.hears_me))
+            missing = sorted(self.others - (self.heard & set(self._out)))
             why = f"router processes {missing} did not join within {timeout_s:g} s"
             raise RuntimeError(why) from None
         self._publish_load()
 
+    async def _connect(self, index: int) -> None:
+        """A connection to sibling `index` (retried until it listens), then a hello."""
+        loop = asyncio.get_running_loop()
+        path = self.config.socket_path(index)
+        while True:
+            try:
+                transport, _ = await loop.create_unix_connection(asyncio.Protocol, path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(CONNECT_RETRY_S)
+        transport.write(_frame(HELLO, str(self.index).encode()))
+        self._out[index] = transport
+        self._check_ready()
+
+    def _check_ready(self) -> None:
+        if self.heard >= self.others and set(self._out) >= self.others:
+            self._ready.set()
+
     async def stop(self) -> None:
         if self._load_timer is not None:
             self._load_timer.cancel()
-        if self._fd is not None:
-            asyncio.get_running_loop().remove_reader(self._fd)
-            self._fd = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._flush()
-        self._pub.close()
-        self._sub.close()
-        self._context.term()
+        for transport in self._out.values():
+            transport.close()
+        for inbound in list(self._inbound):
+            inbound.close()
+        if self._server is not None:
+            self._server.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _hello_loop(self) -> None:
-        """Hellos until every sibling is ready: PUB/SUB loses what is sent before a
-        subscriber connects, so each says whom it hears until all hear all."""
-        while not (self._ready.is_set() and self.ready_peers >= self.others):
-            ready = self._ready.is_set()
-            self._control(Control("hello", self.index, sorted(self.heard), ready))
-            await asyncio.sleep(HELLO_INTERVAL_S)
 
     @contextlib.contextmanager
     def following(self) -> Iterator[None]:
@@ -231,18 +230,22 @@ class Siblings:
     # ----------------------------------------------------------------- sending
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        """Queue one message; what a turn of the loop queues goes out as one ZMQ message
-        (fewer sends and wake-ups than a message each), in order."""
+        """Queue one message; what a turn of the loop queues goes out in one write to each
+        sibling (fewer writes and wake-ups than a message each), in order."""
         pending = self._pending
         if not pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        pending += (kind, payload)
+        pending.append(_frame(kind, payload))
         self.sent += 1
 
     def _flush(self) -> None:
         frames, self._pending = self._pending, []
-        if frames and not self._pub.closed:
-            self._pub.send_multipart(frames, zmq.NOBLOCK)
+        if not frames:
+            return
+        data = frames[0] if len(frames) == 1 else b"".join(frames)
+        for transport in self._out.values():
+            if not transport.is_closing():
+                transport.write(data)
 
     def _control(self, message: Control) -> None:
         self.send(CONTROL, _control_encoder.encode(message))
@@ -294,25 +297,6 @@ class Siblings:
 
     # ----------------------------------------------------------------- receiving
 
-    def _drain(self) -> None:
-        """Apply what arrived (edge-triggered: read until nothing is left, a batch a turn)."""
-        sub = self._sub
-        for _ in range(DRAIN_BATCH):
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames) % 2:  # not kind, payload pairs: not ours
-                self.undecodable += 1
-                continue
-            for i in range(0, len(frames), 2):
-                try:
-                    self._apply(frames[i], frames[i + 1])
-                except Exception:  # one bad message must not stop the channel
-                    log.exception("router process %d: a sibling's message failed", self.index)
-        if int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            asyncio.get_running_loop().call_soon(self._drain)
-
     def _apply(self, kind: bytes, payload: bytes) -> None:
         if kind == OP:
             try:
@@ -347,17 +331,18 @@ class Siblings:
     def _on_unknown(self, message: Control) -> None:
         self.undecodable += 1
 
-    def _on_hello(self, message: Control) -> None:
-        sender = message.sender
+    def hello(self, inbound: _Inbound, payload: bytes) -> None:
+        """A sibling connected: what comes on this connection is its."""
+        try:
+            sender = int(payload)
+        except ValueError:
+            sender = -1
         if sender not in self.others:
+            self.undecodable += 1
+            inbound.close()
             return
         self.heard.add(sender)
-        if self.index in message.heard:
-            self.hears_me.add(sender)
-        if message.ready:
-            self.ready_peers.add(sender)
-        if self.heard >= self.others and self.hears_me >= self.others:
-            self._ready.set()
+        self._check_ready()
 
     def _on_load(self, message: Control) -> None:
         self._peer_loads[message.sender] = message.loads
@@ -389,6 +374,11 @@ class Siblings:
         if worker is not None and self.config.checks:
             self.registry.mark_dead(worker)  # unhealthy here: _gone tells every sibling
 
+    def lost(self, inbound: _Inbound) -> None:
+        self._inbound.discard(inbound)
+        if inbound.sender is not None and self._ready.is_set():
+            log.warning("router process %d: sibling %d went away", self.index, inbound.sender)
+
     def info(self) -> dict[str, Any]:
         return {
             "index": self.index,
@@ -399,3 +389,55 @@ class Siblings:
             "undecodable": self.undecodable,
             "checks_health": self.config.checks,
         }
+
+
+def _frame(kind: bytes, payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload), kind) + payload
+
+
+class _Inbound(asyncio.Protocol):
+    """One sibling's connection to this process: frames parsed and applied as they come."""
+
+    def __init__(self, siblings: Siblings) -> None:
+        self.siblings = siblings
+        self.sender: int | None = None
+        self.transport: asyncio.BaseTransport | None = None
+        self._buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.siblings._inbound.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        size, at = len(buffer), 0
+        header, unpack = _HEADER.size, _HEADER.unpack_from
+        siblings = self.siblings
+        while size - at >= header:
+            length, kind = unpack(buffer, at)
+            end = at + header + length
+            if end > size:
+                break
+            payload = bytes(buffer[at + header : end])
+            at = end
+            if self.sender is None:
+                if kind != HELLO:
+                    siblings.undecodable += 1
+                    self.close()
+                    return
+                siblings.hello(self, payload)
+                self.sender = int(payload) if payload.isdigit() else -1
+                continue
+            try:
+                siblings._apply(kind, payload)
+            except Exception:  # one bad message must not stop the channel
+                log.exception("router process %d: a sibling's message failed", siblings.index)
+        del buffer[:at]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.siblings.lost(self)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
