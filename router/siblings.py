@@ -376,8 +376,9 @@ class Siblings:
 
     def lost(self, inbound: _Inbound) -> None:
         self._inbound.discard(inbound)
-        if inbound.sender is not None and self._ready.is_set():
-            log.warning("router process %d: sibling %d went away", self.index, inbound.sender)
+        if inbound.sender is not None and self._ready.is_set():  # stopping, or it died: the
+            # supervisor stops the router then, and says so
+            log.info("router process %d: sibling %d went away", self.index, inbound.sender)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -329,3 +329,26 @@ def test_admission_limits_are_split_between_processes() -> None:
     assert [share(0, p) for p in places] == [0, 0, 0]
     assert [share(7.5, p) for p in places] == [2.5, 2.5, 2.5]
     assert share(10, None) == 10
+
+
+def test_every_process_hears_every_workers_kv_events(model_dir: Path, tmp_path: Path) -> None:
+    """--kv-events-subscribe: each process subscribes to each worker itself; traffic that
+    bypasses the router shows in both processes' trees, and no process passes an event on
+    (each has its own feed counts)."""
+    from tests.router.kv_events.test_replicas import PROMPTS, generate, worker
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        worker(model_dir, tmp_path, port) as w,
+        router([url], tmp_path, *PROCESSES, "--kv-events-subscribe") as r,
+    ):
+        generate(w.url, PROMPTS[0])
+
+        def pages() -> list[int]:
+            infos = each_process(r).values()
+            return [i["tree_holders"].get("colocated", {}).get(url, 0) for i in infos]
+
+        wait_for(lambda: pages() == [10, 10])
+        for i in each_process(r).values():
+            assert i["kv_events"]["batches_applied"] >= 1, i["kv_events"]
