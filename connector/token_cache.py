@@ -93,6 +93,7 @@ class CachedEncoder:
         # suffix); None when they are not fixed (text prompts then get full encodes).
         self._special: tuple[array, array] | None = None
         self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
+        self._encoding: dict[str, asyncio.Future[None]] = {}  # pieces on the thread now
         # told every piece this encoder encodes and caches (a router's sibling processes
         # cache them too: a piece one encoded is known to all)
         self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
@@ -187,10 +188,31 @@ class CachedEncoder:
             self.start_thread()
         assert self._pool is not None
         loop = asyncio.get_running_loop()
-        encoded = await loop.run_in_executor(self._pool, self._encode_batch, missing)
-        self._misses += len(missing)
-        self._encoded_tokens += sum(len(a) for a in encoded)
-        return self._encode_parts(rest, array("I", known), dict(zip(missing, encoded, strict=True)))
+        done: asyncio.Future[None] = loop.create_future()
+        for piece in missing:
+            self._encoding.setdefault(piece, done)
+        try:
+            encoded = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+            self._misses += len(missing)
+            self._encoded_tokens += sum(len(a) for a in encoded)
+            fresh = dict(zip(missing, encoded, strict=True))
+            return self._encode_parts(rest, array("I", known), fresh)
+        finally:
+            for piece in missing:
+                if self._encoding.get(piece) is done:
+                    del self._encoding[piece]
+            done.set_result(None)
+
+    def encoding(self, rest: list[str]) -> list[asyncio.Future[None]]:
+        """The encodes on the thread (complete_async) of pieces of `rest`: once they are
+        done those pieces are cached, as they would have been had the encode run on the
+        loop before anything else (a request sharing the new text waits for them, not
+        every request)."""
+        pending = self._encoding
+        if not pending:
+            return []
+        found = {id(f): f for p in rest[0::2] if (f := pending.get(p)) is not None}
+        return list(found.values())
 
     def start_thread(self) -> None:
         """Start complete_async's thread now (else on first use), at a lower CPU priority

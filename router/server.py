@@ -394,6 +394,11 @@ class Router:
             async with self.admission.slot():
                 encoder = self.encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text)
+                if prompt.rest and encoder is not None and (busy := encoder.encoding(prompt.rest)):
+                    # Its new text is being encoded for another request, on a thread (as
+                    # one encode blocking the loop, it would be known by now): wait for it.
+                    await asyncio.wait(busy)
+                    prompt = route_request(route, body, encoder, self.uses_text)
                 if self.replicator is not None and prompt.rest:
                     # Text this replica never encoded may be on a path another one recorded:
                     # encode it before routing (only its new pieces; the cache has the rest).

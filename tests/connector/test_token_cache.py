@@ -162,8 +162,18 @@ def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> N
         return batch(pieces)
 
     encoder._encode_batch = spy  # type: ignore[method-assign]
+
+    async def encode() -> Any:
+        task = asyncio.get_running_loop().create_task(encoder.complete_async(known, rest))
+        await asyncio.sleep(0)  # on the thread now: a request sharing the text waits for it
+        waits = encoder.encoding(rest)
+        assert len(waits) == 1 and not waits[0].done()
+        ids = await task
+        assert waits[0].done() and encoder.encoding(rest) == []
+        return ids
+
     try:
-        ids = asyncio.run(encoder.complete_async(known, rest))
+        ids = asyncio.run(encode())
     finally:
         encoder.close()
     assert ids.tolist() == chat.encode_chat(messages)
