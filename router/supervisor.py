@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -38,11 +39,29 @@ METRICS_DIR = "metrics"
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
+    """The cores this process may use: its CPU affinity, or fewer when its cgroup's CPU
+    quota (a container's CPU limit) allows fewer; at least 1."""
     try:
-        return max(len(os.sched_getaffinity(0)), 1)
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(os.cpu_count() or 1, 1)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(cores, 1)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time the cgroup may use (cgroup v2 cpu.max, or v1's CFS quota), None
+    when unlimited or unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    with contextlib.suppress(OSError, ValueError):
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    return None
 
 
 def child_command(argv: Sequence[str], index: int, count: int, directory: Path) -> list[str]:

@@ -27,6 +27,7 @@ import pytest
 from router.__main__ import share
 from router.server import PROCESS_HEADER
 from router.siblings import SiblingConfig
+from router.supervisor import cgroup_cpu_quota, usable_cores
 from tests.http_client import call
 from tests.procs import ROOT, Server, free_port
 from tests.router.test_router import SYSTEM, chat, router, sim_worker
@@ -352,3 +353,12 @@ def test_every_process_hears_every_workers_kv_events(model_dir: Path, tmp_path: 
         wait_for(lambda: pages() == [10, 10])
         for i in each_process(r).values():
             assert i["kv_events"]["batches_applied"] >= 1, i["kv_events"]
+
+
+def test_the_default_is_the_cores_the_cgroup_lets_the_router_use(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # a container limited to 1.5 CPUs
+    assert cgroup_cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path) is None
+    assert cgroup_cpu_quota(tmp_path / "nothing") is None
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
