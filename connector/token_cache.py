@@ -192,7 +192,8 @@ class CachedEncoder:
         for piece in missing:
             self._encoding.setdefault(piece, done)
         try:
-            encoded = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+            encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+            encoded = self._ids_of(encodings)
             self._misses += len(missing)
             self._encoded_tokens += sum(len(a) for a in encoded)
             fresh = dict(zip(missing, encoded, strict=True))
@@ -215,19 +216,25 @@ class CachedEncoder:
         return list(found.values())
 
     def start_thread(self) -> None:
-        """Start complete_async's thread now (else on first use), at a lower CPU priority
-        than the event loop: it is background work, and its first batch call starts the
-        tokenizer's own thread pool from it, at that priority too (Linux threads inherit
-        their creator's nice value)."""
+        """Start complete_async's thread now (else on first use). Its first batch call
+        starts the tokenizer's own thread pool, which does the encoding without the GIL, at
+        a lower CPU priority than the event loop (Linux threads inherit their creator's
+        nice value): background work. The thread itself then goes back to the loop's
+        priority where it may: it takes the GIL, and a low-priority thread preempted while
+        holding it would stall the loop."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                1, thread_name_prefix="encode", initializer=self._background_thread
+                1, thread_name_prefix="encode", initializer=self._background_pool
             )
             self._pool.submit(self._encode_batch, ["warm up", "the pool"]).result()
 
-    def _background_thread(self) -> None:
+    def _background_pool(self) -> None:
+        tid = threading.get_native_id()
         with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+            self._tok.encode_batch(["start", "the pool"], add_special_tokens=False)
+            os.setpriority(os.PRIO_PROCESS, tid, before)  # EPERM unless allowed: stays nice
 
     def close(self) -> None:
         """Stop complete_async's thread, if it was started."""
@@ -385,11 +392,17 @@ class CachedEncoder:
         self._encoded_tokens += sum(len(a) for a in out)
         return out
 
-    def _encode_batch(self, pieces: list[str]) -> list[array]:
-        """Ids of `pieces` in one batch call, which releases the GIL (a thread may run it;
-        it touches no state of this object)."""
+    def _encode_batch(self, pieces: list[str]) -> list[Any]:
+        """The encodings of `pieces` in one batch call, which releases the GIL while it
+        encodes (a thread may run it; it touches no state of this object). Their ids are
+        read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
+        lower priority could hold while preempted."""
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [_token_ids_array(e.ids) for e in batch(pieces, add_special_tokens=False)]
+        return list(batch(pieces, add_special_tokens=False))
+
+    @staticmethod
+    def _ids_of(encodings: list[Any]) -> list[array]:
+        return [_token_ids_array(e.ids) for e in encodings]
 
     def adopt(self, pieces: Sequence[tuple[str, array]]) -> None:
         """Cache pieces another process encoded (not passed to `on_store` again)."""
