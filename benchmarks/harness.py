@@ -35,7 +35,8 @@ from rich.progress import (
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Servers a benchmark starts never download anything.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
+# No downloads; one router process unless a benchmark asks for more (--processes).
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "MEMSERVE_ROUTER_PROCESSES": "1"}
 
 T = TypeVar("T")
 

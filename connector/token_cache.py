@@ -25,12 +25,17 @@ prepend_scheme="first"), which a self-test on probe texts catches at constructio
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import os
 import re
+import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from connector.chat_skeleton import SkeletonRenderer
@@ -50,6 +55,10 @@ _PROBES = (
 
 # add_special_tokens=False: nothing goes around a text (never mutated)
 _NO_SPECIAL = (array("I"), array("I"))
+# New text longer than this (characters) is encoded on a thread, off the event loop
+# (`complete_async`): about 1 ms of encoding; shorter text costs less than the thread hop.
+OFF_LOOP_CHARS = 4096
+BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the workers')
 
 
 def _token_ids_array(ids: Sequence[int]) -> array:
@@ -83,6 +92,11 @@ class CachedEncoder:
         # Ids the post-processor puts around a text when add_special_tokens=True (prefix,
         # suffix); None when they are not fixed (text prompts then get full encodes).
         self._special: tuple[array, array] | None = None
+        self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
+        self._encoding: dict[str, asyncio.Future[None]] = {}  # pieces on the thread now
+        # told every piece this encoder encodes and caches (a router's sibling processes
+        # cache them too: a piece one encoded is known to all)
+        self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
         self._added_arrays: dict[str, array] = {}
@@ -156,6 +170,78 @@ class CachedEncoder:
             return known
         return self._encode_parts(rest, array("I", known))
 
+    def off_loop(self, rest: list[str]) -> bool:
+        """Whether `complete_async` would encode `rest` on a thread (long new text)."""
+        return self._pattern is not None and sum(map(len, self._missing(rest[0::2]))) >= (
+            OFF_LOOP_CHARS
+        )
+
+    async def complete_async(self, known: array, rest: list[str]) -> array:
+        """`complete`, with long new text (a cold prompt's history) encoded on a thread so
+        the event loop keeps serving meanwhile: HF tokenizers release the GIL in batch
+        encodes. Only the pieces the cache lacks go to the thread (no copy of the prompt);
+        the cache itself is read and written on the loop only."""
+        missing = self._missing(rest[0::2])
+        if sum(map(len, missing)) < OFF_LOOP_CHARS:
+            return self.complete(known, rest)
+        if self._pool is None:
+            self.start_thread()
+        assert self._pool is not None
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        for piece in missing:
+            self._encoding.setdefault(piece, done)
+        try:
+            encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+            encoded = self._ids_of(encodings)
+            self._misses += len(missing)
+            self._encoded_tokens += sum(len(a) for a in encoded)
+            fresh = dict(zip(missing, encoded, strict=True))
+            return self._encode_parts(rest, array("I", known), fresh)
+        finally:
+            for piece in missing:
+                if self._encoding.get(piece) is done:
+                    del self._encoding[piece]
+            done.set_result(None)
+
+    def encoding(self, rest: list[str]) -> list[asyncio.Future[None]]:
+        """The encodes on the thread (complete_async) of pieces of `rest`: once they are
+        done those pieces are cached, as they would have been had the encode run on the
+        loop before anything else (a request sharing the new text waits for them, not
+        every request)."""
+        pending = self._encoding
+        if not pending:
+            return []
+        found = {id(f): f for p in rest[0::2] if (f := pending.get(p)) is not None}
+        return list(found.values())
+
+    def start_thread(self) -> None:
+        """Start complete_async's thread now (else on first use). Its first batch call
+        starts the tokenizer's own thread pool, which does the encoding without the GIL, at
+        a lower CPU priority than the event loop (Linux threads inherit their creator's
+        nice value): background work. The thread itself then goes back to the loop's
+        priority where it may: it takes the GIL, and a low-priority thread preempted while
+        holding it would stall the loop."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                1, thread_name_prefix="encode", initializer=self._background_pool
+            )
+            self._pool.submit(self._encode_batch, ["warm up", "the pool"]).result()
+
+    def _background_pool(self) -> None:
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+            self._tok.encode_batch(["start", "the pool"], add_special_tokens=False)
+            os.setpriority(os.PRIO_PROCESS, tid, before)  # EPERM unless allowed: stays nice
+
+    def close(self) -> None:
+        """Stop complete_async's thread, if it was started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     @staticmethod
     def estimate_tokens(rest: list[str]) -> int:
         """About how many tokens `rest` holds (4 characters a token), before encoding it."""
@@ -163,12 +249,13 @@ class CachedEncoder:
 
     def prime(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> None:
+    ) -> array | None:
         """Cache the pieces of a chat as it will be resent (no generation prompt): called with
-        a finished answer appended, so the next turn finds its history already encoded."""
+        a finished answer appended, so the next turn finds its history already encoded.
+        Returns the chat's ids (the next turn's prefix), None when nothing is cached."""
         if self._pattern is None:
-            return
-        self._encode_pieces(self.renderer.render(messages, False, tools))
+            return None
+        return self._encode_pieces(self.renderer.render(messages, False, tools))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
@@ -254,12 +341,19 @@ class CachedEncoder:
     def _encode_pieces(self, text: str) -> array:
         return self._encode_parts(self._split(text))
 
-    def _encode_parts(self, parts: list[str], out: array | None = None) -> array:
-        """Ids of alternating [piece, added token, piece, ...], appended to `out`."""
-        pieces = parts[0::2]
+    def _missing(self, pieces: list[str], encoded: dict[str, array] | None = None) -> list[str]:
+        """The distinct non-empty pieces neither cached nor in `encoded`, in order."""
+        cache, known = self._cache, encoded or {}
+        return [p for p in dict.fromkeys(pieces) if p and p not in cache and p not in known]
+
+    def _encode_parts(
+        self, parts: list[str], out: array | None = None, encoded: dict[str, array] | None = None
+    ) -> array:
+        """Ids of alternating [piece, added token, piece, ...], appended to `out`; `encoded`:
+        pieces already encoded (on a thread), cached here."""
         cache = self._cache
-        missing = [p for p in dict.fromkeys(pieces) if p and p not in cache]
-        fresh: dict[str, array] = {"": array("I")}
+        missing = self._missing(parts[0::2], encoded)
+        fresh: dict[str, array] = {"": array("I"), **(encoded or {})}
         if missing:
             fresh.update(zip(missing, self._encode_many(missing), strict=True))
             self._misses += len(missing)
@@ -279,13 +373,18 @@ class CachedEncoder:
                     hits += 1
                 extend(ids)
         self._hits += hits
-        for piece in missing:
-            self._store(piece, fresh[piece])
+        stored = [(p, fresh[p]) for p in missing if self._store(p, fresh[p])]
+        stored += [(p, ids) for p, ids in (encoded or {}).items() if self._store(p, ids)]
+        if stored and self.on_store is not None:
+            self.on_store(stored)
         return out
 
     def _encode_many(self, pieces: list[str]) -> list[array]:
-        if len(pieces) == 1:
-            encodings = [self._tok.encode(pieces[0], add_special_tokens=False)]
+        if len(pieces) == 1 or self._pool is not None:
+            # one by one with a background thread: a batch would wait for the tokenizer's
+            # thread pool, which runs at that thread's lower priority
+            encode = self._tok.encode
+            encodings = [encode(p, add_special_tokens=False) for p in pieces]
         else:  # one call, encoded in parallel by the Rust side; no offsets needed
             batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
             encodings = batch(pieces, add_special_tokens=False)
@@ -293,15 +392,34 @@ class CachedEncoder:
         self._encoded_tokens += sum(len(a) for a in out)
         return out
 
-    def _store(self, piece: str, ids: array) -> None:
+    def _encode_batch(self, pieces: list[str]) -> list[Any]:
+        """The encodings of `pieces` in one batch call, which releases the GIL while it
+        encodes (a thread may run it; it touches no state of this object). Their ids are
+        read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
+        lower priority could hold while preempted."""
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return list(batch(pieces, add_special_tokens=False))
+
+    @staticmethod
+    def _ids_of(encodings: list[Any]) -> list[array]:
+        return [_token_ids_array(e.ids) for e in encodings]
+
+    def adopt(self, pieces: Sequence[tuple[str, array]]) -> None:
+        """Cache pieces another process encoded (not passed to `on_store` again)."""
+        for piece, ids in pieces:
+            self._store(piece, ids)
+
+    def _store(self, piece: str, ids: array) -> bool:
+        """Cache one piece; False when it is cached already or too large to be."""
         if len(ids) > self.max_cached_tokens or piece in self._cache:
-            return
+            return False
         self._cache[piece] = ids
         self._cached_tokens += len(ids)
         while self._cached_tokens > self.max_cached_tokens:
             _, old = self._cache.popitem(last=False)
             self._cached_tokens -= len(old)
             self._evictions += 1
+        return True
 
     def _piecewise_uncached(self, text: str) -> list[int]:
         out: list[int] = []

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import Router, RouterConfig
+from router.siblings import SiblingConfig
+from router.supervisor import supervise, usable_cores
 from router.trees import PromptTrees
-from router.workers import BreakerConfig, WorkerRegistry, WorkerType
+from router.workers import BreakerConfig, WorkerRegistry, WorkerType, normalize_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="how often one replica writes the trees' snapshot a starting replica reads",
     )
+    a(
+        "--processes",
+        type=int,
+        default=None,
+        help="router processes serving the port together (SO_REUSEPORT), each with its own "
+        "event loop, all deciding on one shared state (default: $MEMSERVE_ROUTER_PROCESSES, "
+        "else the cores this process may use; 1 with --redis-url; 1: one process, no "
+        "supervisor)",
+    )
+    a("--process-index", type=int, default=None, help=argparse.SUPPRESS)  # set for children
+    a("--process-count", type=int, default=None, help=argparse.SUPPRESS)
+    a("--process-dir", type=Path, default=None, help=argparse.SUPPRESS)
     a("--local-workers", type=int, default=2, help="workers to start when none are named")
     a("--local-backend", choices=["auto", "hf", "sim"], default="auto")
     a("--log-level", default="warning")
@@ -238,7 +253,9 @@ def load_encoder(path: Path | None) -> CachedEncoder | None:
         return None
     from connector.tokenizer import ChatTokenizer
 
-    return CachedEncoder(ChatTokenizer(path))
+    encoder = CachedEncoder(ChatTokenizer(path))
+    encoder.start_thread()  # before anything else starts the tokenizer's thread pool
+    return encoder
 
 
 def check_limits(args: argparse.Namespace) -> None:
@@ -267,12 +284,74 @@ def check_limits(args: argparse.Namespace) -> None:
             raise SystemExit(f"{flag} must be > 0, got {value}")
 
 
-def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
+def processes(args: argparse.Namespace) -> int:
+    """How many router processes: --processes, else $MEMSERVE_ROUTER_PROCESSES, else 1 with
+    --redis-url, else the usable cores; SystemExit for a count below 1."""
+    given = args.processes
+    env = os.environ.get("MEMSERVE_ROUTER_PROCESSES")
+    if given is None and env:
+        try:
+            given = int(env)
+        except ValueError:
+            why = f"MEMSERVE_ROUTER_PROCESSES must be a whole number, got {env!r}"
+            raise SystemExit(why) from None
+    if given is None:
+        return 1 if args.redis_url else usable_cores()
+    if given < 1:
+        raise SystemExit(f"--processes must be a whole number >= 1, got {given}")
+    if given > 1 and args.redis_url:
+        raise SystemExit(
+            "--processes > 1 with --redis-url is not supported: run one router process per "
+            "replica (--processes 1), each with its own --replica-id"
+        )
+    return int(given)
+
+
+def sibling_config(args: argparse.Namespace) -> SiblingConfig | None:
+    """A child of the supervisor: its place among the router's processes."""
+    if args.process_index is None:
+        return None
+    count, directory = args.process_count, args.process_dir
+    if count is None or directory is None or not 0 <= args.process_index < count:
+        raise SystemExit("--process-index needs --process-count above it and --process-dir")
+    return SiblingConfig(args.process_index, count, directory)
+
+
+def share(total: float, siblings: SiblingConfig | None) -> float:
+    """This process's share of a router-wide limit (0, unlimited, stays 0): an even split,
+    whole numbers spread so they add up to `total`, at least 1 each."""
+    if siblings is None or not total:
+        return total
+    if isinstance(total, float) and not total.is_integer():
+        return total / siblings.count
+    n, count = int(total), siblings.count
+    return max(n // count + (1 if siblings.index < n % count else 0), 1)
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """Every check that needs no worker: the policy's canonical name; SystemExit with a
+    message for a bad value (the supervisor runs it before starting any process)."""
     try:
         name = policy_name(args.policy)
+        for other in (args.prefill_policy, args.decode_policy):
+            if other is not None:
+                policy_name(other)
+        Caching.parse(args.pd_caching)
+        for url in args.worker_urls:
+            normalize_url(url)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     check_limits(args)
+    pd_workers(args)
+    replica_config(args)
+    cost_model(args)
+    processes(args)
+    return name
+
+
+def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
+    name = check_args(args)
+    siblings = sibling_config(args)
     registry = WorkerRegistry(
         BreakerConfig(
             args.cb_failure_threshold,
@@ -300,7 +379,8 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     replica = replica_config(args)
-    trees = (PromptTrees if replica is None else ReplicatedTrees)(
+    shared = replica is not None or siblings is not None
+    trees = (ReplicatedTrees if shared else PromptTrees)(
         args.page_size, args.tree_ttl_secs, args.max_tree_size
     )
     thresholds = Thresholds(
@@ -331,9 +411,11 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         api_key=args.api_key,
         max_payload_bytes=args.max_payload_size,
         request_timeout_s=args.request_timeout_secs,
-        max_concurrent_requests=args.max_concurrent_requests,
-        rate_limit_per_s=args.rate_limit_tokens_per_second,
-        queue_size=args.queue_size,
+        # each process admits its share; the expected-wait deadline needs none: every
+        # process sees every process's load
+        max_concurrent_requests=int(share(args.max_concurrent_requests, siblings)),
+        rate_limit_per_s=float(share(float(args.rate_limit_tokens_per_second), siblings)),
+        queue_size=int(share(args.queue_size, siblings)),
         queue_timeout_s=args.queue_timeout_secs,
         max_expected_wait_s=args.max_expected_wait_secs,
         retry=RetryConfig(
@@ -348,6 +430,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         kv_events_subscribe=args.kv_events_subscribe,
         cost=cost,
         replica=replica,
+        siblings=siblings,
     )
     return Router(config, registry, trees, policy, encoder, pd)
 
@@ -389,8 +472,12 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 
 async def serve(router: Router, args: argparse.Namespace) -> None:
     runner = web.AppRunner(router.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    await runner.setup()  # with siblings: once they all hear each other
+    siblings = router.config.siblings
+    await web.TCPSite(runner, args.host, args.port, reuse_port=siblings is not None).start()
+    if siblings is not None and siblings.index:  # the first process speaks for the router
+        await _wait_for_signal(runner)
+        return
     if args.prometheus_port:
         metrics = web.Application()
         metrics.router.add_get("/metrics", router.metrics_text)
@@ -401,6 +488,10 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
     print(
         f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}", flush=True
     )
+    await _wait_for_signal(runner)
+
+
+async def _wait_for_signal(runner: web.AppRunner) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: local workers are stopped too
@@ -412,10 +503,14 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(raw)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    count = 1 if args.process_index is not None else processes(args)
+    if count > 1:
+        check_args(args)
     cluster = None
     urls = list(args.worker_urls)
     if not urls and not args.prefill and not args.decode:
@@ -423,6 +518,12 @@ def main(argv: list[str] | None = None) -> None:
             args.local_workers, args.local_backend, ["--page-size", str(args.page_size)]
         )
         urls = cluster.start()
+    if count > 1:
+        try:
+            sys.exit(supervise([*raw, "--worker-urls", *urls] if cluster else raw, count))
+        finally:
+            if cluster is not None:
+                cluster.stop()
     try:
         router = build_router(args, urls)
         try:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import time
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from connector.token_cache import CachedEncoder
@@ -25,7 +27,7 @@ from router.learning import Learner, Served
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
-from router.request import RequestError, full_tokens
+from router.request import RequestError, when_encoded
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -116,10 +118,10 @@ class Sender:
         """Optimistic: `worker` is about to hold the prompt (its new text encoded first,
         right after the send, off the request's path)."""
         if prompt.tokens is not None and self.uses_tokens:
-            asyncio.get_running_loop().call_soon(self._record, tree, worker.url, prompt)
+            record = functools.partial(self._record, tree, worker.url)
+            asyncio.get_running_loop().call_soon(when_encoded, prompt, self.encoder, record)
 
-    def _record(self, tree: WorkerType, url: str, prompt: RouteRequest) -> None:
-        tokens = full_tokens(prompt, self.encoder)
+    def _record(self, tree: WorkerType, url: str, tokens: array[int] | None) -> None:
         if tokens:
             self.trees.record(tree, url, tokens)
 
@@ -223,7 +225,7 @@ def with_prefix_holders(body: dict[str, Any], raw: bytes, decision: Decision) ->
         {"url": w.url, "cached_tokens": n, **(w.agent.hint() if w.agent else {})}
         for w, n in decision.holders
     ]
-    return json.dumps({**body, "memserve": {"prefix_holders": named}}).encode()
+    return msgspec.json.encode({**body, "memserve": {"prefix_holders": named}})
 
 
 class Dispatcher:

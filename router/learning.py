@@ -17,7 +17,7 @@ from connector.token_cache import CachedEncoder
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
 from router.proxy import Outcome
-from router.request import full_tokens
+from router.request import encoded, full_tokens
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
@@ -78,6 +78,22 @@ class Learner:
             else:
                 self.metrics.pd_errors.labels(s.side).inc()
         if answer.error is not None or answer.status != 200 or not self.uses_tokens:
+            return
+        self.learn_prefix(prompt, answer, served, holders)
+
+    def learn_prefix(
+        self,
+        prompt: RouteRequest,
+        answer: Outcome,
+        served: Sequence[Served],
+        holders: Sequence[tuple[WorkerType, Worker]],
+    ) -> None:
+        """The trees' part of `learn`: feedback, and the prompt plus its answer recorded
+        (once a cold prompt's text is encoded, should a thread still be at it)."""
+        if not encoded(prompt):
+            assert prompt.encoding is not None
+            again = self.learn_prefix
+            prompt.encoding.add_done_callback(lambda _: again(prompt, answer, served, holders))
             return
         tokens = full_tokens(prompt, self.encoder)
         if not tokens:

@@ -1,13 +1,24 @@
 """The router's Prometheus metrics: sglang-router's `sgl_router_*` names, plus the prompt
-trees' quality figure (predicted versus reported cached tokens)."""
+trees' quality figure (predicted versus reported cached tokens).
+
+With several processes (`--processes N`) every process writes its counters and histograms
+to files in the router's private PROMETHEUS_MULTIPROC_DIR (prometheus-client's
+multiprocess mode), and whichever process answers /metrics sums them: requests, errors,
+decisions, TTFT, per-worker counts, admission holds and refusals, the trees' predicted and
+reported tokens count the whole router. What every process knows alike (worker health and
+load, tree size, expected waits, KV-event counts: each process hears every event) comes
+from the answering process's own state.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.admission import Admission
 from router.trees import PromptTrees
@@ -24,6 +35,18 @@ KV_EVENT_COUNTERS = {
     "lost": "KV event batches missed and not recovered",
     "restarts": "Workers whose KV events started again (a new process)",
     "unknown_topics": "KV event batches from workers the router does not know",
+}
+
+
+ADMISSION_COUNTERS = {
+    "holds": (
+        "memserve_router_admission_holds",
+        "Requests that waited in the router's queue, by why",
+    ),
+    "refusals": (
+        "memserve_router_admission_refusals",
+        "Requests refused with 429 before reaching a worker, by why",
+    ),
 }
 
 
@@ -79,6 +102,73 @@ class RouterMetrics:
         self.expected_wait: Callable[[Worker], float] | None = None
         r.register(self)
         self._children: dict[tuple[str, str], Any] = {}
+        # several processes: the counts below are summed through the multiprocess files
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._synced: dict[tuple[str, str], int] = {}
+        if self.multiprocess:
+            self._shared = {
+                name: Counter(name, doc, registry=r) for name, doc, _ in self._tree_counts()
+            }
+            self._holds = Counter(*ADMISSION_COUNTERS["holds"], ["reason"], registry=r)
+            self._refusals = Counter(*ADMISSION_COUNTERS["refusals"], ["reason"], registry=r)
+            self._queued = Gauge(
+                "memserve_router_admission_queued",
+                "Requests waiting in the queue now",
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+
+    def exposition(self) -> bytes:
+        """The /metrics page: this process's registry, or with several processes the sum
+        of their files plus what this one knows of the workers and trees."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        self.sync()
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(_Live(self))
+        return generate_latest(registry)
+
+    def sync(self) -> None:
+        """Several processes: write this process's tree and admission counts to its files
+        (each answer to /metrics does, and every process about once a second)."""
+        if not self.multiprocess:
+            return
+        for name, _, value in self._tree_counts():
+            self._inc(self._shared[name], ("tree", name), value)
+        a = self.admission
+        if a is not None:
+            for counts, counter in ((a.holds, self._holds), (a.refusals, self._refusals)):
+                for reason, n in counts.items():
+                    self._inc(counter.labels(reason), (counter._name, reason), n)
+            self._queued.set(a.queued)
+
+    def _inc(self, counter: Any, key: tuple[str, str], value: int) -> None:
+        delta = value - self._synced.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._synced[key] = value
+
+    def _tree_counts(self) -> list[tuple[str, str, int]]:
+        """The trees' counts that add up over processes (each counts its own answers)."""
+        stats = self.trees.stats
+        return [
+            (
+                "memserve_router_predicted_cached_tokens",
+                "Cached tokens the trees predicted",
+                stats.predicted_tokens,
+            ),
+            (
+                "memserve_router_reported_cached_tokens",
+                "Cached tokens workers reported",
+                stats.reported_tokens,
+            ),
+            (
+                "memserve_router_tree_corrections",
+                "Paths dropped on worker feedback",
+                stats.corrections,
+            ),
+        ]
 
     def _child(self, kind: str, label: str, make: Callable[[str], Any]) -> Any:
         """Labelled children, looked up once: .labels() costs microseconds per call."""
@@ -115,13 +205,10 @@ class RouterMetrics:
                 wait.add_metric([w.url], self.expected_wait(w))
             yield wait
         a = self.admission
-        if a is None:
+        if a is None or self.multiprocess:  # then summed over processes (sync)
             return
-        for what, doc, counts in (
-            ("holds", "Requests that waited in the router's queue, by why", a.holds),
-            ("refusals", "Requests refused with 429 before reaching a worker, by why", a.refusals),
-        ):
-            name = f"memserve_router_admission_{what}"
+        for what, counts in (("holds", a.holds), ("refusals", a.refusals)):
+            name, doc = ADMISSION_COUNTERS[what]
             family = CounterMetricFamily(name, doc, labels=["reason"])
             for reason, n in counts.items():
                 family.add_metric([reason], n)
@@ -149,24 +236,14 @@ class RouterMetrics:
             size.add_metric([t.value], self.trees.size(t))
         yield size
         stats = self.trees.stats
-        for name, doc, value in (
-            (
-                "memserve_router_predicted_cached_tokens",
-                "Cached tokens the trees predicted",
-                stats.predicted_tokens,
-            ),
-            (
-                "memserve_router_reported_cached_tokens",
-                "Cached tokens workers reported",
-                stats.reported_tokens,
-            ),
-            (
-                "memserve_router_tree_corrections",
-                "Paths dropped on worker feedback",
-                stats.corrections,
-            ),
-            ("memserve_router_tree_expired_pages", "Pages expired by TTL", stats.expired_pages),
-        ):
+        # each process expires its own copy of the trees: one process's count is the router's
+        expired = (
+            "memserve_router_tree_expired_pages",
+            "Pages expired by TTL",
+            stats.expired_pages,
+        )
+        summed = [] if self.multiprocess else self._tree_counts()
+        for name, doc, value in (*summed, expired):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
@@ -176,3 +253,13 @@ class RouterMetrics:
                 if what in counts:
                     name = f"memserve_router_kv_event_{what}"
                     yield CounterMetricFamily(name, help_text, counts[what])
+
+
+class _Live:
+    """RouterMetrics.collect as a collector of its own (a multiprocess page's registry)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self.metrics.collect()

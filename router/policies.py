@@ -11,6 +11,7 @@ comparison.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 from abc import ABC, abstractmethod
@@ -36,6 +37,7 @@ class RouteRequest:
     # tree path): its pieces, and about how many tokens it holds.
     rest: list[str] | None = None
     rest_tokens: int = 0
+    encoding: asyncio.Task[None] | None = None  # `rest` being encoded on a thread (router.request)
 
     @property
     def num_tokens(self) -> int:

@@ -9,8 +9,9 @@ request has gone (it cannot be on any tree path).
 
 from __future__ import annotations
 
+import asyncio
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -198,3 +199,37 @@ def full_tokens(prompt: RouteRequest, encoder: CachedEncoder | None) -> array[in
         prompt.rest, prompt.rest_tokens = None, 0
     prompt.tokens = known
     return known
+
+
+def when_encoded(
+    prompt: RouteRequest,
+    encoder: CachedEncoder | None,
+    then: Callable[[array[int] | None], None],
+) -> None:
+    """`then(ids)` with the prompt's full ids (None: it has none): at once when little new
+    text is left to encode, else once a thread has encoded it (a cold long prompt, whose
+    encode would stall every other request on the loop for milliseconds). Whoever asks
+    while that runs waits for the same encode."""
+    if prompt.encoding is None:
+        if not prompt.rest or encoder is None or not encoder.off_loop(prompt.rest):
+            then(full_tokens(prompt, encoder))
+            return
+        prompt.encoding = asyncio.get_running_loop().create_task(_encode_rest(prompt, encoder))
+    prompt.encoding.add_done_callback(lambda _: then(full_tokens(prompt, encoder)))
+
+
+async def _encode_rest(prompt: RouteRequest, encoder: CachedEncoder) -> None:
+    tokens, rest = prompt.tokens, prompt.rest
+    if tokens is None or not rest:
+        return
+    known = tokens if isinstance(tokens, array) else array("I", tokens)
+    try:
+        prompt.tokens = await encoder.complete_async(known, rest)
+    except (ValueError, TypeError):  # text no tokenizer takes: the engine refused it too
+        prompt.tokens = None
+    prompt.rest, prompt.rest_tokens = None, 0
+
+
+def encoded(prompt: RouteRequest) -> bool:
+    """False while the prompt's new text is being encoded on a thread."""
+    return prompt.encoding is None or prompt.encoding.done()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
@@ -50,6 +50,7 @@ from router.request import (
     session_key,
     without_router_fields,
 )
+from router.siblings import SiblingConfig, Siblings
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
@@ -60,6 +61,8 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 # the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
+PROCESS_HEADER = "X-Router-Process"  # --processes: the index of the process that answered
+METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -80,6 +83,7 @@ class RouterConfig:
     kv_events_subscribe: bool = False  # connect to every worker's KV-event publisher
     cost: CostModel = field(default_factory=CostModel)  # the policies' expected-TTFT terms
     replica: ReplicaConfig | None = None  # share state with other replicas through Redis
+    siblings: SiblingConfig | None = None  # one of several processes of this router
 
 
 class Router:
@@ -120,6 +124,7 @@ class Router:
         self.metrics.admission = self.admission
         self.metrics.expected_wait = config.cost.queue_s
         self._active = 0  # inference requests inside the router now
+        self._requests = 0  # inference requests this process received
         registry.when_gone(self._gone)
         registry.when_back(self._back)
         self.session: aiohttp.ClientSession | None = None  # management calls
@@ -162,6 +167,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._learning: set[str] = set()  # workers being learned now
         self.replicator: Replicator | None = None
+        self.siblings: Siblings | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._openapi = router_document(VERSION)
 
@@ -190,17 +196,41 @@ class Router:
         r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
+        if self.config.siblings is not None:
+            app.on_response_prepare.append(self._name_process)
         return app
+
+    async def _name_process(self, request: web.Request, response: web.StreamResponse) -> None:
+        """--processes: which process answered, in a header (tests, debugging)."""
+        assert self.config.siblings is not None
+        response.headers[PROCESS_HEADER] = str(self.config.siblings.index)
+
+    @property
+    def checks(self) -> bool:
+        """Whether this process checks health, reads loads and binds the KV-event socket
+        (one process per router does)."""
+        return self.config.siblings is None or self.config.siblings.checks
 
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self.registry.start(self.session)
+        self.registry.start(self.session, self.checks)
         if self.config.kv_events_subscribe:
             self.kv_subscriber = KVEventSubscriber(self.kv_applier)
-        await self.registry.check_all()
+        if self.checks:
+            await self.registry.check_all()
         await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
-        if self.config.kv_events_endpoint:
+        if self.metrics.multiprocess:
+            self._background.add(asyncio.get_running_loop().create_task(self._metrics_loop()))
+        if self.config.siblings is not None:
+            if not isinstance(self.trees, ReplicatedTrees):
+                raise TypeError("sibling processes need ReplicatedTrees")
+            adopt = self._adopt if self.checks else self._learn_model
+            self.siblings = Siblings(
+                self.config.siblings, self.trees, self.registry, adopt, self.encoder
+            )
+            await self.siblings.start()
+        if self.config.kv_events_endpoint and self.checks:
             self.kv_listener = KVEventListener(self.config.kv_events_endpoint, self.kv_applier)
             self.kv_listener.start()
         if self.config.replica is not None:
@@ -218,6 +248,8 @@ class Router:
     async def _stop(self, app: web.Application) -> None:
         if self.replicator is not None:
             await self.replicator.stop()
+        if self.siblings is not None:
+            await self.siblings.stop()
         if self._expiry is not None:
             self._expiry.cancel()
         if self.kv_listener is not None:
@@ -228,6 +260,8 @@ class Router:
             task.cancel()
         await self.registry.stop()
         await self.upstream.close()
+        if self.encoder is not None:
+            self.encoder.close()
         if self.session is not None:
             await self.session.close()
 
@@ -235,6 +269,12 @@ class Router:
         while True:
             await asyncio.sleep(max(self.trees.ttl_s / 4, 0.05))
             self.trees.expire()
+
+    async def _metrics_loop(self) -> None:
+        """Several processes: this one's tree and admission counts to the metrics files."""
+        while True:
+            await asyncio.sleep(METRICS_SYNC_S)
+            self.metrics.sync()
 
     def _http(self) -> aiohttp.ClientSession:
         if self.session is None:
@@ -344,6 +384,7 @@ class Router:
         requests.inc()
         started = time.perf_counter()
         self._active += 1
+        self._requests += 1
         try:
             raw = await request.read()
             body = parse_json_object(raw)
@@ -354,6 +395,11 @@ class Router:
             async with self.admission.slot():
                 encoder = self.encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text)
+                if prompt.rest and encoder is not None and (busy := encoder.encoding(prompt.rest)):
+                    # Its new text is being encoded for another request, on a thread (as
+                    # one encode blocking the loop, it would be known by now): wait for it.
+                    await asyncio.wait(busy)
+                    prompt = route_request(route, body, encoder, self.uses_text)
                 if self.replicator is not None and prompt.rest:
                     # Text this replica never encoded may be on a path another one recorded:
                     # encode it before routing (only its new pieces; the cache has the rest).
@@ -427,6 +473,7 @@ class Router:
                 "kv_events": self._kv_events_info(),
                 "admission": self._admission_info(),
                 "workers": [self._worker_json(w) for w in self.registry.workers.values()],
+                "process": self._process_info(),
                 **self._replica_info(),
             }
         )
@@ -435,6 +482,10 @@ class Router:
         a = self.admission
         return {
             "max_expected_wait_secs": a.limits.max_expected_wait_s,
+            # this process's share of the router's limits (--processes)
+            "max_concurrent_requests": a.limits.max_concurrent,
+            "rate_limit_per_s": a.limits.rate_per_s,
+            "queue_size": a.limits.queue_size,
             "queued": a.queued,
             "holds": dict(a.holds),
             "refusals": dict(a.refusals),
@@ -454,12 +505,23 @@ class Router:
             return {**self.kv_subscriber.info(), "batches_applied": self.kv_applier.batches}
         return None if self.kv_listener is None else self.kv_listener.info()
 
+    def _process_info(self) -> dict[str, Any]:
+        """Which of the router's processes answered (--processes), and its channel."""
+        out: dict[str, Any] = {"pid": os.getpid(), "index": 0, "count": 1}
+        out["inference_requests"] = self._requests
+        if self.siblings is not None:
+            out.update(self.siblings.info(), directory=str(self.siblings.config.directory))
+        return out
+
     def _replica_info(self) -> dict[str, Any]:
-        """With --redis-url: the replica's state, and the pages each holder holds (two
-        replicas have converged when theirs are equal)."""
-        if self.replicator is None or not isinstance(self.trees, ReplicatedTrees):
+        """With --redis-url: the replica's state; with it or --processes: the pages each
+        holder holds (two replicas or processes have converged when theirs are equal)."""
+        if not isinstance(self.trees, ReplicatedTrees):
             return {}
-        return {"replica": self.replicator.info(), "tree_holders": self.trees.holder_pages()}
+        out: dict[str, Any] = {"tree_holders": self.trees.holder_pages()}
+        if self.replicator is not None:
+            out["replica"] = self.replicator.info()
+        return out
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         """Fan out to every worker; the trees forget everything."""
@@ -508,6 +570,8 @@ class Router:
             raise RequestError(status, str(exc)) from None
         if self.replicator is not None:
             self.replicator.worker_added(worker)
+        if self.siblings is not None:
+            self.siblings.worker_added(worker)
         await self.registry.check(worker)
         await self._learn_model(worker)
         return web.json_response(self._worker_json(worker))
@@ -534,6 +598,8 @@ class Router:
             raise RequestError(404, str(exc).strip("'\"")) from None
         if self.replicator is not None:
             self.replicator.worker_removed(worker.url)
+        if self.siblings is not None:
+            self.siblings.worker_removed(worker.url)
         return web.json_response({"removed": worker.url})
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -541,6 +607,6 @@ class Router:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=generate_latest(self.metrics.registry),
+            body=self.metrics.exposition(),
             headers={"Content-Type": "text/plain; version=0.0.4"},
         )

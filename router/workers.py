@@ -272,7 +272,8 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._on_gone: list[Callable[[Worker], None]] = []
         self._on_back: list[Callable[[Worker], None]] = []
-        self._on_load: Callable[[], None] | None = None
+        self._on_load: list[Callable[[], None]] = []
+        self._on_report: list[Callable[[Worker, object], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -311,12 +312,17 @@ class WorkerRegistry:
 
     def when_load_changes(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever a worker's load figures or the set of available
-        workers may have changed (one listener: admission's held requests)."""
-        self._on_load = callback
+        workers may have changed (admission's held requests; sibling processes)."""
+        self._on_load.append(callback)
+
+    def when_reported(self, callback: Callable[[Worker, object], None]) -> None:
+        """Call `callback(worker, report)` with each load report read from a worker (the
+        process that reads them passes them on to its siblings)."""
+        self._on_report.append(callback)
 
     def load_changed(self) -> None:
-        if self._on_load is not None:
-            self._on_load()
+        for callback in self._on_load:
+            callback()
 
     def available(self, type: WorkerType | None = None) -> list[Worker]:
         """Workers a request may go to: healthy, breaker not open, of the wanted type."""
@@ -358,8 +364,11 @@ class WorkerRegistry:
 
     # ----------------------------------------------------------------- health
 
-    def start(self, session: aiohttp.ClientSession) -> None:
+    def start(self, session: aiohttp.ClientSession, checks: bool = True) -> None:
+        """`checks`: run the health and load loops (False: another process runs them)."""
         self._session = session
+        if not checks:
+            return
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._health_loop())
         if self.load_interval_s > 0:
@@ -408,7 +417,10 @@ class WorkerRegistry:
             for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
                 async with session.get(worker.url + path, timeout=timeout) as resp:
                     if resp.status == 200:
-                        worker.apply_load(await resp.json(content_type=None))
+                        report = await resp.json(content_type=None)
+                        worker.apply_load(report)
+                        for callback in self._on_report:
+                            callback(worker, report)
                         return
 
     async def _load_loop(self) -> None:
@@ -443,6 +455,23 @@ class WorkerRegistry:
             for callback in self._on_gone:
                 callback(worker)
             self.load_changed()
+
+    def set_health(self, worker: Worker, healthy: bool) -> None:
+        """Another process's verdict on the worker (it checks; this one follows): the same
+        callbacks, and exchanges abandoned, as when this process's own checks decide."""
+        if healthy == worker.healthy:
+            if healthy and not worker.learned:
+                for callback in self._on_back:
+                    callback(worker)
+            return
+        worker.healthy = healthy
+        worker.health_failures = 0 if healthy else self.failure_threshold
+        worker.health_successes = self.success_threshold if healthy else 0
+        for callback in self._on_back if healthy else self._on_gone:
+            callback(worker)
+        if not healthy:
+            worker.abandon_exchanges()
+        self.load_changed()
 
     def mark_dead(self, worker: Worker) -> None:
         """A connection to it failed outright: count it as a failed health probe now."""

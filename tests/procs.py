@@ -12,8 +12,13 @@ from router.procs import Server, free_port, stop_process, wait_healthy
 __all__ = ["ROOT", "Server", "free_port", "running", "stop", "stop_process", "wait_healthy"]
 
 ROOT = Path(__file__).resolve().parents[1]
-# No downloads, and no tokenizer thread pool that warns when a worker forks.
-TEST_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# No downloads, no tokenizer thread pool that warns when a worker forks, and one router
+# process unless a test asks for more (--processes).
+TEST_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MEMSERVE_ROUTER_PROCESSES": "1",
+}
 
 
 def stop(server: Server) -> None:

@@ -269,12 +269,15 @@ class RouterSpec:
     policy: str
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
     replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
+    processes: int = 1  # ours: --processes (one router of that many processes, one port)
 
     @property
     def name(self) -> str:
         name = f"{'ours' if self.router == OURS else self.router} {self.policy}"
         if self.replicas > 1:
             name += f" x{self.replicas} replicas"
+        if self.processes > 1:
+            name += f" x{self.processes} processes"
         return name if self.pull else f"{name} (no pull)"
 
 
@@ -306,7 +309,8 @@ class RunningRouter:
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far per part: the routers, and the front and helpers if any."""
-        out = {"router": sum(cpu_seconds(s.proc.pid) for s in self.routers or [self.server])}
+        routers = self.routers or [self.server]
+        out = {"router": sum(cpu_seconds(p) for s in routers for p in with_children(s.proc.pid))}
         if self.replicas:
             out["front"] = cpu_seconds(self.server.proc.pid)
         for helper in self.helpers:
@@ -344,6 +348,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args.append("--kv-events-subscribe")
         if not spec.pull:
             args.append("--disable-mempool-pull")
+        args += ["--processes", str(spec.processes)]
         return module_command("router", port, args)
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
@@ -419,6 +424,15 @@ def sync_events(router_urls: Sequence[str], cluster: Cluster, timeout_s: float =
             return True
         time.sleep(0.05)
     return False
+
+
+def with_children(pid: int) -> list[int]:
+    """A process and its children (a router of several processes is a supervisor and them)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return [pid, *map(int, children)]
 
 
 def cpu_seconds(pid: int | None) -> float:

@@ -4,8 +4,9 @@ Every cluster is started once; the systems compared on it run one after another 
 workers, caches flushed in between, in an order rotated per workload so a drift in the
 machine's speed does not always favour the same system. `ours prompt_tree x2 replicas` (two
 router replicas sharing state through Redis, behind a round-robin front) runs next to the
-single router in both presets; `seeds` repeats the main workloads with other seeds, so the
-two can be compared pairwise with a spread.
+single router in both presets, and so does `ours prompt_tree x2 processes` (one router of
+two processes on one port, `--processes 2`); `seeds` repeats the main workloads with other
+seeds, so the two can be compared pairwise with a spread.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ OUR_POLICIES = (
 )
 PEER_POLICIES = ("cache_aware", "round_robin")
 TWO_REPLICAS = RouterSpec(OURS, "prompt_tree", replicas=2)
+TWO_PROCESSES = RouterSpec(OURS, "prompt_tree", processes=2)
 
 ALL_SYSTEMS = (
     *(RouterSpec(OURS, p) for p in OUR_POLICIES),
     TWO_REPLICAS,
+    TWO_PROCESSES,
     *(RouterSpec(peer, p) for peer in (SGLANG_ROUTER, SMG) for p in PEER_POLICIES),
 )
 QUICK_SYSTEMS = (
     RouterSpec(OURS, "prompt_tree"),
     TWO_REPLICAS,
+    TWO_PROCESSES,
     RouterSpec(OURS, "round_robin"),
     RouterSpec(SGLANG_ROUTER, "cache_aware"),
     RouterSpec(SGLANG_ROUTER, "round_robin"),

@@ -11,7 +11,7 @@ comes from its calibration at the start of each replicated run.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.harness import finite, markdown_table
@@ -20,15 +20,28 @@ SINGLE = "ours prompt_tree"
 HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router
 
 
+PROCESS_GAP_POINTS = 2.0  # --processes N: hit ratio within this many points of one process
+
+
 def replicated(run: dict[str, Any]) -> bool:
-    return str(run.get("system", "")).startswith(f"{SINGLE} x")
+    name = str(run.get("system", ""))
+    return name.startswith(f"{SINGLE} x") and name.endswith(" replicas")
 
 
-def pairs(runs: Sequence[dict[str, Any]]) -> dict[str, list[tuple[dict[str, Any], ...]]]:
-    """workload -> [(single, replicated), ...], one pair per seed, main runs that ran."""
+def several_processes(run: dict[str, Any]) -> bool:
+    """`ours prompt_tree xN processes`: one router of N processes (--processes N)."""
+    name = str(run.get("system", ""))
+    return name.startswith(f"{SINGLE} x") and name.endswith(" processes")
+
+
+def pairs(
+    runs: Sequence[dict[str, Any]], which: Callable[[dict[str, Any]], bool] = replicated
+) -> dict[str, list[tuple[dict[str, Any], ...]]]:
+    """workload -> [(single, replicated), ...], one pair per seed, main runs that ran
+    (`which`: the runs paired with the single router's)."""
     out: dict[str, list[tuple[dict[str, Any], ...]]] = {}
     main = [r for r in runs if r.get("group") == "main" and r.get("available")]
-    for rep in (r for r in main if replicated(r)):
+    for rep in (r for r in main if which(r)):
         single = next(
             (
                 r
@@ -176,3 +189,54 @@ def sections(figures: dict[str, Any]) -> list[str]:
             "",
         ]
     return out
+
+
+def processes_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """For results.json: per workload and seed, the hit ratio of one router process and of
+    N (`--processes N`), and the gap in points."""
+    out: dict[str, Any] = {}
+    for workload, found in pairs(runs, several_processes).items():
+        rows = []
+        for single, many in found:
+            hit_1, hit_n = single.get("hit_ratio"), many.get("hit_ratio")
+            gap = (hit_n - hit_1) * 100 if finite(hit_1) and finite(hit_n) else None
+            rows.append(
+                {
+                    "seed": many.get("seed"),
+                    "system": many["system"],
+                    "hit_single": hit_1,
+                    "hit_processes": hit_n,
+                    "hit_gap_points": gap,
+                    "within": None if gap is None else abs(gap) <= PROCESS_GAP_POINTS,
+                }
+            )
+        out[workload] = rows
+    return out
+
+
+def processes_sections(figures: dict[str, Any]) -> list[str]:
+    """The Markdown section for `processes_summary`."""
+    if not figures:
+        return []
+    rows = [
+        {
+            "workload": workload,
+            "seed": p["seed"] if p["seed"] is not None else "-",
+            "system": p["system"],
+            "hit 1 process": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
+            "hit N processes": f"{p['hit_processes']:.1%}" if finite(p["hit_processes"]) else None,
+            "gap (points)": _f(p["hit_gap_points"], 1),
+            f"within {PROCESS_GAP_POINTS:g} points": p["within"],
+        }
+        for workload, found in figures.items()
+        for p in found
+    ]
+    return [
+        "## Router processes: one router of N processes (--processes N) vs one process",
+        "",
+        "Paired runs (same workload, same seed, same workers); the processes share one state "
+        "over a local channel and the kernel spreads the clients' connections over them.",
+        "",
+        markdown_table(rows),
+        "",
+    ]

@@ -98,12 +98,16 @@ def per_turn_rows(runs: Sequence[dict[str, Any]], workload: str) -> list[dict[st
 
 
 def sections(
-    runs: Sequence[dict[str, Any]], targets: dict[str, Any], replicas: dict[str, Any]
+    runs: Sequence[dict[str, Any]],
+    targets: dict[str, Any],
+    replicas: dict[str, Any],
+    processes: dict[str, Any] | None = None,
 ) -> list[str]:
     """The Markdown body: targets, router replicas against one router, then one table per
     workload and cluster group."""
     out = ["## Targets (reported, not asserted)", "", markdown_table(target_rows(targets)), ""]
     out += replicas_report.sections(replicas)
+    out += replicas_report.processes_sections(processes or {})
     seen: list[tuple[str, str, str, float]] = []
     for run in runs:
         key = (run["group"], run["cluster"], run["workload"], run["rate"])
@@ -247,6 +251,7 @@ def write_all(
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = all_targets(runs)
     replicas = replicas_report.summary(runs)
+    processes = replicas_report.processes_summary(runs)
     plots = plot_all(out_dir, runs)
     figures = {
         "preset": plan.preset,
@@ -255,6 +260,7 @@ def write_all(
         "runs": runs,
         "targets": targets,
         "replicas": replicas,
+        "processes": processes,
         "sim_model": sim_model(),
         "kv_capacity_tokens": plan.max_total_tokens or sim_model()["kv_capacity_tokens_default"],
         "clusters": {name: spec.__dict__ for name, spec in plan.clusters.items()},
@@ -265,7 +271,11 @@ def write_all(
         out_dir,
         figures,
         "Multi-turn cache benchmarks: policies, peers and PD caching modes",
-        [f"`{command}` ({elapsed_s / 60:.1f} min).", "", *sections(runs, targets, replicas)],
+        [
+            f"`{command}` ({elapsed_s / 60:.1f} min).",
+            "",
+            *sections(runs, targets, replicas, processes),
+        ],
         notes(plan, runs, peers),
         machine,
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from router.procs import Launch, Server, free_port, module_command, start_all, stop_all
 
-ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MEMSERVE_ROUTER_PROCESSES": "1"}
 BOOT_S = 60.0
 # The router's health checks in every scenario: a dead or frozen worker is noticed within
 # about two seconds (2 failures, 0.5 s apart, 1 s timeout each).

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -13,8 +15,8 @@ from typing import Any
 
 import benchmarks.router_overhead as package
 from benchmarks.harness import benchmark_main, progress_bar, run_async, step
-from benchmarks.peers import SGLANG_ROUTER, peer_status
-from benchmarks.router_overhead.figures import rps_ratios, system_figures
+from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
+from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
 from benchmarks.router_overhead.phases import latency_phase, rps_phase
 from benchmarks.router_overhead.plots import plot
@@ -30,6 +32,7 @@ from benchmarks.router_overhead.settings import (
 from benchmarks.router_overhead.systems import (
     WORKER_ARGS,
     WORKERS,
+    cpu_sets,
     make_systems,
     start_systems,
     stop_systems,
@@ -52,11 +55,12 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     from connector.tokenizer import ChatTokenizer
 
     model_dir = ensure_hf_model()
-    peer = peer_status(SGLANG_ROUTER)
+    peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
+    peer = peers[SGLANG_ROUTER]
     with tempfile.TemporaryDirectory(prefix="router_overhead-") as tmp, progress_bar() as progress:
         log_dir = Path(tmp)
         launches = worker_launches(model_dir, log_dir)
-        systems = make_systems([w.url for w in launches], log_dir, peer)
+        systems = make_systems([w.url for w in launches], log_dir, peers)
         workers: list[Server] = []
         try:
             boot = progress.add_task(f"start {WORKERS} workers and the routers", total=2)
@@ -65,24 +69,30 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
             # Only single encodes in this process before the routers are forked: the
             # tokenizers library warns when a process that used its thread pool forks.
             tokenizer = ChatTokenizer(model_dir)
-            probe = chat_body(small_prompts(1)[0], 1)
+            model = served_model(workers[0].url)
+            probe = chat_body(small_prompts(1)[0], 1, model)
             start_systems(systems, probe)
             step(progress, boot)
 
             build = progress.add_task("build workloads", total=settings.conversations + 2)
-            small = [chat_body(m, SMALL_MAX_TOKENS) for m in small_prompts(settings.small_requests)]
-            rps_payloads = [chat_body(m, RPS_MAX_TOKENS) for m in small_prompts(512)]
+            small = [
+                chat_body(m, SMALL_MAX_TOKENS, model)
+                for m in small_prompts(settings.small_requests)
+            ]
+            rps_payloads = [chat_body(m, RPS_MAX_TOKENS, model) for m in small_prompts(512)]
             step(progress, build)
             conversations = []
             for i in range(settings.conversations):
                 conversations.append(make_conversation(tokenizer, i, settings.turns))
                 step(progress, build)
             warm_conv = make_conversation(tokenizer, 999_999, 2)
-            warmup = (small[:5], [chat_body(m, SMALL_MAX_TOKENS) for m in warm_conv.turns])
+            warmup = (small[:5], [chat_body(m, SMALL_MAX_TOKENS, model) for m in warm_conv.turns])
             step(progress, build)
 
             run_async(
-                latency_phase(systems, workers, small, conversations, warmup, settings, progress)
+                latency_phase(
+                    systems, workers, small, conversations, warmup, settings, progress, model
+                )
             )
             run_async(rps_phase(systems, rps_payloads, settings, progress))
         finally:
@@ -99,13 +109,22 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "mode": "quick" if quick else "full",
         "seed": SEED,
-        "peer_available": all(s.available for s in systems if s.kind == "peer"),
+        "peer_available": all(
+            s.available for s in systems if s.kind == "peer" and s.router == SGLANG_ROUTER
+        ),
         "peer": {
             "package": SGLANG_ROUTER,
             "version": peer.version,
             "importable": peer.importable,
-            "reason": next((s.reason for s in systems if s.kind == "peer" and s.reason), None),
+            "reason": next(
+                (s.reason for s in systems if s.router == SGLANG_ROUTER and s.reason), None
+            ),
         },
+        "peers": {
+            name: {"version": status.version, "importable": status.importable}
+            for name, status in peers.items()
+        },
+        "core_counts": [len(cpus) for cpus in cpu_sets()],
         "systems": [system_figures(s, baseline) for s in systems],
         "tokenizer": tok,
         "decision": decision,
@@ -126,11 +145,18 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         },
     }
     figures["rps_ratio"] = rps_ratios(figures)
+    figures["scaling"] = scaling(figures)
     figures["targets"] = targets(figures)
     figures["elapsed_s"] = time.perf_counter() - started
     write(out_dir, figures, settings)
     plot(out_dir / f"{NAME}.png", figures)
     return figures
+
+
+def served_model(url: str) -> str:
+    """The model a worker serves (its /v1/models), as requests name it."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return str(json.load(resp)["data"][0]["id"])
 
 
 def _median(values: Sequence[float] | None) -> float | None:

@@ -4,7 +4,7 @@ the baseline's same request), cache hits, and the max-rps ratios."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.harness import percentile
@@ -22,6 +22,8 @@ def system_figures(system: System, baseline: System) -> dict[str, Any]:
         "kind": system.kind,
         "router": system.router,
         "policy": system.policy,
+        "cores": system.cores,
+        "processes": system.processes,
         "available": system.available,
         "reason": system.reason,
         "latency_ms": {},
@@ -52,18 +54,85 @@ def system_figures(system: System, baseline: System) -> dict[str, Any]:
     return out
 
 
+def _rps(s: dict[str, Any] | None) -> float | None:
+    return s["rps"]["rps"] if s and s["available"] and s["rps"] else None
+
+
+def headline(fig: dict[str, Any], cores: int | None = None) -> dict[str, Any]:
+    """Ours prompt_tree with a process per core, on `cores` (default: the largest set)."""
+    cores = cores or max(fig["core_counts"])
+    return next(
+        s
+        for s in fig["systems"]
+        if s["kind"] == "ours"
+        and s["policy"] == "prompt_tree"
+        and s["cores"] == cores
+        and s["processes"] == cores
+    )
+
+
+def peer_on(fig: dict[str, Any], router: str, policy: str, cores: int) -> dict[str, Any] | None:
+    return next(
+        (
+            s
+            for s in fig["systems"]
+            if s["router"] == router and s["policy"] == policy and s["cores"] == cores
+        ),
+        None,
+    )
+
+
 def rps_ratios(fig: dict[str, Any]) -> dict[str, float | None]:
-    by_name = {s["name"]: s for s in fig["systems"]}
-
-    def rps(name: str) -> float | None:
-        s = by_name[name]
-        return s["rps"]["rps"] if s["available"] and s["rps"] else None
-
-    out = {}
-    for ours, peer in (
-        ("ours prompt_tree", "sglang-router cache_aware"),
-        ("ours round_robin", "sglang-router round_robin"),
-    ):
-        a, b = rps(ours), rps(peer)
-        out[f"{ours} / {peer}"] = a / b if a and b else None
+    """Ours / the peers' max rps on the same CPU set."""
+    out: dict[str, float | None] = {}
+    for cores in fig["core_counts"]:
+        ours = [s for s in fig["systems"] if s["kind"] == "ours" and s["cores"] == cores]
+        for mine in ours:
+            policy = "cache_aware" if mine["policy"] == "prompt_tree" else mine["policy"]
+            for peer in ("sglang-router", "smg"):
+                theirs = peer_on(fig, peer, policy, cores)
+                if theirs is None:
+                    continue
+                a, b = _rps(mine), _rps(theirs)
+                out[f"{mine['name']} / {theirs['name']}"] = a / b if a and b else None
     return out
+
+
+def scaling(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per router: max rps on each CPU set, per core, and from the smallest set to the
+    largest (ours with a process per core: 1 process on 1 core, N on N)."""
+    counts = fig["core_counts"]
+    families: list[tuple[str, Callable[[dict[str, Any], int], bool]]] = [
+        (
+            "ours prompt_tree, a process per core",
+            lambda s, c: (
+                s["kind"] == "ours" and s["policy"] == "prompt_tree" and s["processes"] == c
+            ),
+        ),
+        (
+            "ours prompt_tree, 1 process",
+            lambda s, c: (
+                s["kind"] == "ours" and s["policy"] == "prompt_tree" and s["processes"] == 1
+            ),
+        ),
+        (
+            "sglang-router cache_aware",
+            lambda s, c: s["router"] == "sglang-router" and s["policy"] == "cache_aware",
+        ),
+        ("smg cache_aware", lambda s, c: s["router"] == "smg" and s["policy"] == "cache_aware"),
+    ]
+    rows = []
+    for label, member in families:
+        row: dict[str, Any] = {"router": label}
+        rps = {}
+        for c in counts:
+            s = next((x for x in fig["systems"] if x["cores"] == c and member(x, c)), None)
+            rps[c] = _rps(s)
+            row[f"rps @{c}c"] = rps[c]
+            row[f"rps per core @{c}c"] = rps[c] / c if rps[c] else None
+        lo, hi = min(counts), max(counts)
+        row[f"scaling {lo}c -> {hi}c"] = (
+            rps[hi] / rps[lo] if hi != lo and rps[hi] and rps[lo] else None
+        )
+        rows.append(row)
+    return rows

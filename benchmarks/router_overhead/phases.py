@@ -23,6 +23,7 @@ async def latency_phase(
     warmup: tuple[list[bytes], list[bytes]],
     settings: Settings,
     progress: Progress,
+    model: str | None = None,
 ) -> None:
     """Sequential requests from one client, the systems interleaved (each request, or each
     conversation, goes through every system in turn, in a rotated order), so a change in the
@@ -56,7 +57,7 @@ async def latency_phase(
                         question = conv.turns[turn][-1]
                         reply = {"role": "assistant", "content": answer}
                         messages = [*messages, reply, question]
-                    body = chat_body(messages, SMALL_MAX_TOKENS)
+                    body = chat_body(messages, SMALL_MAX_TOKENS, model)
                     seconds, usage, answer = await timed_chat(session, s.url + CHAT, body)
                     s.record("cold_8k" if turn == 0 else "multi_turn", seconds, usage)
                 progress.advance(conv_task, len(conv.turns))

@@ -21,7 +21,7 @@ def plot(path: Path, fig: dict[str, Any]) -> None:
     systems = [s for s in fig["systems"] if s["available"]]
     routers = [s for s in systems if s["kind"] != "baseline"]
     figure, (left, right) = plt.subplots(
-        1, 2, figsize=(13, 4.8), constrained_layout=True, gridspec_kw={"width_ratios": [2.2, 1]}
+        1, 2, figsize=(15, 5.2), constrained_layout=True, gridspec_kw={"width_ratios": [2, 1.2]}
     )
     width = 0.8 / max(len(routers), 1)
     for k, s in enumerate(routers):
@@ -36,7 +36,7 @@ def plot(path: Path, fig: dict[str, Any]) -> None:
         [TARGET_MULTI_TURN_ADDED_P50_MS] * 2,
         "k--",
         lw=1,
-        label="multi-turn target p50 2 ms",
+        label=f"multi-turn target p50 {TARGET_MULTI_TURN_ADDED_P50_MS:g} ms",
     )
     left.set_xticks(range(len(WORKLOADS)), [WORKLOAD_TITLES[w] for w in WORKLOADS])
     left.set_ylabel("added latency vs direct (ms)")
@@ -50,7 +50,7 @@ def plot(path: Path, fig: dict[str, Any]) -> None:
     bars = right.bar(range(len(names)), values, color=colors)
     right.bar_label(bars, fmt="%.0f", fontsize=8)
     right.set_xticks(
-        range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=7, rotation=30
+        range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=6, rotation=45
     )
     right.set_ylabel("requests/s")
     settings = fig["config"]["settings"]

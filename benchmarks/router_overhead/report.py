@@ -87,11 +87,11 @@ def internal_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"figure": "select(), 8K request, prefix held (hit)", **_pair(dec["select_hit_us"], "µs")},
         {"figure": "select(), 8K request, new chat (miss)", **_pair(dec["select_miss_us"], "µs")},
-        {"figure": "  of which list -> uint32 array", **_pair(dec["list_to_uint32_us"], "µs")},
         {
-            "figure": "select(), hit, tokens passed as array('I')",
-            **_pair(dec["select_hit_array_us"], "µs"),
+            "figure": "select(), hit, tokens passed as a Python list",
+            **_pair(dec["select_hit_list_us"], "µs"),
         },
+        {"figure": "  of which list -> uint32 array", **_pair(dec["list_to_uint32_us"], "µs")},
         {
             "figure": "uint32 array -> list (encoder's tolist)",
             **_pair(dec["uint32_to_list_us"], "µs"),
@@ -128,6 +128,12 @@ def target_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def scaling_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {k: (round(v, 2) if finite(v) else v) for k, v in row.items()} for row in fig["scaling"]
+    ]
+
+
 def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
     """JSON and Markdown via the harness; the extra tables go before its notes."""
     ratios = [{"ratio": k, "value": v} for k, v in fig["rps_ratio"].items()]
@@ -143,7 +149,8 @@ def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
             *table_section("Paired added latency and the workers' cache hits", paired_rows(fig)),
             *table_section("Inside our router (in process, no HTTP)", internal_rows(fig)),
             *table_section("Targets (reported, not asserted)", target_rows(fig)),
-            *table_section("max rps ratios", ratios),
+            *table_section("max rps ratios (the same CPU set)", ratios),
+            *table_section("Max rps per core, and from 1 core to more", scaling_rows(fig)),
         ],
     )
 
@@ -162,6 +169,15 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         "Workers: 2 sim workers (`python -m connector.worker --backend sim --time-scale 0`), "
         "the same processes behind every system. Direct = every latency request to worker 1 "
         "(rps: the client alternates between both workers).",
+        "Systems: `@Cc`: the router pinned to C cores with taskset (the last C of the CPUs "
+        f"the benchmark may use; sets of {', '.join(map(str, fig['core_counts']))}); the "
+        "workers and the client are not pinned and share the machine. `Np`: ours with "
+        "--processes N (N router processes on one port, sharing one state); the peers' "
+        "runtimes use every core of their set. Peers: "
+        + ", ".join(
+            f"{name} {info['version'] or '(not importable)'}" for name, info in fig["peers"].items()
+        )
+        + ".",
         f"Latency: one client (aiohttp, uvloop), sequential, non-streaming, max_tokens "
         f"{SMALL_MAX_TOKENS}. Systems interleaved: each small chat goes through every system "
         "in turn, and each 8K conversation (all its turns) likewise, in an order rotated per "
@@ -185,14 +201,17 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         f"{settings.rps_duration_s:g} s counted per system, run as {settings.rps_slices} "
         "slices interleaved across systems in a rotated order (each slice: fresh connections, "
         f"{settings.rps_warmup_s:g} s warm-up uncounted, then completions inside the window "
-        "counted). Client, router and both workers share "
-        f"{os.cpu_count()} cores, so this is the throughput of the whole box.",
+        "counted). The client and both workers (not pinned) and the router (pinned to its "
+        f"set) share this machine's {os.cpu_count()} cores: on the smallest set the router "
+        "has one core at most, on the largest it competes with the client and the workers "
+        "for every core, so that figure is the throughput of the whole box.",
         f"Decision time: in process, PromptTree.select over PromptTrees holding "
         f"{fig['decision']['tree_conversations']} 8K chats (turn 1 + reply) spread over "
         f"{fig['decision']['tree_workers']} workers ({fig['decision']['tree_pages']:,} pages); "
         "hit = turn 2 of a held chat, miss = a new chat sharing only the system prompt; "
         f"{fig['decision']['calls']} calls each. Tokens are passed as the router passes them "
-        "(a Python list), so the list -> uint32 conversion is inside select().",
+        "(the uint32 array its token cache assembles); the list row is what an engine passing "
+        "Python lists would pay, the conversion inside select().",
         f"Tokenizer: {fig['tokenizer']['conversations']} 8K chats. full = "
         "ChatTokenizer.encode_chat (render + encode, what the worker does); CachedEncoder "
         "cold = a new chat with the system prompt already cached (what a running router "

@@ -14,10 +14,12 @@ CONV_TOKENS = 8192  # a cold chat is at least this long (tokens, chat template i
 SMALL_MAX_TOKENS = 8  # latency workloads: a short answer
 RPS_MAX_TOKENS = 1
 
-TARGET_DECISION_P50_US = 200.0
-TARGET_MULTI_TURN_ADDED_P50_MS = 2.0
-TARGET_COLD_MARGIN_MS = 1.0  # cold 8K added latency <= tokenizer p50 + this
-TARGET_RPS_RATIO = 0.5  # ours (prompt_tree) / sglang-router (cache_aware)
+CORE_COUNTS = (1, 2)  # the CPU sets' sizes every router runs on (taskset)
+
+TARGET_DECISION_P50_US = 50.0
+TARGET_MULTI_TURN_ADDED_P50_MS = 1.0
+TARGET_COLD_ADDED_P50_MS = 3.0
+TARGET_RPS_RATIO = 1.0  # ours (prompt_tree, a process per core) / sglang-router (cache_aware)
 
 WORKLOADS = ("small", "cold_8k", "multi_turn")
 WORKLOAD_TITLES = {
@@ -47,12 +49,12 @@ class Settings:
 
 QUICK = Settings(
     True,
-    small_requests=120,
-    conversations=8,
+    small_requests=60,
+    conversations=6,
     turns=4,
     concurrency=32,
     rps_warmup_s=0.3,
-    rps_duration_s=3.0,
+    rps_duration_s=2.0,
     rps_slices=2,
     tree_conversations=200,
     tree_workers=4,

@@ -1,16 +1,25 @@
-"""The processes: two sim workers, and in front of the very same workers each system compared
-(ours with two policies, sglang-router with two), every one on a free loopback port."""
+"""The processes: two sim workers, and in front of the very same workers each system compared,
+every one on a free loopback port.
+
+Each router runs on a CPU set (taskset) of 1 and of 2 cores (as many as this machine lets
+the benchmark use): ours with one process and with a process per core (`--processes`),
+sglang-router and smg with cache_aware (their runtimes use every core they may); on the
+largest set also ours and sglang-router with round_robin, the bare proxy hop. The workers
+and the client are not pinned.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
-from benchmarks.peers import OURS, SGLANG_ROUTER, PeerStatus, peer_command
-from benchmarks.router_overhead.settings import CHAT
+from benchmarks.peers import OURS, SGLANG_ROUTER, SMG, PeerStatus, peer_command
+from benchmarks.router_overhead.settings import CHAT, CORE_COUNTS
 from router.procs import Launch, Server, free_port, http_ok, module_command, stop_all, wait_until
 
 WORKERS = 2
@@ -39,8 +48,10 @@ class System:
 
     name: str
     kind: str  # baseline | ours | peer
-    router: str  # memserve-router | sglang-router | none
+    router: str  # memserve-router | sglang-router | smg | none
     policy: str
+    cores: int | None = None  # the CPU set's size (taskset); None: not pinned
+    processes: int = 1  # ours: --processes
     available: bool = True
     reason: str | None = None
     launch: Launch | None = None  # a router to start; None: the workers themselves
@@ -69,27 +80,55 @@ class System:
                 self.cached.setdefault(workload, []).append(cached / prompt)
 
 
-def make_systems(worker_urls: list[str], log_dir: Path, peer: PeerStatus) -> list[System]:
-    """Direct (the baseline), ours prompt_tree and round_robin, sglang-router cache_aware and
-    round_robin (unavailable, with the reason, when it cannot be imported)."""
+def cpu_sets() -> list[list[int]]:
+    """The CPU sets the routers run on: the last 1 and 2 (CORE_COUNTS) of the CPUs this
+    process may use, as many as there are."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[-n:] for n in CORE_COUNTS if n <= len(cpus)]
+
+
+def system_name(router: str, policy: str, cores: int, processes: int | None = None) -> str:
+    """`ours prompt_tree 2p @2c`: ours with --processes 2 on 2 cores; peers have no `Np`."""
+    procs = "" if processes is None else f" {processes}p"
+    return f"{router} {policy}{procs} @{cores}c"
+
+
+def make_systems(
+    worker_urls: list[str], log_dir: Path, peers: dict[str, PeerStatus]
+) -> list[System]:
+    """Direct (the baseline), then on each CPU set: ours prompt_tree with one process and
+    with one per core, sglang-router and smg cache_aware; on the largest set also ours and
+    sglang-router round_robin (a peer that cannot be imported is listed, unavailable, with
+    the reason)."""
     urls = worker_urls
     systems = [System("direct", "baseline", "none", "-", url=urls[0], rps_urls=urls)]
-    for policy in ("prompt_tree", "round_robin"):
-        port = free_port()
-        args = ["--worker-urls", *urls, "--policy", policy, "--log-level", "warning"]
-        command = module_command("router", port, args)
-        proc = launch(f"ours {policy}", command, port, log_dir / f"ours-{policy}.log")
-        systems.append(System(f"ours {policy}", "ours", OURS, policy, launch=proc))
-    for policy in ("cache_aware", "round_robin"):
-        name = f"{SGLANG_ROUTER} {policy}"
-        system = System(name, "peer", SGLANG_ROUTER, policy)
-        if peer.importable:
+    sets = cpu_sets()
+    for cpus in sets:
+        n = len(cpus)
+        pin = ["taskset", "-c", ",".join(map(str, cpus))]
+        runs: list[tuple[str, str, int | None]] = [("ours", "prompt_tree", 1)]
+        if n > 1:
+            runs.append(("ours", "prompt_tree", n))
+        runs += [(SGLANG_ROUTER, "cache_aware", None), (SMG, "cache_aware", None)]
+        if cpus is sets[-1]:
+            runs += [("ours", "round_robin", 1), (SGLANG_ROUTER, "round_robin", None)]
+        for router, policy, procs in runs:
+            name = system_name(router, policy, n, procs)
+            tag = name.replace(" ", "-").replace("@", "")
             port = free_port()
-            command = [*peer_command(SGLANG_ROUTER, policy, port, 2), "--worker-urls", *urls]
-            system.launch = launch(name, command, port, log_dir / f"peer-{policy}.log")
-        else:
-            system.available, system.reason = False, peer.reason
-        systems.append(system)
+            if router == "ours":
+                args = ["--worker-urls", *urls, "--policy", policy, "--log-level", "warning"]
+                command = module_command("router", port, [*args, "--processes", str(procs)])
+                proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
+                system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
+            else:
+                system = System(name, "peer", router, policy, n)
+                if peers[router].importable:
+                    command = [*peer_command(router, policy, port, 2), "--worker-urls", *urls]
+                    system.launch = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
+                else:
+                    system.available, system.reason = False, peers[router].reason
+            systems.append(system)
     for s in systems:
         if s.launch is not None:
             s.url = s.launch.url
@@ -98,17 +137,18 @@ def make_systems(worker_urls: list[str], log_dir: Path, peer: PeerStatus) -> lis
 
 
 def start_systems(systems: list[System], probe_body: bytes, timeout_s: float = 120) -> None:
-    """Start every router at once; one that does not come up is marked unavailable (ours
-    not coming up is an error of the project)."""
+    """Start every router at once; one that does not come up within `timeout_s` (all
+    together) is marked unavailable (ours not coming up is an error of the project)."""
     for s in systems:
         if s.launch is not None:
             s.server = s.launch.start()
+    deadline = time.monotonic() + timeout_s
     for s in systems:
         server = s.server
         if server is None:
             continue
         probe = functools.partial(http_ok, s.url + CHAT, probe_body)
-        why = wait_until(server, probe, timeout_s)
+        why = wait_until(server, probe, max(deadline - time.monotonic(), 1.0))
         if why is not None:
             if s.kind == "ours":
                 raise RuntimeError(why)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness import finite
+from benchmarks.router_overhead.figures import headline, peer_on
 from benchmarks.router_overhead.settings import (
-    TARGET_COLD_MARGIN_MS,
+    TARGET_COLD_ADDED_P50_MS,
     TARGET_DECISION_P50_US,
     TARGET_MULTI_TURN_ADDED_P50_MS,
     TARGET_RPS_RATIO,
@@ -20,20 +21,22 @@ def check(value: Any, op: str, limit: float) -> dict[str, Any]:
 
 
 def targets(fig: dict[str, Any]) -> dict[str, Any]:
-    by_name = {s["name"]: s for s in fig["systems"]}
-    ours = by_name["ours prompt_tree"]
-    peer = by_name["sglang-router cache_aware"]
+    ours = headline(fig)
+    cores = ours["cores"]
+    peer = peer_on(fig, "sglang-router", "cache_aware", cores)
+    assert peer is not None
     tok, dec = fig["tokenizer"], fig["decision"]
+    who = ours["name"]
     small_added = ours["added_paired_ms"]["small"]["p50"]
     out: dict[str, Any] = {}
 
     t = check(dec["select_hit_us"]["p50"], "<=", TARGET_DECISION_P50_US)
-    t["about"] = "PromptTree.select p50 (us), 8K-token request, tokenizing excluded"
+    t["about"] = (
+        "PromptTree.select p50 (us), 8K-token request as the router passes it (uint32 "
+        "array), tokenizing excluded"
+    )
     if t["met"] is False:
-        t["why"] = (
-            f"select p50 {t['value']:.0f} us > {TARGET_DECISION_P50_US:.0f} us; the list -> "
-            f"uint32 conversion alone is {dec['list_to_uint32_us']['p50']:.0f} us"
-        )
+        t["why"] = f"select p50 {t['value']:.0f} us > {TARGET_DECISION_P50_US:.0f} us"
     out["decision_p50_us"] = t
 
     # Latency targets use the paired p50 (median of per-request differences to the same
@@ -41,7 +44,7 @@ def targets(fig: dict[str, Any]) -> dict[str, Any]:
     # an 8K chat) cancels in each pair, while a difference of two p50s moves with it.
     t = check(ours["added_paired_ms"]["multi_turn"]["p50"], "<=", TARGET_MULTI_TURN_ADDED_P50_MS)
     t["p50_difference"] = ours["added_ms"]["multi_turn"]["p50"]
-    t["about"] = "ours prompt_tree: paired added latency p50 (ms), turn >= 2 of 8K chats"
+    t["about"] = f"{who}: paired added latency p50 (ms), turn >= 2 of 8K chats"
     if t["met"] is False:
         t["why"] = (
             f"adds {t['value']:.2f} ms: warm encode {tok['cached_warm_ms']['p50']:.2f} ms "
@@ -53,33 +56,41 @@ def targets(fig: dict[str, Any]) -> dict[str, Any]:
         )
     out["multi_turn_added_p50_ms"] = t
 
-    limit = tok["full_encode_ms"]["p50"] + TARGET_COLD_MARGIN_MS
-    t = check(ours["added_paired_ms"]["cold_8k"]["p50"], "<=", limit)
+    t = check(ours["added_paired_ms"]["cold_8k"]["p50"], "<=", TARGET_COLD_ADDED_P50_MS)
     t["p50_difference"] = ours["added_ms"]["cold_8k"]["p50"]
-    t["about"] = (
-        "ours prompt_tree: paired added latency p50 (ms), cold 8K chat; limit = full encode "
-        "p50 + 1 ms"
-    )
+    t["about"] = f"{who}: paired added latency p50 (ms), cold 8K chat"
     if t["met"] is False:
         t["why"] = (
-            f"adds {t['value']:.2f} ms > {limit:.2f} ms: cached cold encode "
-            f"{tok['cached_cold_ms']['p50']:.2f} ms, proxy hop {small_added:.2f} ms"
+            f"adds {t['value']:.2f} ms: its new text's encode ({tok['cached_cold_ms']['p50']:.2f} "
+            f"ms of CPU, on a thread) competes with the worker for the cores; proxy hop "
+            f"{small_added:.2f} ms"
         )
     out["cold_8k_added_p50_ms"] = t
 
-    if peer["available"] and ours["rps"] and peer["rps"] and peer["rps"]["rps"] > 0:
+    for cores in fig["core_counts"]:
+        mine = headline(fig, cores)
+        theirs = peer_on(fig, "sglang-router", "cache_aware", cores)
+        key = "rps_ratio" if cores == ours["cores"] else f"rps_ratio_{cores}c"
+        out[key] = rps_target(mine, theirs)
+    return out
+
+
+def rps_target(ours: dict[str, Any], peer: dict[str, Any] | None) -> dict[str, Any]:
+    """Ours / sglang-router's max rps on the same CPU set, against TARGET_RPS_RATIO."""
+    if peer and peer["available"] and ours["rps"] and peer["rps"] and peer["rps"]["rps"] > 0:
         ratio = ours["rps"]["rps"] / peer["rps"]["rps"]
         t = check(ratio, ">=", TARGET_RPS_RATIO)
         if t["met"] is False:
             t["why"] = (
                 f"ours {ours['rps']['rps']:.0f} rps < {TARGET_RPS_RATIO} x sglang-router "
-                f"{peer['rps']['rps']:.0f} rps"
+                f"{peer['rps']['rps']:.0f} rps: Python's HTTP handling, parsing and "
+                "tokenizing cost more CPU per request than the Rust router's"
             )
     else:
         t = {"value": None, "op": ">=", "limit": TARGET_RPS_RATIO, "met": None}
         t["why"] = "not measured: " + (
-            peer["reason"] or "sglang-router completed no request in the rps window"
+            (peer or {}).get("reason") or "sglang-router completed no request in the rps window"
         )
-    t["about"] = "max rps, ours prompt_tree / sglang-router cache_aware"
-    out["rps_ratio"] = t
-    return out
+    name = peer["name"] if peer else "sglang-router cache_aware"
+    t["about"] = f"max rps, {ours['name']} / {name} (the same CPU set)"
+    return t

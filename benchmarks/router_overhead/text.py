@@ -115,5 +115,8 @@ def small_prompts(n: int) -> list[list[dict[str, str]]]:
     return out
 
 
-def chat_body(messages: list[dict[str, str]], max_tokens: int) -> bytes:
-    return json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0}).encode()
+def chat_body(messages: list[dict[str, str]], max_tokens: int, model: str | None = None) -> bytes:
+    """A chat request's body; `model`: the workers' model name (smg refuses requests that
+    name none)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps(body if model is None else {"model": model, **body}).encode()

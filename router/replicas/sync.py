@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -448,14 +448,7 @@ class Replicator:
 
     def _sum_peer_loads(self) -> None:
         """Each worker's peer_in_flight: the sum of the live peers' last published counts."""
-        totals: dict[str, list[int]] = {}
-        for _, loads in self._peer_loads.values():
-            for url, (n, tokens) in loads.items():
-                total = totals.setdefault(url, [0, 0])
-                total[0] += n
-                total[1] += tokens
-        for w in self.registry.workers.values():
-            w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
+        set_peer_loads(self.registry, (loads for _, loads in self._peer_loads.values()))
         self.registry.load_changed()
 
     @property
@@ -514,6 +507,19 @@ class Replicator:
             "dropped": self.outbox.dropped,
             "queued": self.outbox.queue.qsize(),
         }
+
+
+def set_peer_loads(registry: WorkerRegistry, peers: Iterable[dict[str, list[int]]]) -> None:
+    """Each worker's peer_in_flight (and tokens): the sum of the peers' last counts, each
+    {worker URL: [requests, prompt tokens]} (other replicas', or sibling processes')."""
+    totals: dict[str, list[int]] = {}
+    for loads in peers:
+        for url, (n, tokens) in loads.items():
+            total = totals.setdefault(url, [0, 0])
+            total[0] += n
+            total[1] += tokens
+    for w in registry.workers.values():
+        w.peer_in_flight, w.peer_in_flight_tokens = totals.get(w.url, (0, 0))
 
 
 def _text(value: object) -> str:

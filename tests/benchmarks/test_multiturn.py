@@ -127,6 +127,17 @@ def test_targets_are_reported_not_asserted(results: dict[str, Any]) -> None:
             assert t.get("why"), f"{name} missed without a reason"
 
 
+def test_two_processes_run_next_to_the_single_router(results: dict[str, Any]) -> None:
+    """`ours prompt_tree x2 processes` (--processes 2) ran both main workloads, paired with
+    the single process's hit ratio (noisy: reported, not asserted within the 2 points)."""
+    summary = results["processes"]
+    assert set(summary) == {"trace", "multi_round_qa"}
+    for rows in summary.values():
+        (row,) = rows
+        assert row["system"] == "ours prompt_tree x2 processes"
+        assert finite(row["hit_gap_points"]) and isinstance(row["within"], bool), row
+
+
 def test_two_replicas_run_next_to_the_single_router(out_dir: Path, results: dict[str, Any]) -> None:
     """The replicated system ran both main workloads through its front, and the results pair
     it with the single router: hit ratios, the propagation delay measured during the run

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -141,6 +144,46 @@ def test_turn_two_of_8k_conversation_encodes_only_new_messages(chat: ChatTokeniz
         assert after["misses"] - before["misses"] <= 3
         assert after["encoded_tokens"] - before["encoded_tokens"] < 60
     assert encoder.stats()["verified"] == 4 and encoder.stats()["mismatches"] == 0
+
+
+def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> None:
+    """A cold 8K chat's new text goes to the encoder's thread (the loop serves meanwhile);
+    the ids are the engine's, and its pieces are cached for the next turn."""
+    encoder = CachedEncoder(chat)
+    messages = long_conversation(chat, 8000)
+    known, rest = encoder.encode_chat_known(messages)
+    assert encoder.off_loop(rest)
+    loop_thread = threading.get_ident()
+    seen: set[int] = set()
+    batch = encoder._encode_batch
+
+    def spy(pieces: list[str]) -> list[Any]:
+        seen.add(threading.get_ident())
+        return batch(pieces)
+
+    encoder._encode_batch = spy  # type: ignore[method-assign]
+
+    async def encode() -> Any:
+        task = asyncio.get_running_loop().create_task(encoder.complete_async(known, rest))
+        await asyncio.sleep(0)  # on the thread now: a request sharing the text waits for it
+        waits = encoder.encoding(rest)
+        assert len(waits) == 1 and not waits[0].done()
+        ids = await task
+        assert waits[0].done() and encoder.encoding(rest) == []
+        return ids
+
+    try:
+        ids = asyncio.run(encode())
+    finally:
+        encoder.close()
+    assert ids.tolist() == chat.encode_chat(messages)
+    assert seen and loop_thread not in seen
+    known, rest = encoder.encode_chat_known(messages)
+    assert rest == [] and known == ids
+    short = [*messages, {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "?"}]
+    known, rest = encoder.encode_chat_known(short)
+    assert rest and not encoder.off_loop(rest)  # a new turn: encoded on the loop, at once
+    assert asyncio.run(encoder.complete_async(known, rest)).tolist() == chat.encode_chat(short)
 
 
 def test_primed_answer_leaves_only_the_new_question_to_encode(chat: ChatTokenizer) -> None:
