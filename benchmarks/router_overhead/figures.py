@@ -131,8 +131,7 @@ def scaling(fig: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"rps @{c}c"] = rps[c]
             row[f"rps per core @{c}c"] = rps[c] / c if rps[c] else None
         lo, hi = min(counts), max(counts)
-        row[f"scaling {lo}c -> {hi}c"] = (
-            rps[hi] / rps[lo] if hi != lo and rps[hi] and rps[lo] else None
-        )
+        low, high = rps[lo], rps[hi]
+        row[f"scaling {lo}c -> {hi}c"] = high / low if hi != lo and high and low else None
         rows.append(row)
     return rows
