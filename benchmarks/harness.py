@@ -71,6 +71,28 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
+def shown_path(path: Path | str) -> str:
+    """A path as results may show it: relative to the repository when inside it, else only
+    its file name (where this machine keeps a file is no part of a figure)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return path.name if path.is_absolute() else str(path)
+
+
+def shown_command(prefix: str, argv: Sequence[str]) -> str:
+    """A command line as results may show it: its absolute paths as `shown_path` gives them."""
+
+    def shown(word: str) -> str:
+        flag, eq, value = word.partition("=")
+        if eq and value.startswith("/"):
+            return f"{flag}={shown_path(value)}"
+        return shown_path(word) if word.startswith("/") else word
+
+    return " ".join([prefix, *map(shown, argv)])
+
+
 def jsonable(value: Any) -> Any:
     """Non-finite floats become None: json would otherwise emit NaN, which is not JSON."""
     if isinstance(value, float) and not math.isfinite(value):

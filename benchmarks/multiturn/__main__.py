@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from benchmarks.harness import progress_bar, stop_children_on_terminate
+from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
 from benchmarks.harness import step as advance
 from benchmarks.multiturn.plan import Plan, make_plan
 from benchmarks.multiturn.results import sim_model, write_all
@@ -242,7 +242,7 @@ class Session:
 
 
 def command_line(argv: Sequence[str] | None) -> str:
-    return " ".join(["python -m benchmarks.multiturn", *(argv or sys.argv[1:])])
+    return shown_command("python -m benchmarks.multiturn", argv or sys.argv[1:])
 
 
 def finished(preset: str, runs: int, elapsed: float, out: Path) -> int:

@@ -7,20 +7,27 @@ request shares), so a conversation's turns form a chain. A subset is a seeded sa
 sessions (`sessions`), or the requests from `start` on (`requests`). Timestamps are scaled so
 the subset is offered at `rate` requests/s; a turn is also never sent before its parent is
 answered. Each block becomes deterministic text of exactly 512 tokens (`text.Vocab.block`).
+
+The default trace ships with the package (`data/`, gzipped; its source and license are in
+`data/README.md`), so a clone runs the benchmark as is; results name a trace by its
+repository-relative path, never by where this machine keeps it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from benchmarks.harness import shown_path
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import COMPLETION, Request, Workload
 
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_TRACE = DATA_DIR / "mooncake_conversation_trace.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -31,10 +38,20 @@ class TraceRow:
     hash_ids: tuple[int, ...]
 
 
+def open_text(path: Path) -> IO[str]:
+    """A trace file for reading as text: gzipped (by its magic bytes) or plain."""
+    with Path(path).open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return Path(path).open(encoding="utf-8")
+
+
 def load_trace(path: Path) -> list[TraceRow]:
-    """Rows in timestamp order; ValueError naming the line for a malformed one."""
+    """Rows in timestamp order, from a plain or gzipped file; ValueError naming the line for
+    a malformed one."""
     rows = []
-    with Path(path).open() as f:
+    with open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -49,7 +66,9 @@ def load_trace(path: Path) -> list[TraceRow]:
                     )
                 )
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace row ({exc})") from None
+                raise ValueError(
+                    f"{shown_path(path)}:{n}: not a Mooncake trace row ({exc})"
+                ) from None
     rows.sort(key=lambda r: r.timestamp_ms)
     return rows
 
@@ -98,7 +117,7 @@ class TraceReplay:
         keep = [i for i in keep if rows[i].input_length <= self.max_input_tokens]
         kept = set(keep)
         if not keep:
-            raise ValueError(f"{self.path}: the subset is empty")
+            raise ValueError(f"{shown_path(self.path)}: the subset is empty")
         t0 = rows[keep[0]].timestamp_ms
         span = max(rows[keep[-1]].timestamp_ms - t0, 1.0) / 1000
         scale = (len(keep) / self.rate) / span  # trace seconds -> run seconds
@@ -130,7 +149,7 @@ class TraceReplay:
                 )
             )
         params: dict[str, Any] = {
-            "trace": str(self.path),
+            "trace": shown_path(self.path),
             "trace_rows": len(rows),
             "subset": f"{self.sessions} sampled sessions (seed {self.seed})"
             if self.sessions
@@ -145,5 +164,13 @@ class TraceReplay:
             "max_output_tokens": self.max_output_tokens,
             "block_tokens": 512,
         }
-        name = "trace" if self.path == DEFAULT_TRACE else f"trace:{Path(self.path).stem}"
-        return Workload(name, f"trace replay ({Path(self.path).name})", requests, params)
+        return Workload(
+            trace_name(self.path), f"trace replay ({Path(self.path).name})", requests, params
+        )
+
+
+def trace_name(path: Path) -> str:
+    """`trace` for the shipped trace, else `trace:` and the file's name without suffixes."""
+    if Path(path).resolve() == DEFAULT_TRACE:
+        return "trace"
+    return f"trace:{Path(path).name.split('.')[0]}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import benchmarks.soak as package
-from benchmarks.harness import progress_bar, run_async
+from benchmarks.harness import progress_bar, run_async, shown_path
 from benchmarks.soak import analysis
 from benchmarks.soak.cluster import POLICY, Running, mempool_accounting, start
 from benchmarks.soak.config import Config, parse_args
@@ -93,7 +93,7 @@ def figures(
         }
         for name in sorted(set(exited) | {n for n, c in codes.items() if c is not None})
     ]
-    config_dict = {**asdict(config), "out": str(config.out), "window_s": config.window_s}
+    config_dict = {**asdict(config), "out": shown_path(config.out), "window_s": config.window_s}
     fig: dict[str, Any] = {
         "config": {**config_dict, "policy": POLICY},
         "load": {
