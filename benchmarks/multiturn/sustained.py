@@ -1,0 +1,132 @@
+"""The rate a cluster sustains, measured on its own workers before the measured runs.
+
+A comparison at "85 % load" needs the load's 100 %. It is measured, not assumed: on the
+started cluster, one reference system (a preset names it, a peer so that the figure does
+not move when our router changes) serves a short calibration workload at rising offered
+rates; completed requests per second of the active span (first send to last answer) are
+read at each. The search starts at a fraction of the floor model's bound, multiplies the
+rate by `factor` each step, and stops when completed/s grew less than `min_growth` over the
+best so far, when the cluster fell behind (completed/s below `behind` x offered), or after
+`max_steps`. The sustained rate is the most completed/s seen. The floor model's bound (every
+prefill worker busy all the time on the oracle's uncached tokens, nothing else) is recorded
+next to it: it is an upper bound the measurement must stay under.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from benchmarks.harness import finite
+from benchmarks.multiturn.cluster import Cluster, RouterSpec
+from benchmarks.multiturn.floor import Floor
+from benchmarks.multiturn.oracle import Replay
+
+
+def at_rate(builder: Any, rate: float) -> Any:
+    """The builder offering `rate` requests/s (its `qps` or its `rate`)."""
+    if hasattr(builder, "qps"):
+        return replace(builder, qps=rate)
+    return replace(builder, rate=rate)
+
+
+def floor_bound_rps(floor: Floor, planned: Replay, prefill_workers: int) -> float | None:
+    """Requests/s the prefill workers could finish if each request cost only its floor
+    TTFT (the oracle's hits, alone, no decode): an upper bound on the sustained rate."""
+    ttfts = [
+        floor.ttft_s(n, hit or 0)
+        for n, hit in zip(planned.lengths, planned.hits, strict=True)
+        if n is not None
+    ]
+    mean = statistics.fmean(ttfts) if ttfts else 0.0
+    return prefill_workers / mean if mean > 0 else None
+
+
+@dataclass(frozen=True)
+class Search:
+    """How the sustained rate is searched for."""
+
+    start_fraction: float = 0.35  # of the floor model's bound
+    factor: float = 1.4
+    min_growth: float = 0.08
+    behind: float = 0.8
+    max_steps: int = 6
+
+
+@dataclass
+class Calibration:
+    """One cluster's measured sustained rate and the steps that found it."""
+
+    reference: str  # the system that served the calibration workload
+    cluster: str
+    floor_bound_rps: float | None
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    sustained_rps: float | None = None
+    stopped: str = ""  # why the search ended
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+RunAt = Callable[[float], dict[str, Any]]  # offered rate -> the run's record
+
+
+def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -> Calibration:
+    """Raise the offered rate from `first_rate` until completed requests/s stop growing;
+    `run_at(rate)` runs the calibration workload at that rate and returns its record."""
+    cal = Calibration("", "", bound)
+    rate, best = first_rate, 0.0
+    for _ in range(how.max_steps):
+        record = run_at(rate)
+        done = record.get("throughput_rps")
+        step = {
+            "offered_rps": rate,
+            "sent_rps": record.get("offered_rps"),
+            "completed_rps": done,
+            "errors": record.get("errors"),
+            "ttft_p50_s": record.get("ttft_p50_s"),
+            "ttft_p99_s": record.get("ttft_p99_s"),
+            "hit_ratio": record.get("reuse_ratio", record.get("hit_ratio")),
+            "gpu_utilization": record.get("gpu_utilization"),
+            "loadavg_1m": record.get("loadavg_1m"),
+            "cpu_s": record.get("cpu_s"),
+            "wall_s": record.get("wall_s"),
+        }
+        cal.steps.append(step)
+        if record.get("errors") or not finite(done):
+            cal.stopped = f"errors at {rate:.3g} req/s offered: {record.get('error_samples')}"
+            break
+        if done < (1 + how.min_growth) * best:
+            cal.stopped = (
+                f"completed/s stopped growing: {done:.3g} at {rate:.3g} offered, best {best:.3g}"
+            )
+            best = max(best, done)
+            break
+        best = max(best, done)
+        if done < how.behind * rate:
+            cal.stopped = f"the cluster fell behind: {done:.3g} completed/s at {rate:.3g} offered"
+            break
+        rate *= how.factor
+    else:
+        cal.stopped = f"{how.max_steps} steps without saturating (the last is the sustained rate)"
+    cal.sustained_rps = best or None
+    return cal
+
+
+def calibrate(
+    cluster: Cluster,
+    reference: RouterSpec,
+    run_at: RunAt,
+    floor: Floor,
+    planned: Replay,
+    how: Search = Search(),
+) -> Calibration:
+    """The sustained rate of `cluster` with `reference` routing the calibration workload."""
+    prefills = len(cluster.by_role("prefill")) or len(cluster.by_role("colocated"))
+    bound = floor_bound_rps(floor, planned, prefills)
+    first = how.start_fraction * bound if bound else 1.0
+    cal = search(run_at, bound, first, how)
+    cal.reference, cal.cluster = reference.name, cluster.spec.name
+    return cal
