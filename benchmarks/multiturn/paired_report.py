@@ -103,10 +103,13 @@ def kv_moved(run: Run) -> dict[str, float]:
 
 def derived(run: Run) -> dict[str, Any]:
     """A run's figures the report adds to what it recorded."""
+    cpu = sum((run.get("cpu_s") or {}).values())
     return {
         **kv_moved(run),
         "p99_vs_floor": ratio(run.get("ttft_p99_s"), run.get("floor_ttft_p99_s")),
         "busy_balance": busy_balance(run),
+        # client, routers and workers: what the time scale must leave room for on 2 cores
+        "cpu_ms_per_request": ratio(cpu * 1e3, run.get("requests")),
     }
 
 
@@ -132,6 +135,7 @@ FIGURES = (
     "offered_rps",
     "gpu_utilization",
     "busy_balance",
+    "cpu_ms_per_request",
 )
 
 
@@ -273,15 +277,26 @@ def slug(text: str) -> str:
     return "_".join(p for p in kept.split("_") if p)
 
 
-def share_text(values: Sequence[Any] | None) -> str:
-    return "/".join(pct(v) for v in values or []) or "?"
+def share_text(values: Sequence[Any] | None, roles: Sequence[str] | None = None) -> str:
+    """Shares per worker, grouped by role on a PD cluster: `P 60%/40%, D 50%/50%`."""
+    values = list(values or [])
+    if not values:
+        return "?"
+    roles = list(roles or [])
+    if len(roles) != len(values) or set(roles) <= {"colocated"}:
+        return "/".join(pct(v) for v in values)
+    groups: dict[str, list[str]] = {}
+    for role, value in zip(roles, values, strict=True):
+        groups.setdefault(role[:1].upper(), []).append(pct(value))
+    return ", ".join(f"{r} {'/'.join(v)}" for r, v in groups.items())
 
 
 def detail(target: Target, ours: dict[str, Any], other: dict[str, Any]) -> str:
+    roles = ours.get("worker_roles")
     if target.figure == "busy_balance":
         return (
-            f"busy share per worker {share_text(ours.get('busy_shares'))}, requests "
-            f"{share_text(ours.get('request_shares'))} (medians)"
+            f"busy share per worker {share_text(ours.get('busy_shares'), roles)}, requests "
+            f"{share_text(ours.get('request_shares'), roles)} (medians)"
         )
     if target.figure == "reuse_ratio":
         return f"hit {pct(med(ours, 'reuse_ratio'))} vs {pct(med(other, 'reuse_ratio'))} (medians)"
@@ -314,14 +329,16 @@ def why(
             f"{other['system']}: TTFT mean {secs(med(other, 'ttft_mean_s'))}, p99 "
             f"{secs(med(other, 'ttft_p99_s'))}, hit {pct(med(other, 'reuse_ratio'))}"
         )
+    roles = run.get("worker_roles")
     parts.append(
-        f"ours per worker (seed {seed}): requests {share_text(request_shares(run))}, busy "
-        f"{share_text(busy_shares(run))}"
+        f"ours per worker (seed {seed}): requests {share_text(request_shares(run), roles)}, "
+        f"busy {share_text(busy_shares(run), roles)}"
     )
     if other and seed in theirs:
+        them = theirs[seed]
         parts.append(
-            f"{other['system']}'s: requests {share_text(request_shares(theirs[seed]))}, busy "
-            f"{share_text(busy_shares(theirs[seed]))}"
+            f"{other['system']}'s: requests {share_text(request_shares(them), roles)}, busy "
+            f"{share_text(busy_shares(them), roles)}"
         )
     if target.figure.startswith("ttft"):
         parts.append(f"ours' slowest 5%: {tail_summary(run, turns=False)}")
@@ -392,11 +409,12 @@ def movement_rows(summary: Sequence[dict[str, Any]], config: str) -> list[dict[s
                 "KV write-back GiB": gib(e, "kv_writeback_bytes"),
                 "write-backs": _r(med(e, "writebacks"), 0),
                 "KV pulled GiB": gib(e, "kv_pulled_bytes"),
-                "requests per worker": share_text(e.get("request_shares")),
-                "busy per worker": share_text(e.get("busy_shares")),
+                "requests per worker": share_text(e.get("request_shares"), e.get("worker_roles")),
+                "busy per worker": share_text(e.get("busy_shares"), e.get("worker_roles")),
                 "least busy / mean": spread_text(e.get("busy_balance")),
                 "sent/s": _r(med(e, "offered_rps"), 2),
                 "GPU busy": pct(med(e, "gpu_utilization")),
+                "CPU ms/req": _r(med(e, "cpu_ms_per_request"), 0),
                 "errors": e.get("errors"),
                 "429 retries": e.get("retries_429"),
                 "aborted": e.get("engine_aborts"),

@@ -3,11 +3,12 @@
 A comparison at "85 % load" needs the load's 100 %. It is measured, not assumed: on the
 started cluster, one reference system (a preset names it, a peer so that the figure does
 not move when our router changes) serves a short calibration workload at rising offered
-rates; completed requests per second of the active span (first send to last answer) are
-read at each. The search starts at a fraction of the floor model's bound, multiplies the
-rate by `factor` each step, and stops when completed/s grew less than `min_growth` over the
-best so far, when the cluster fell behind (completed/s below `behind` x offered), or after
-`max_steps`. The sustained rate is the most completed/s seen. The floor model's bound (every
+rates; at each, completed requests per second between the first answer and the last
+(`metrics.completion_rps`: a finite run's ramp-up and drain left out) are read. The search
+starts at a fraction of the floor model's bound, multiplies the rate by `factor` each step,
+and stops when completed/s grew less than `min_growth` over the best so far, when the
+cluster fell behind (completed/s below `behind` x the rate the client really sent at), or
+after `max_steps`. The sustained rate is the most completed/s seen. The floor model's bound (every
 prefill worker busy all the time on the oracle's uncached tokens, nothing else) is recorded
 next to it: it is an upper bound the measurement must stay under.
 """
@@ -80,10 +81,10 @@ def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -
     rate, best = first_rate, 0.0
     for _ in range(how.max_steps):
         record = run_at(rate)
-        done = record.get("throughput_rps")
+        done, sent = record.get("completion_rps"), record.get("offered_rps")
         step = {
             "offered_rps": rate,
-            "sent_rps": record.get("offered_rps"),
+            "sent_rps": sent,
             "completed_rps": done,
             "errors": record.get("errors"),
             "ttft_p50_s": record.get("ttft_p50_s"),
@@ -105,8 +106,9 @@ def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -
             best = max(best, done)
             break
         best = max(best, done)
-        if done < how.behind * rate:
-            cal.stopped = f"the cluster fell behind: {done:.3g} completed/s at {rate:.3g} offered"
+        sent = sent if finite(sent) else rate
+        if done < how.behind * sent:
+            cal.stopped = f"the cluster fell behind: {done:.3g} completed/s, {sent:.3g} sent/s"
             break
         rate *= how.factor
     else:
