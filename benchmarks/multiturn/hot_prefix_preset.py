@@ -128,10 +128,6 @@ def _workload(trace: Path | None, synthetic: HotPrefix) -> Callable[[int], Any]:
     return lambda seed: OpenLoopTrace(trace, requests=synthetic.requests, seed=seed)
 
 
-def narrowed(preset: HotPrefixPreset, seeds: Sequence[int] | None) -> HotPrefixPreset:
-    return replace(preset, seeds=tuple(dict.fromkeys(seeds))) if seeds else preset
-
-
 def make_plan(
     preset: HotPrefixPreset,
     vocab: Vocab,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn import hot_prefix_preset, pd_preset
-from benchmarks.multiturn.capacity import Features
+from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_rates, run_paired
 from benchmarks.multiturn.paired_report import TargetsFor, write_paired
 from benchmarks.peers import PeerStatus
@@ -70,11 +70,11 @@ def make_plan(
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
             args.trace
         )
-        hot = hot_prefix_preset.narrowed(hot, args.seeds)
+        hot = narrowed(hot, args.seeds, None)
         plan = hot_prefix_preset.make_plan(hot, vocab, features, systems, on_seed)
     else:
         pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)(args.trace)
-        pd = pd_preset.narrowed(pd, args.seeds, args.multiples)
+        pd = narrowed(pd, args.seeds, args.multiples)
         workloads = set(args.workloads) if args.workloads else None
         plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed)
     if args.calibration_from:

@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite, markdown_table
+from benchmarks.multiturn.capacity_report import spread
 from benchmarks.multiturn.paired import system_label
 from benchmarks.multiturn.paired_plots import plot_paired
-from benchmarks.multiturn.results import model_text, publish, sim_model, target_rows
+from benchmarks.multiturn.results import (
+    model_text,
+    params_text,
+    publish,
+    sim_model,
+    target_rows,
+)
 from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
 from benchmarks.peers import PeerStatus
 
@@ -137,12 +144,6 @@ FIGURES = (
     "busy_balance",
     "cpu_ms_per_request",
 )
-
-
-def spread(values: Sequence[float]) -> dict[str, Any] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def configs(runs: Sequence[Run]) -> list[str]:
@@ -370,58 +371,49 @@ def gib(entry: dict[str, Any], key: str) -> Any:
     return _r(value / 2**30, 2) if finite(value) else None
 
 
-def latency_rows(summary: Sequence[dict[str, Any]], config: str) -> list[dict[str, Any]]:
-    rows = []
-    for e in summary:
-        if e["config"] != config:
-            continue
-        rows.append(
-            {
-                "system": e["system"],
-                "TTFT mean": spread_text(e.get("ttft_mean_s"), 3),
-                "p50": _r(med(e, "ttft_p50_s")),
-                "p99": spread_text(e.get("ttft_p99_s"), 3),
-                "floor p99": _r(med(e, "floor_ttft_p99_s")),
-                "p99/floor": spread_text(e.get("p99_vs_floor")),
-                "JCT mean": _r(med(e, "jct_mean_s")),
-                "JCT p99": _r(med(e, "jct_p99_s")),
-                "hit": pct(med(e, "reuse_ratio")),
-                "oracle": pct(med(e, "oracle_hit_ratio")),
-                "device": pct(med(e, "device_share")),
-                "host": pct(med(e, "host_share")),
-                "pulled": pct(med(e, "pulled_share")),
-                "written back": "n/a",
-                "recomputed": pct(med(e, "recomputed_share")),
-            }
-        )
-    return rows
+def rows_of(
+    summary: Sequence[dict[str, Any]], config: str, row: Callable[[dict[str, Any]], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One table row per system of `config`."""
+    return [{"system": e["system"], **row(e)} for e in summary if e["config"] == config]
 
 
-def movement_rows(summary: Sequence[dict[str, Any]], config: str) -> list[dict[str, Any]]:
-    rows = []
-    for e in summary:
-        if e["config"] != config:
-            continue
-        rows.append(
-            {
-                "system": e["system"],
-                "KV P->D GiB": gib(e, "kv_pd_bytes"),
-                "KV write-back GiB": gib(e, "kv_writeback_bytes"),
-                "write-backs": _r(med(e, "writebacks"), 0),
-                "KV pulled GiB": gib(e, "kv_pulled_bytes"),
-                "requests per worker": share_text(e.get("request_shares"), e.get("worker_roles")),
-                "busy per worker": share_text(e.get("busy_shares"), e.get("worker_roles")),
-                "least busy / mean": spread_text(e.get("busy_balance")),
-                "sent/s": _r(med(e, "offered_rps"), 2),
-                "GPU busy": pct(med(e, "gpu_utilization")),
-                "CPU ms/req": _r(med(e, "cpu_ms_per_request"), 0),
-                "errors": e.get("errors"),
-                "429 retries": e.get("retries_429"),
-                "aborted": e.get("engine_aborts"),
-                "retracted": e.get("retracted"),
-            }
-        )
-    return rows
+def latency_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "TTFT mean": spread_text(e.get("ttft_mean_s"), 3),
+        "p50": _r(med(e, "ttft_p50_s")),
+        "p99": spread_text(e.get("ttft_p99_s"), 3),
+        "floor p99": _r(med(e, "floor_ttft_p99_s")),
+        "p99/floor": spread_text(e.get("p99_vs_floor")),
+        "JCT mean": _r(med(e, "jct_mean_s")),
+        "JCT p99": _r(med(e, "jct_p99_s")),
+        "hit": pct(med(e, "reuse_ratio")),
+        "oracle": pct(med(e, "oracle_hit_ratio")),
+        "device": pct(med(e, "device_share")),
+        "host": pct(med(e, "host_share")),
+        "pulled": pct(med(e, "pulled_share")),
+        "written back": "n/a",
+        "recomputed": pct(med(e, "recomputed_share")),
+    }
+
+
+def movement_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "KV P->D GiB": gib(e, "kv_pd_bytes"),
+        "KV write-back GiB": gib(e, "kv_writeback_bytes"),
+        "write-backs": _r(med(e, "writebacks"), 0),
+        "KV pulled GiB": gib(e, "kv_pulled_bytes"),
+        "requests per worker": share_text(e.get("request_shares"), e.get("worker_roles")),
+        "busy per worker": share_text(e.get("busy_shares"), e.get("worker_roles")),
+        "least busy / mean": spread_text(e.get("busy_balance")),
+        "sent/s": _r(med(e, "offered_rps"), 2),
+        "GPU busy": pct(med(e, "gpu_utilization")),
+        "CPU ms/req": _r(med(e, "cpu_ms_per_request"), 0),
+        "errors": e.get("errors"),
+        "429 retries": e.get("retries_429"),
+        "aborted": e.get("engine_aborts"),
+        "retracted": e.get("retracted"),
+    }
 
 
 def calibration_rows(calibration: dict[str, Any]) -> list[dict[str, Any]]:
@@ -477,9 +469,9 @@ def sections(
         out += [
             "TTFT and JCT in seconds; median [min..max] over the seeds where they differ.",
             "",
-            markdown_table(latency_rows(summary, config)),
+            markdown_table(rows_of(summary, config, latency_row)),
             "",
-            markdown_table(movement_rows(summary, config)),
+            markdown_table(rows_of(summary, config, movement_row)),
             "",
         ]
     skipped = [r for r in runs if not r.get("available")]
@@ -534,12 +526,7 @@ def notes(
         if run.get("workload_params") and key not in params:
             params[key] = run["workload_params"]
     for key, p in params.items():
-        text = ", ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in p.items()
-            if k != "seed"
-        )
-        out.append(f"Workload of {key}: {text}.")
+        out.append(f"Workload of {key}: {params_text(p)}.")
     return out
 
 

@@ -101,16 +101,6 @@ def quick_preset(trace: Path | None = None) -> PDPreset:
     )
 
 
-def narrowed(
-    preset: PDPreset, seeds: Sequence[int] | None, multiples: Sequence[float] | None
-) -> PDPreset:
-    if seeds:
-        preset = replace(preset, seeds=tuple(dict.fromkeys(seeds)))
-    if multiples:
-        preset = replace(preset, multiples=tuple(dict.fromkeys(multiples)))
-    return preset
-
-
 def make_plan(
     preset: PDPreset,
     vocab: Vocab,

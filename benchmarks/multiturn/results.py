@@ -222,11 +222,17 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
             "means something else competed for the CPU during that run."
         )
     for name, params in workloads.items():
-        text = ", ".join(
-            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items()
-        )
-        out.append(f"Workload `{name}`: {text}.")
+        out.append(f"Workload `{name}`: {params_text(params, leave=())}.")
     return out
+
+
+def params_text(params: dict[str, Any], leave: Sequence[str] = ("seed",)) -> str:
+    """A workload's parameters as one line: `name value, ...` (floats shortened)."""
+    return ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in params.items()
+        if k not in leave
+    )
 
 
 def publish(

@@ -164,25 +164,41 @@ class TraceReplay:
                     prompt_ids=ids,
                 )
             )
-        params: dict[str, Any] = {
-            "trace": shown_path(self.path),
-            "trace_rows": len(rows),
-            "subset": f"{self.sessions} sampled sessions (seed {self.seed})"
+        subset = (
+            f"{self.sessions} sampled sessions (seed {self.seed})"
             if self.sessions
-            else f"rows {self.start}..{self.start + len(keep)}",
-            "requests": len(requests),
+            else f"rows {self.start}..{self.start + len(keep)}"
+        )
+        params = {
+            **replay_params(self, len(rows), subset, requests, clock),
             "sessions": len({r.session for r in requests}),
-            "rate": self.rate,
-            "time_scale": clock.scale,
-            "trace_span_s": clock.span_s,
-            "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
-            "max_input_tokens": self.max_input_tokens,
-            "max_output_tokens": self.max_output_tokens,
-            "block_tokens": 512,
         }
         return Workload(
             trace_name(self.path), f"trace replay ({Path(self.path).name})", requests, params
         )
+
+
+def replay_params(
+    replay: TraceReplay | OpenLoopTrace,
+    rows: int,
+    subset: str,
+    requests: list[Request],
+    clock: Clock,
+) -> dict[str, Any]:
+    """What the results say about a trace replay."""
+    return {
+        "trace": shown_path(replay.path),
+        "trace_rows": rows,
+        "subset": subset,
+        "requests": len(requests),
+        "rate": replay.rate,
+        "time_scale": clock.scale,
+        "trace_span_s": clock.span_s,
+        "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
+        "max_input_tokens": replay.max_input_tokens,
+        "max_output_tokens": replay.max_output_tokens,
+        "block_tokens": 512,
+    }
 
 
 def trace_name(path: Path) -> str:
@@ -226,18 +242,9 @@ class OpenLoopTrace:
                     n, f"r{n}", 0, clock.at_s(row), answer, COMPLETION, prompt=text, prompt_ids=ids
                 )
             )
-        params: dict[str, Any] = {
-            "trace": shown_path(self.path),
-            "trace_rows": len(rows),
-            "subset": f"rows {first}.. of those within max_input_tokens, {len(window)} requests",
-            "requests": len(requests),
-            "rate": self.rate,
-            "time_scale": clock.scale,
-            "trace_span_s": clock.span_s,
-            "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
-            "max_input_tokens": self.max_input_tokens,
-            "max_output_tokens": self.max_output_tokens,
-            "block_tokens": 512,
+        subset = f"rows {first}.. of those within max_input_tokens, {len(window)} requests"
+        params = {
+            **replay_params(self, len(rows), subset, requests, clock),
             "open_loop": True,
         }
         return Workload(
