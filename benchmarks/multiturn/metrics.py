@@ -58,7 +58,6 @@ def summarize(
         **stats("jct", jct),
         "duration_s": span,
         "throughput_rps": len(ok) / span if span > 0 else None,
-        "completion_rps": completion_rps(ok),
         "output_tokens_per_s": completion / span if span > 0 else None,
         "offered_rps": len(sent) / (max(sent) - min(sent)) if len(sent) > 1 else None,
         "prompt_tokens": prompt,
@@ -97,16 +96,6 @@ def split(ok: Sequence[Outcome]) -> dict[str, Any]:
         out[f"{name}_share"] = value / prompt if prompt else None
     out["recomputed_share"] = recomputed / prompt if prompt else None
     return out
-
-
-def completion_rps(ok: Sequence[Outcome]) -> float | None:
-    """Answers per second between the first answer's end and the last's: the rate the
-    system delivered, without the ramp-up and drain a finite run adds to its span (which
-    bias `throughput_rps` low by one latency); None for fewer than two answers."""
-    done = sorted(o.sent_s + o.jct_s for o in ok if o.sent_s is not None and o.jct_s is not None)
-    if len(done) < 2 or done[-1] <= done[0]:
-        return None
-    return (len(done) - 1) / (done[-1] - done[0])
 
 
 def active_span(outcomes: Sequence[Outcome], wall_s: float) -> float:

@@ -226,7 +226,7 @@ NOTES = (
     "Sustained rate: on the PD-Caching-1 cluster, before its runs, sglang-router PD "
     "(cache_aware prefill, power_of_two decode) serves a calibration workload (another "
     "seed, fewer requests) at rising rates, from 35% of the floor model's bound (prefill "
-    "instances only) up by 1.4x a step, until completed requests/s (between the first and "
+    "instances only) up by 1.4x a step, until completed requests/s (from the first send to "
     "the last answer) grow less than 8% or fall below 80% of the rate really sent; the most "
     "completed/s seen is the sustained rate and every cluster of that (workload, shape, "
     "multiple) is offered 80% of it. Multi-round QA and trace sessions are causal (a turn "

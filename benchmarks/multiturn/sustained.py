@@ -3,14 +3,18 @@
 A comparison at "85 % load" needs the load's 100 %. It is measured, not assumed: on the
 started cluster, one reference system (a preset names it, a peer so that the figure does
 not move when our router changes) serves a short calibration workload at rising offered
-rates; at each, completed requests per second between the first answer and the last
-(`metrics.completion_rps`: a finite run's ramp-up and drain left out) are read. The search
-starts at a fraction of the floor model's bound, multiplies the rate by `factor` each step,
-and stops when completed/s grew less than `min_growth` over the best so far, when the
-cluster fell behind (completed/s below `behind` x the rate the client really sent at), or
-after `max_steps`. The sustained rate is the most completed/s seen. The floor model's bound (every
-prefill worker busy all the time on the oracle's uncached tokens, nothing else) is recorded
-next to it: it is an upper bound the measurement must stay under.
+rates; at each, completed requests per second of the active span (the first send to the
+last answer: `throughput_rps`) are read. That span carries one request's latency more than
+the sending does, so a run that keeps up reads a little under its rate (a few % at 120
+requests); the span between the first and the last answer would not, but an overloaded
+engine that prefills its queue side by side answers it in a burst at the end, and that span
+then reads several times the rate it really served. The search starts at a fraction of the
+floor model's bound, multiplies the rate by `factor` each step, and stops when completed/s
+grew less than `min_growth` over the best so far, when the cluster fell behind (completed/s
+below `behind` x the rate the client really sent at), or after `max_steps`. The sustained
+rate is the most completed/s seen: past it, caches thrash and the rate served falls. The
+floor model's bound (every prefill worker busy all the time on the oracle's uncached tokens,
+nothing else) is recorded next to it: an upper bound the measurement must stay under.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -
     rate, best = first_rate, 0.0
     for _ in range(how.max_steps):
         record = run_at(rate)
-        done, sent = record.get("completion_rps"), record.get("offered_rps")
+        done, sent = record.get("throughput_rps"), record.get("offered_rps")
         step = {
             "offered_rps": rate,
             "sent_rps": sent,
@@ -131,4 +135,6 @@ def calibrate(
     first = how.start_fraction * bound if bound else 1.0
     cal = search(run_at, bound, first, how)
     cal.reference, cal.cluster = reference.name, cluster.spec.name
+    if cal.sustained_rps and bound and cal.sustained_rps > bound:
+        cal.stopped += "; above the floor model's bound, which no cluster can serve: suspect"
     return cal

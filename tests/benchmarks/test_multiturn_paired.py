@@ -223,7 +223,7 @@ def test_the_search_finds_where_completions_stop_growing() -> None:
 
     def cluster(capacity: float) -> Any:
         def run_at(rate: float) -> dict[str, Any]:
-            return {"completion_rps": min(rate, capacity), "offered_rps": rate, "errors": 0}
+            return {"throughput_rps": min(rate, capacity), "offered_rps": rate, "errors": 0}
 
         return run_at
 
@@ -237,22 +237,10 @@ def test_the_search_finds_where_completions_stop_growing() -> None:
     assert slow.sustained_rps == pytest.approx(1.96) and "without saturating" in slow.stopped
 
     def failing(rate: float) -> dict[str, Any]:
-        return {"completion_rps": rate, "errors": 2, "error_samples": ["HTTP 502"]}
+        return {"throughput_rps": rate, "errors": 2, "error_samples": ["HTTP 502"]}
 
     broken = search(failing, None, 1.0, Search())
     assert broken.sustained_rps is None and "errors" in broken.stopped
-
-
-def test_completion_rate_leaves_out_ramp_and_drain() -> None:
-    from benchmarks.multiturn.client import Outcome
-    from benchmarks.multiturn.metrics import completion_rps
-
-    outcomes = []
-    for i in range(11):  # sent every 0.5 s, each answered 3 s later
-        o = Outcome(i, "s", 0, sent_s=0.5 * i, ttft_s=1.0, jct_s=3.0)
-        outcomes.append(o)
-    assert completion_rps(outcomes) == pytest.approx(2.0)
-    assert completion_rps(outcomes[:1]) is None
 
 
 def paired_run(
