@@ -151,8 +151,8 @@ def test_paired_report_only(hot_dir: Path, tmp_path: Path) -> None:
     again = figures_of(copy)
     assert again["runs"] == figures["runs"] and again["calibration"] == figures["calibration"]
     assert again["targets"] == figures["targets"] and again["summary"] == figures["summary"]
-    assert (copy / "results.md").read_text().split("## Machine")[0] == (
-        (hot_dir / "results.md").read_text().split("## Machine")[0]
+    assert (copy / "results.md").read_text().split("## Notes")[0] == (
+        (hot_dir / "results.md").read_text().split("## Notes")[0]
     )
 
 
