@@ -112,7 +112,7 @@ class Rater:
     ctx: Context
     paired: PairedPlan
     calibrations: dict[str, dict[str, Any]] = field(default_factory=dict)
-    sustained: dict[str, float] = field(default_factory=dict)
+    sustained: dict[str, float | None] = field(default_factory=dict)
     built: dict[tuple[str, int], Prebuilt] = field(default_factory=dict)
 
     def config_of(self, cluster: Cluster) -> Config:
@@ -126,6 +126,8 @@ class Rater:
         if config.key not in self.sustained:
             self.sustained[config.key] = self.measure(config, cluster, model, floor)
         sustained = self.sustained[config.key]
+        if sustained is None:  # no rate to offer: the config's runs are left out (said)
+            return []
         rate = config.load * sustained
         out = []
         for step in steps:
@@ -147,8 +149,9 @@ class Rater:
         workload.params = {**workload.params, "seed": seed}
         return workload
 
-    def measure(self, config: Config, cluster: Cluster, model: str, floor: Floor) -> float:
-        """The config's sustained rate: known, or searched for on `cluster`."""
+    def measure(self, config: Config, cluster: Cluster, model: str, floor: Floor) -> float | None:
+        """The config's sustained rate: known, or searched for on `cluster`; None when the
+        search found none (its calibration entry says why)."""
         if config.key in self.paired.known:
             known = self.paired.known[config.key]
             self.calibrations[config.key] = {"sustained_rps": known, "stopped": "known"}
@@ -180,8 +183,6 @@ class Rater:
         entry["load"] = config.load
         entry["calibration_workload"] = runs[0].get("workload_params") if runs else None
         self.calibrations[config.key] = entry
-        if result.sustained_rps is None:
-            raise RuntimeError(f"{config.key}: no sustained rate measured ({result.stopped})")
         return result.sustained_rps
 
     def reference(self, config: Config) -> RouterSpec:

@@ -100,6 +100,9 @@ def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -
             "wall_s": record.get("wall_s"),
         }
         cal.steps.append(step)
+        if not record.get("available", True):
+            cal.stopped = f"the reference did not run: {record.get('reason')}"
+            break
         if record.get("errors") or not finite(done):
             cal.stopped = f"errors at {rate:.3g} req/s offered: {record.get('error_samples')}"
             break

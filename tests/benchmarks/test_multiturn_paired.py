@@ -241,6 +241,10 @@ def test_the_search_finds_where_completions_stop_growing() -> None:
 
     broken = search(failing, None, 1.0, Search())
     assert broken.sustained_rps is None and "errors" in broken.stopped
+    refused = search(
+        lambda r: {"available": False, "reason": "failed to start"}, 2.0, 1.0, Search()
+    )
+    assert refused.sustained_rps is None and "did not run: failed to start" in refused.stopped
 
 
 def paired_run(
@@ -322,6 +326,17 @@ def test_pd_systems_name_their_policies_and_flags() -> None:
     assert "--prefill-policy" not in ours  # ours: --policy for both sides
     colocated = Cluster(ClusterSpec("c", colocated=1), workers[:1], Path("model"))
     assert "--prefill-policy" not in router_args(PD_CACHE_AWARE, colocated, 3000)
+
+
+def test_one_decode_gets_a_policy_the_peers_accept() -> None:
+    """sglang-router refuses power_of_two over one decode: 3P1D runs round_robin there, and
+    the targets compare with that run."""
+    from benchmarks.multiturn.pd_preset import PD_CACHE_AWARE, baseline, for_shape
+
+    assert for_shape(PD_CACHE_AWARE, 2) is PD_CACHE_AWARE
+    assert for_shape(PD_CACHE_AWARE, 1).name == "sglang-router PD cache_aware/round_robin"
+    assert baseline("trace, 3P1D, 4x") == "sglang-router PD cache_aware/round_robin [PD-Caching-1]"
+    assert baseline("trace, 2P2D, 2x").endswith("cache_aware/power_of_two [PD-Caching-1]")
 
 
 @pytest.mark.parametrize(
