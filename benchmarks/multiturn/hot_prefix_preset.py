@@ -245,10 +245,7 @@ NOTES = (
     "fresh router before each run, system order rotated per seed.",
     "Sustained rate: on each cluster, before its runs, the reference system (sglang-router "
     "round_robin, or its PD equivalent) serves a calibration workload (another seed) at "
-    "rising rates, from 35% of the floor model's bound up by 1.4x a step, until completed "
-    "requests/s (from the first send to the last answer) grow less than 8% or fall below "
-    "80% of the rate really sent; the most completed/s seen is the sustained rate, and the "
-    "measured runs offer 85% of it.",
+    "rising rates (see below); the measured runs offer 85% of the rate it sustained.",
     "Device KV per worker: half the hot set (prompt pages that two or more requests share, "
     "the seeds' median), so the hot set does not fit one worker but fits the cluster twice; "
     "no host tier. 4 colocated: --enable-mempool-pull and KV events to our router; 2P2D: "

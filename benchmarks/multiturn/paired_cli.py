@@ -112,6 +112,10 @@ def run(
         )
     except (ValueError, OSError) as exc:
         parser.error(f"--{kind.name}: {exc}")
+    plan.notes = [
+        f"Sustained-rate search: {plan.search.describe()}.",
+        *(f"Left out: {m}" for m in plan.notes),
+    ]
     records, rater = run_paired(session.context(plan.plan()), plan)
     return records, rater.calibrations, plan
 
@@ -136,7 +140,7 @@ def write(
         runs,
         calibration,
         setup,
-        [*kind.notes, *(f"Left out: {m}" for m in notes)],
+        [*kind.notes, *notes],
         kind.targets_for,
         peers,
         elapsed_s,
@@ -149,11 +153,7 @@ def report_again(
     kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]
 ) -> None:
     """results.md, the targets and the plots again from an earlier results.json."""
-    missing = [
-        n.removeprefix("Left out: ")
-        for n in figures.get("notes") or []
-        if n.startswith("Left out: ")
-    ]
+    own = [n for n in figures.get("notes") or [] if n not in kind.notes]  # the run's own
     write(
         kind,
         out,
@@ -161,7 +161,7 @@ def report_again(
         figures["runs"],
         figures.get("calibration") or {},
         figures.get("setup") or {},
-        missing,
+        own,
         peers,
         figures.get("elapsed_s", 0.0),
         figures.get("command", ""),

@@ -243,12 +243,10 @@ NOTES = (
     "(workload, shape, multiple) gets the same requests.",
     "Sustained rate: on the PD-Caching-1 cluster, before its runs, sglang-router PD "
     "(cache_aware prefill, power_of_two decode) serves a calibration workload (another "
-    "seed, fewer requests) at rising rates, from 35% of the floor model's bound (prefill "
-    "instances only) up by 1.4x a step, until completed requests/s (from the first send to "
-    "the last answer) grow less than 8% or fall below 80% of the rate really sent; the most "
-    "completed/s seen is the sustained rate and every cluster of that (workload, shape, "
-    "multiple) is offered 80% of it. Multi-round QA and trace sessions are causal (a turn "
-    "waits for the previous answer), so their offered rate is the arrival schedule's.",
+    "seed, fewer requests) at rising rates (see below; the floor's bound counts the prefill "
+    "instances only); every cluster of that (workload, shape, multiple) is offered 80% of "
+    "the rate it sustained. Multi-round QA and trace sessions are causal (a turn waits for "
+    "the previous answer), so their offered rate is the arrival schedule's.",
     "Device KV per instance: the working set (distinct prompt and answer tokens, estimated "
     "per seed by replaying the plan into the oracle; median) / (multiple x 4 instances), "
     "prefills and decodes alike; no host tier, no pulls; KV events to our router.",

@@ -9,9 +9,11 @@ the sending does, so a run that keeps up reads a little under its rate (a few % 
 requests); the span between the first and the last answer would not, but an overloaded
 engine that prefills its queue side by side answers it in a burst at the end, and that span
 then reads several times the rate it really served. The search starts at a fraction of the
-floor model's bound, multiplies the rate by `factor` each step, and stops when completed/s
-grew less than `min_growth` over the best so far, when the cluster fell behind (completed/s
-below `behind` x the rate the client really sent at), or after `max_steps`. The sustained
+floor model's bound and multiplies the rate by `factor` each step; a cluster already behind
+(completed/s below `behind` x the rate the client really sent at) is next offered `retreat`
+x what it served, until it keeps up. Once it kept up at one rate, the search stops when it
+falls behind, when completed/s grew less than `min_growth` over the best so far, or after
+`max_steps`. The sustained
 rate is the most completed/s seen: past it, caches thrash and the rate served falls. The
 floor model's bound (every prefill worker busy all the time on the oracle's uncached tokens,
 nothing else) is recorded next to it: an upper bound the measurement must stay under.
@@ -57,7 +59,20 @@ class Search:
     factor: float = 1.4
     min_growth: float = 0.08
     behind: float = 0.8
+    retreat: float = 0.9  # behind from the start: next offer this x what it served
     max_steps: int = 6
+
+    def describe(self) -> str:
+        """The search in one sentence, for the reports."""
+        return (
+            f"the rate starts at {self.start_fraction:.0%} of the floor model's bound and "
+            f"rises {self.factor:g}x a step (a cluster behind from the start is next offered "
+            f"{self.retreat:.0%} of what it served) until, having kept up once, the cluster "
+            f"falls behind (completed/s from the first send to the last answer below "
+            f"{self.behind:.0%} of the rate really sent) or its completed/s grow less than "
+            f"{self.min_growth:.0%}, at most {self.max_steps} steps; the most completed/s seen "
+            "is the sustained rate"
+        )
 
 
 @dataclass
@@ -80,46 +95,52 @@ RunAt = Callable[[float], dict[str, Any]]  # offered rate -> the run's record
 
 def search(run_at: RunAt, bound: float | None, first_rate: float, how: Search) -> Calibration:
     """Raise the offered rate from `first_rate` until completed requests/s stop growing;
-    `run_at(rate)` runs the calibration workload at that rate and returns its record."""
+    `run_at(rate)` runs the calibration workload at that rate and returns its record. A
+    cluster behind at its first rates (the floor's bound counts prefill only, and a single
+    decode can be the limit) is next offered `retreat` x what it served, until it keeps up."""
     cal = Calibration("", "", bound)
-    rate, best = first_rate, 0.0
+    rate, best, kept_up = first_rate, 0.0, False
     for _ in range(how.max_steps):
         record = run_at(rate)
         done, sent = record.get("throughput_rps"), record.get("offered_rps")
-        step = {
-            "offered_rps": rate,
-            "sent_rps": sent,
-            "completed_rps": done,
-            "errors": record.get("errors"),
-            "ttft_p50_s": record.get("ttft_p50_s"),
-            "ttft_p99_s": record.get("ttft_p99_s"),
-            "hit_ratio": record.get("reuse_ratio", record.get("hit_ratio")),
-            "gpu_utilization": record.get("gpu_utilization"),
-            "loadavg_1m": record.get("loadavg_1m"),
-            "cpu_s": record.get("cpu_s"),
-            "wall_s": record.get("wall_s"),
-        }
-        cal.steps.append(step)
+        cal.steps.append(
+            {
+                "offered_rps": rate,
+                "sent_rps": sent,
+                "completed_rps": done,
+                "errors": record.get("errors"),
+                "ttft_p50_s": record.get("ttft_p50_s"),
+                "ttft_p99_s": record.get("ttft_p99_s"),
+                "hit_ratio": record.get("reuse_ratio", record.get("hit_ratio")),
+                "gpu_utilization": record.get("gpu_utilization"),
+                "loadavg_1m": record.get("loadavg_1m"),
+                "cpu_s": record.get("cpu_s"),
+                "wall_s": record.get("wall_s"),
+            }
+        )
         if not record.get("available", True):
             cal.stopped = f"the reference did not run: {record.get('reason')}"
             break
         if record.get("errors") or not finite(done):
             cal.stopped = f"errors at {rate:.3g} req/s offered: {record.get('error_samples')}"
             break
-        if done < (1 + how.min_growth) * best:
-            cal.stopped = (
-                f"completed/s stopped growing: {done:.3g} at {rate:.3g} offered, best {best:.3g}"
-            )
-            best = max(best, done)
-            break
-        best = max(best, done)
         sent = sent if finite(sent) else rate
-        if done < how.behind * sent:
+        behind = done < how.behind * sent
+        grew = done >= (1 + how.min_growth) * best
+        best = max(best, done)
+        if kept_up and behind:
             cal.stopped = f"the cluster fell behind: {done:.3g} completed/s, {sent:.3g} sent/s"
             break
+        if kept_up and not grew:
+            cal.stopped = f"completed/s stopped growing: {done:.3g} at {rate:.3g} offered"
+            break
+        if behind:  # overloaded from the start: offer a little less than it served
+            rate = how.retreat * done
+            continue
+        kept_up = True
         rate *= how.factor
     else:
-        cal.stopped = f"{how.max_steps} steps without saturating (the last is the sustained rate)"
+        cal.stopped = f"{how.max_steps} steps without both keeping up and falling behind"
     cal.sustained_rps = best or None
     return cal
 

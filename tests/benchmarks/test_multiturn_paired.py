@@ -231,10 +231,11 @@ def test_the_search_finds_where_completions_stop_growing() -> None:
     assert found.sustained_rps == pytest.approx(5.0)
     assert [s["offered_rps"] for s in found.steps] == pytest.approx([2, 2.8, 3.92, 5.488, 7.6832])
     assert "stopped growing" in found.stopped
-    behind = search(cluster(5.0), 10.0, 8.0, Search())  # overloaded at once
+    behind = search(cluster(5.0), 10.0, 8.0, Search())  # overloaded at once: back off
+    assert [s["offered_rps"] for s in behind.steps] == pytest.approx([8.0, 4.5, 6.3])
     assert behind.sustained_rps == pytest.approx(5.0) and "fell behind" in behind.stopped
     slow = search(cluster(100.0), 200.0, 1.0, Search(max_steps=3))
-    assert slow.sustained_rps == pytest.approx(1.96) and "without saturating" in slow.stopped
+    assert slow.sustained_rps == pytest.approx(1.96) and "without both" in slow.stopped
 
     def failing(rate: float) -> dict[str, Any]:
         return {"throughput_rps": rate, "errors": 2, "error_samples": ["HTTP 502"]}
