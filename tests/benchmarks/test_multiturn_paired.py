@@ -230,7 +230,9 @@ def test_the_search_finds_where_completions_stop_growing() -> None:
     found = search(cluster(5.0), 10.0, 2.0, Search())
     assert found.sustained_rps == pytest.approx(5.0)
     assert [s["offered_rps"] for s in found.steps] == pytest.approx([2, 2.8, 3.92, 5.488, 7.6832])
-    assert "stopped growing" in found.stopped
+    assert "fell behind" in found.stopped
+    flat = search(cluster(5.0), 10.0, 2.0, Search(behind=0.5))  # keeps up, stops growing
+    assert flat.sustained_rps == pytest.approx(5.0) and "stopped growing" in flat.stopped
     behind = search(cluster(5.0), 10.0, 8.0, Search())  # overloaded at once: back off
     assert [s["offered_rps"] for s in behind.steps] == pytest.approx([8.0, 4.5, 6.3])
     assert behind.sustained_rps == pytest.approx(5.0) and "fell behind" in behind.stopped
