@@ -24,6 +24,21 @@ def sim_model() -> dict[str, Any]:
     return {**model.describe(), "kv_capacity_tokens_default": model.kv_capacity_tokens(16)}
 
 
+def model_text(model: dict[str, Any]) -> str:
+    """The sim's latency model in one phrase (`sim_model()`'s figures)."""
+    return (
+        f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
+        f"µs/token + {model['prefill_per_token_pair_s'] * 1e9:g} ns per (new, context) pair, "
+        f"decode step {model['decode_weights_s'] * 1e3:g} ms + "
+        f"{model['decode_per_context_token_s'] * 1e9:g} ns per context token, "
+        f"{model['step_overhead_s'] * 1e3:g} ms per step, KV over {model['interconnect']} "
+        f"({model['interconnect_bytes_per_s'] / 1e9:g} GB/s + "
+        f"{model['transfer_latency_s'] * 1e6:g} µs per transfer), host tier over "
+        f"{model['host_link']} ({model['host_link_bytes_per_s'] / 1e9:g} GB/s + "
+        f"{model['host_copy_latency_s'] * 1e6:g} µs per load)"
+    )
+
+
 def _r(value: Any, digits: int = 3) -> Any:
     return round(value, digits) if finite(value) else value
 
@@ -165,13 +180,7 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         "report them; `oracle`: the same requests replayed in send order into one infinite "
         "prefix cache (16-token pages, last prompt token always computed): the upper bound.",
         "Workers: `python -m connector.worker --backend sim --tokenizer-cache` (the sim models "
-        f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
-        f"µs/token + {model['prefill_per_token_pair_s'] * 1e9:g} ns per (new, context) pair, "
-        f"decode step {model['decode_weights_s'] * 1e3:g} ms + "
-        f"{model['decode_per_context_token_s'] * 1e9:g} ns per context token, "
-        f"{model['step_overhead_s'] * 1e3:g} ms per step, KV over {model['interconnect']} "
-        f"({model['interconnect_bytes_per_s'] / 1e9:g} GB/s + "
-        f"{model['transfer_latency_s'] * 1e6:g} µs per transfer)). KV capacity per instance: "
+        f"{model_text(model)}). KV capacity per instance: "
         f"{capacity:,} tokens"
         + (
             " (--max-total-tokens, lowered so eviction shows)"
@@ -217,11 +226,17 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
             "means something else competed for the CPU during that run."
         )
     for name, params in workloads.items():
-        text = ", ".join(
-            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items()
-        )
-        out.append(f"Workload `{name}`: {text}.")
+        out.append(f"Workload `{name}`: {params_text(params, leave=())}.")
     return out
+
+
+def params_text(params: dict[str, Any], leave: Sequence[str] = ("seed",)) -> str:
+    """A workload's parameters as one line: `name value, ...` (floats shortened)."""
+    return ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in params.items()
+        if k not in leave
+    )
 
 
 def publish(
