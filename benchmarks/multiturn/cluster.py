@@ -271,9 +271,9 @@ class RouterSpec:
     policy: str
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
     replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
-    processes: int = 1  # ours: --processes (one router of that many processes, one port)
     prefill_policy: str | None = None  # PD: --prefill-policy (None: the router's default)
     decode_policy: str | None = None  # PD: --decode-policy
+    processes: int = 1  # ours: --processes (one router of that many processes, one port)
 
     @property
     def name(self) -> str:
