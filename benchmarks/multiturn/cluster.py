@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, peer_command
+from router.policies import CostModel
 from router.procs import (
     Launch,
     Server,
@@ -338,6 +339,23 @@ def launch(name: str, args: list[str], port: int, log: Path) -> Launch:
     return Launch(name, args, port, log, REPO_ROOT, OFFLINE_ENV)
 
 
+def scaled_cost_args(time_scale: float) -> list[str]:
+    """Our router's cost-model flags for sim workers slowed `time_scale` times: its defaults
+    (the sim's H100) times the scale, so that modelled work and the queues it measures in
+    real seconds are in the same units, as an operator sets them to their real GPU."""
+    if time_scale in (0, 1):
+        return []
+    cost = CostModel()
+    terms = {
+        "--prefill-secs-per-token": cost.prefill_s_per_token,
+        "--prefill-secs-per-token-pair": cost.prefill_s_per_token_pair,
+        "--transfer-secs-per-token": cost.transfer_s_per_token,
+        "--host-load-secs-per-token": cost.host_load_s_per_token,
+        "--busy-secs-per-request": cost.busy_s_per_request,
+    }
+    return [x for flag, value in terms.items() for x in (flag, f"{value * time_scale:.6g}")]
+
+
 def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
     colocated = [w.url for w in cluster.by_role("colocated")]
     prefills = cluster.by_role("prefill")
@@ -358,6 +376,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
         if not spec.pull:
             args.append("--disable-mempool-pull")
         args += ["--processes", str(spec.processes)]
+        args += scaled_cost_args(cluster.time_scale)
         return module_command("router", port, args + pd_policies(spec, cluster))
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
