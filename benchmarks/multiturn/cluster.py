@@ -269,12 +269,16 @@ class RouterSpec:
     policy: str
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
     replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
+    args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
+    tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
 
     @property
     def name(self) -> str:
         name = f"{'ours' if self.router == OURS else self.router} {self.policy}"
         if self.replicas > 1:
             name += f" x{self.replicas} replicas"
+        if self.tag:
+            name += f" {self.tag}"
         return name if self.pull else f"{name} (no pull)"
 
 
@@ -344,6 +348,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args.append("--kv-events-subscribe")
         if not spec.pull:
             args.append("--disable-mempool-pull")
+        args += spec.args
         return module_command("router", port, args)
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
