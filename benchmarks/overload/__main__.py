@@ -206,7 +206,7 @@ class Ramp:
             label = f"calibrate @{rate:.2f}/s"
             record = run_one(bench, system, workload, floors, deadline, label)
             advance(bench.progress, task)
-            return record["throughput_rps"], record["slo_share"]
+            return record["steady_rps"] or 0.0, record["slo_share"]
 
         rungs = calibrate.climb(config.start_fraction * bound, config, measure)
         bench.progress.update(task, total=len(rungs), completed=len(rungs))

@@ -2,11 +2,12 @@
 
 Short runs of ours (`prompt_tree`, no deadline) at rising offered rates, each rung
 `growth` times the last. A rung **holds** while the median answered request meets its TTFT
-SLO and its completed requests/s grew by at least half as much as the offered rate did over
-the last rung that held (a saturated cluster's throughput stops growing: the extra load
-only queues). The first rung that does not hold ends the ladder; with `refine`, one more
-rung halfway (geometrically) between it and the last that held. The sustained rate is the
-highest offered rate that held. The first rung starts at a fraction of the floor's bound,
+SLO and its completed requests/s (while the load was offered, once settled:
+`slo.steady_rps`) grew by at least half as much as the offered rate did over the last rung
+that held (a saturated cluster's throughput stops growing: the extra load only queues).
+The first rung that does not hold ends the ladder; with `refine`, one more rung halfway
+(geometrically) between it and the last that held. The sustained rate is the highest
+offered rate that held. The first rung starts at a fraction of the floor's bound,
 instances / mean floor TTFT (prefill alone, with the oracle's cache): no cluster can do
 better than that bound, so the ladder starts below the knee.
 """
@@ -58,8 +59,8 @@ def climb(
     start: float, config: Calibration, measure: Callable[[float], tuple[float, float | None]]
 ) -> list[Rung]:
     """Run the ladder: `measure(rate)` offers `rate` for the rung's duration and returns
-    (completed requests/s, share within the SLO). A first rung that misses the SLO starts
-    the ladder again lower down (at most twice)."""
+    (completed requests/s while offered, share within the SLO). A first rung that misses
+    the SLO starts the ladder again lower down (at most twice)."""
     rungs: list[Rung] = []
     last: Rung | None = None
     rate = start

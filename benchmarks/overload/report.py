@@ -156,9 +156,10 @@ def definitions(setup: dict[str, Any]) -> list[str]:
         f"- **Sustained rate {setup['sustained_rps']:.2f} req/s**: measured before the ramp on "
         f"seed {setup['calibration_seed']}'s requests (table below): runs of "
         f"{setup['calibration_duration_s']:g} s of `{WITHOUT_DEADLINE}` at rising rates; a "
-        "rate holds while the median request meets its SLO and completed requests/s grew by "
-        "at least half as much as the offered rate; the sustained rate is the highest that "
-        "held.",
+        "rate holds while the median request meets its SLO and its completed requests/s "
+        "(answers that ended between a quarter of the send window and the last send, per "
+        "second: the settled rate, free of the start and the drain) grew by at least half as "
+        "much as the offered rate; the sustained rate is the highest that held.",
         f"- Each step offers rate x {setup['step_duration_s']:g} s requests, open loop "
         "(Poisson arrivals), the same requests at the same times to every system; no "
         "retries: a 429 is `refused (429)`; `errors` are other failures. Medians over "

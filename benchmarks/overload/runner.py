@@ -102,6 +102,10 @@ def run_one(
         "longest_waits": longest_waits(samples),
         "error_samples": sorted({o.error for o in result.outcomes if o.error})[:3],
         "router_admission": admission(metrics),
+        # our trees' predicted cached tokens against what the workers reported: a queue
+        # estimate counts only the tokens it expects a worker to compute
+        "router_predicted_cached": metrics.get("memserve_router_predicted_cached_tokens_total"),
+        "router_reported_cached": metrics.get("memserve_router_reported_cached_tokens_total"),
         "retracted": delta(before, after, "retracted"),
         "engine_aborts": delta(before, after, "aborted"),
         # the workers' modelled GPU seconds in wall time: what the queue estimate is against

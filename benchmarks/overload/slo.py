@@ -76,6 +76,23 @@ def span_s(samples: Sequence[Sample]) -> float | None:
     return max(ends) - min(sent)
 
 
+def steady_rps(samples: Sequence[Sample], skip: float = 0.25) -> float | None:
+    """Answers per second while the load was offered, once it had settled: those that ended
+    between `skip` of the send window and the last send, over that time. Unlike the
+    throughput over the span, neither the start (nothing has finished yet) nor the drain
+    after the last send weighs in, so it stops growing where the cluster saturates, however
+    short the run."""
+    sent = [s.sent_s for s in samples if s.sent_s is not None]
+    if len(sent) < 2:
+        return None
+    start = min(sent) + skip * (max(sent) - min(sent))
+    end = max(sent)
+    if end <= start:
+        return None
+    done = sum(1 for s in samples if s.end_s is not None and start <= s.end_s <= end)
+    return done / (end - start)
+
+
 def figures(samples: Sequence[Sample], deadline_s: float) -> dict[str, Any]:
     """One run's figures: counts, goodput and throughput, TTFT and wait of the answered."""
     answered = [s for s in samples if s.status == OK and s.ttft_s is not None]
@@ -100,6 +117,7 @@ def figures(samples: Sequence[Sample], deadline_s: float) -> dict[str, Any]:
         "sent_rps": (len(sent) - 1) / (sent[-1] - sent[0]) if len(sent) > 2 else None,
         "goodput_rps": good / span if span else 0.0,
         "throughput_rps": len(answered) / span if span else 0.0,
+        "steady_rps": steady_rps(samples),
         "slo_share": good / len(answered) if answered else None,
         "ttft_p50_s": percentile(ttfts, 0.5) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 0.99) if ttfts else None,
