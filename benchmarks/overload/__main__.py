@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup, runs = ramp.run(args.sustained_rate)
     elapsed = time.perf_counter() - started
     peers = {name: s.__dict__ for name, s in session.peers.items() if name == SGLANG_ROUTER}
-    report.write(args.out, setup, runs, peers, elapsed, command)
+    measured = {"preset": preset.name, "command": command, "elapsed_s": elapsed}
+    report.write(args.out, {**measured, "setup": setup, "runs": runs, "peers": peers})
     print(f"overload: {preset.name} run, {len(runs)} runs in {elapsed:.0f} s -> {args.out}")
     print((args.out / "results.md").read_text().split("\n## Goodput against")[0])
     return 0
@@ -253,20 +254,11 @@ def report_only(out: Path) -> int:
     source = out / "results.json"
     try:
         figures = json.loads(source.read_text())
-        setup, runs = figures["setup"], figures["runs"]
+        report.write(out, figures, figures.get("machine") or None)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"--report-only: cannot read the runs from {source}: {exc}", file=sys.stderr)
+        print(f"--report-only: cannot rebuild the report from {source}: {exc}", file=sys.stderr)
         return 2
-    report.write(
-        out,
-        setup,
-        runs,
-        figures.get("peers") or {},
-        figures.get("elapsed_s", 0.0),
-        figures.get("command", ""),
-        figures.get("machine") or None,
-    )
-    print(f"overload: report of {len(runs)} runs rewritten in {out}")
+    print(f"overload: report of {len(figures['runs'])} runs rewritten in {out}")
     return 0
 
 

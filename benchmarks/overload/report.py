@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite, markdown_table, table_section
 from benchmarks.multiturn.results import publish, sim_text, target_rows
 from benchmarks.overload import plots
 from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADLINE
@@ -223,32 +223,21 @@ def notes(setup: dict[str, Any], runs: Sequence[Run], peers: dict[str, Any]) -> 
     return out
 
 
-def write(
-    out_dir: Path,
-    setup: dict[str, Any],
-    runs: list[Run],
-    peers: dict[str, Any],
-    elapsed_s: float,
-    command: str,
-    machine: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write results.json, results.md and the plot; returns the figures."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write(out_dir: Path, measured: dict[str, Any], machine: dict[str, Any] | None = None) -> None:
+    """results.json, results.md and the plot from what a run `measured`: its `setup`,
+    `runs`, `peers`, `elapsed_s` and `command` (a results.json's own, for --report-only)."""
+    setup, runs = measured["setup"], measured["runs"]
+    elapsed_s, command = measured["elapsed_s"], measured["command"]
     deadline = setup["deadline_s"]
     workers = Workers(
         setup["sim_model"]["prefill_per_token_s"] * setup["time_scale"],
         int(setup.get("chunked_prefill_size") or 0),
     )
     targets = all_targets(runs, deadline, workers)
-    png = plots.plot(out_dir, runs, system_order(runs), setup["sustained_rps"], deadline)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    png = plots.plot(Path(out_dir), runs, system_order(runs), setup["sustained_rps"], deadline)
     figures = {
-        "preset": setup["preset"],
-        "command": command,
-        "elapsed_s": elapsed_s,
-        "setup": setup,
-        "peers": peers,
-        "runs": runs,
+        **{k: measured[k] for k in ("preset", "command", "elapsed_s", "setup", "peers", "runs")},
         "targets": targets,
         "goodput_vs_cache_aware": {
             s: {f"{f:.2f}": v for f, v in paired_ratios(runs, s).items()}
@@ -261,23 +250,12 @@ def write(
         "",
         markdown_table(step_rows(runs, deadline)),
         "",
-        "## Targets (reported, not asserted)",
-        "",
-        markdown_table(target_rows(targets)),
-        "",
-        "## Goodput against sglang-router cache_aware (paired per seed)",
-        "",
-        markdown_table(ratio_rows(runs)),
-        "",
+        *table_section("Targets (reported, not asserted)", target_rows(targets)),
+        *table_section(
+            "Goodput against sglang-router cache_aware (paired per seed)", ratio_rows(runs)
+        ),
         *definitions(setup),
-        "## Calibration of the sustained rate",
-        "",
-        markdown_table(calibration_rows(setup)),
-        "",
-        "## Every run",
-        "",
-        markdown_table(run_rows(runs)),
-        "",
+        *table_section("Calibration of the sustained rate", calibration_rows(setup)),
+        *table_section("Every run", run_rows(runs)),
     ]
-    publish(out_dir, figures, TITLE, body, notes(setup, runs, peers), machine)
-    return figures
+    publish(Path(out_dir), figures, TITLE, body, notes(setup, runs, measured["peers"]), machine)
