@@ -10,7 +10,8 @@ from typing import Any
 
 from benchmarks.harness import finite
 from benchmarks.multiturn.plots import _plt, _save, color
-from benchmarks.overload.targets import by_step
+from benchmarks.overload.preset import WITH_DEADLINE
+from benchmarks.overload.targets import GOODPUT_KEPT, by_step
 
 PNG = "overload.png"
 
@@ -22,9 +23,12 @@ PANELS = (
 )
 
 
-def band(seeds: dict[int, dict[str, Any]], key: str) -> tuple[float, float, float] | None:
-    """(median, min, max) of `key` over the seeds' runs (None without a value)."""
-    values = [r[key] for r in seeds.values() if finite(r.get(key))]
+def band(
+    seeds: dict[int, dict[str, Any]], key: str, positive: bool = False
+) -> tuple[float, float, float] | None:
+    """(median, min, max) of `key` over the seeds' runs (None without a value; only values
+    above 0 when `positive`, for a log scale)."""
+    values = [r[key] for r in seeds.values() if finite(r.get(key)) and (r[key] > 0 or not positive)]
     if not values:
         return None
     return statistics.median(values), min(values), max(values)
@@ -41,11 +45,13 @@ def plot(
     if not runs:
         return None
     plt = _plt()
+    from matplotlib.ticker import FuncFormatter
+
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.6), constrained_layout=True)
     for system in systems:
         steps = by_step(runs, system)
-        for ax, (key, _, _) in zip(axes, PANELS, strict=True):
-            pts = [(f * 100, b) for f, seeds in steps.items() if (b := band(seeds, key))]
+        for ax, (key, _, log) in zip(axes, PANELS, strict=True):
+            pts = [(f * 100, b) for f, seeds in steps.items() if (b := band(seeds, key, log))]
             if not pts:
                 continue
             xs = [x for x, _ in pts]
@@ -60,6 +66,18 @@ def plot(
         ax.grid(True, alpha=0.3)
         if log:
             ax.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+        else:
+            ax.set_ylim(bottom=0)
+    ours = by_step(runs, WITH_DEADLINE)
+    peaks = [b[0] for seeds in ours.values() if (b := band(seeds, "goodput_rps"))]
+    if peaks:
+        kept = GOODPUT_KEPT * max(peaks)
+        label = f"{GOODPUT_KEPT:.0%} of ours + deadline's peak"
+        axes[0].axhline(kept, color=color(WITH_DEADLINE), ls=":", lw=1, label=label)
     axes[2].axhline(deadline_s, color="k", ls="--", lw=1, label=f"deadline D = {deadline_s:.2f} s")
     axes[0].legend(fontsize=8)
     axes[2].legend(fontsize=8)
