@@ -2,8 +2,8 @@
 
 Short runs of ours (`prompt_tree`, no deadline) at rising offered rates, each rung
 `growth` times the last. A rung **holds** while the median answered request meets its TTFT
-SLO and its completed requests/s (while the load was offered, once settled:
-`slo.steady_rps`) grew by at least half as much as the offered rate did over the last rung
+SLO and its completed prefills per second (first tokens while the load was offered, once
+settled: `slo.steady_rps`) grew by at least half as much as the offered rate did over the last rung
 that held (a saturated cluster's throughput stops growing: the extra load only queues).
 The first rung that does not hold ends the ladder; with `refine`, one more rung halfway
 (geometrically) between it and the last that held. The sustained rate is the highest
@@ -25,7 +25,7 @@ from benchmarks.overload.preset import Calibration
 @dataclass(frozen=True)
 class Rung:
     rate: float
-    throughput_rps: float
+    first_tokens_rps: float
     slo_share: float | None  # answered requests within their SLO, of those answered
     held: bool = False
     why: str = ""
@@ -41,10 +41,10 @@ def judge(rate: float, throughput: float, slo_share: float | None, last: Rung | 
         return Rung(rate, throughput, slo_share, False, why)
     if last is not None:
         wanted = 1 + (rate / last.rate - 1) / 2
-        if throughput < wanted * last.throughput_rps:
+        if throughput < wanted * last.first_tokens_rps:
             why = (
-                f"completed {throughput:.2f} req/s, less than {wanted:.3f}x the "
-                f"{last.throughput_rps:.2f} at {last.rate:.2f} req/s: throughput stopped growing"
+                f"{throughput:.2f} first tokens/s, less than {wanted:.3f}x the "
+                f"{last.first_tokens_rps:.2f} at {last.rate:.2f} req/s: throughput stopped growing"
             )
             return Rung(rate, throughput, slo_share, False, why)
     return Rung(rate, throughput, slo_share, True, "")
@@ -59,7 +59,7 @@ def climb(
     start: float, config: Calibration, measure: Callable[[float], tuple[float, float | None]]
 ) -> list[Rung]:
     """Run the ladder: `measure(rate)` offers `rate` for the rung's duration and returns
-    (completed requests/s while offered, share within the SLO). A first rung that misses
+    (first tokens per second while offered, share within the SLO). A first rung that misses
     the SLO starts the ladder again lower down (at most twice)."""
     rungs: list[Rung] = []
     last: Rung | None = None

@@ -60,6 +60,7 @@ def step_rows(runs: Sequence[Run], deadline_s: float) -> list[dict[str, Any]]:
                 {
                     "load": f"{fraction:.0%}",
                     "offered req/s": med(seeds, "rate"),
+                    "sent req/s": med(seeds, "sent_rps"),
                     "system": system,
                     "admitted": med(seeds, "admitted", 0),
                     "refused (429)": med(seeds, "refused", 0),
@@ -156,10 +157,11 @@ def definitions(setup: dict[str, Any]) -> list[str]:
         f"- **Sustained rate {setup['sustained_rps']:.2f} req/s**: measured before the ramp on "
         f"seed {setup['calibration_seed']}'s requests (table below): runs of "
         f"{setup['calibration_duration_s']:g} s of `{WITHOUT_DEADLINE}` at rising rates; a "
-        "rate holds while the median request meets its SLO and its completed requests/s "
-        "(answers that ended between a quarter of the send window and the last send, per "
-        "second: the settled rate, free of the start and the drain) grew by at least half as "
-        "much as the offered rate; the sustained rate is the highest that held.",
+        "rate holds while the median request meets its SLO and its completed prefills per "
+        "second (first tokens between a quarter of the send window and the last send: the "
+        "settled rate, free of the start and the drain; answers end long after their first "
+        "token here, so they would lag the load) grew by at least half as much as the "
+        "offered rate; the sustained rate is the highest that held.",
         f"- Each step offers rate x {setup['step_duration_s']:g} s requests, open loop "
         "(Poisson arrivals), the same requests at the same times to every system; no "
         "retries: a 429 is `refused (429)`; `errors` are other failures. Medians over "
@@ -172,7 +174,7 @@ def calibration_rows(setup: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {
             "offered req/s": round(r["rate"], 2),
-            "completed req/s": round(r["throughput_rps"], 2),
+            "first tokens/s": round(r["first_tokens_rps"], 2),
             "within SLO": pct(r["slo_share"]),
             "held": r["held"],
             "why not": r["why"],

@@ -83,7 +83,10 @@ def run_one(
 
     before, busy_before = cluster.worker_counters(), cluster.busy_seconds()
     try:
-        result = run_async(run_workload(router.url, workload, bench.model, on_done, retry=NO_RETRY))
+        sending = run_workload(
+            router.url, workload, bench.model, on_done, retry=NO_RETRY, orphans=True
+        )
+        result = run_async(sending)
         metrics = scrape(router.url + "/metrics") if router.routers else {}
     finally:
         router.stop()

@@ -77,11 +77,13 @@ def span_s(samples: Sequence[Sample]) -> float | None:
 
 
 def steady_rps(samples: Sequence[Sample], skip: float = 0.25) -> float | None:
-    """Answers per second while the load was offered, once it had settled: those that ended
-    between `skip` of the send window and the last send, over that time. Unlike the
-    throughput over the span, neither the start (nothing has finished yet) nor the drain
-    after the last send weighs in, so it stops growing where the cluster saturates, however
-    short the run."""
+    """First tokens per second while the load was offered, once it had settled: requests
+    whose first token came between `skip` of the send window and the last send, over that
+    time. The rate prefills complete at, which is what a TTFT SLO is about: answers finish
+    much later than their first token when every engine step also carries a long prefill
+    (a decode token a step), so counting answers would lag the load. Neither the start
+    (nothing is done yet) nor the drain after the last send weighs in, so it stops growing
+    where the cluster saturates, however short the run."""
     sent = [s.sent_s for s in samples if s.sent_s is not None]
     if len(sent) < 2:
         return None
@@ -89,8 +91,8 @@ def steady_rps(samples: Sequence[Sample], skip: float = 0.25) -> float | None:
     end = max(sent)
     if end <= start:
         return None
-    done = sum(1 for s in samples if s.end_s is not None and start <= s.end_s <= end)
-    return done / (end - start)
+    firsts = [s.sent_s + s.ttft_s for s in samples if s.sent_s is not None and s.ttft_s is not None]
+    return sum(1 for t in firsts if start <= t <= end) / (end - start)
 
 
 def figures(samples: Sequence[Sample], deadline_s: float) -> dict[str, Any]:

@@ -6,12 +6,13 @@ into a pool, the sessions in a seeded order. A step takes the pool's first sessi
 it has `rate x duration` rows and offers them with Poisson arrivals at `rate`, dealt to the
 sessions in a random interleaving, each session's turns in order
 (`benchmarks.multiturn.workloads.deal_arrivals`, as MemServe samples its arrivals): a later
-turn follows its earlier turns by seconds, and shares their blocks. The rows are sent as
-independent requests, not as causal turns: a trace row carries its whole prompt (its hash
-ids), so a turn does not need its parent's answer, as Mooncake's own replay sends its
-trace. That is what an overload ramp needs: a refused request changes nothing about what
-follows, so every system is offered exactly the same requests at the same times, and the
-offered load is the step's rate whatever a system refuses.
+turn follows its earlier turns by seconds, and shares their blocks. A trace row carries its
+whole prompt (its hash ids), so no turn needs its parent's answer to be sent. A later turn
+still waits for its previous turn's answer when that turn was admitted (a user reads the
+answer before writing again, and a worker holds the previous prompt once it has answered
+it), but goes at its own time when that turn was refused or failed (the client's
+`orphans`): a refusal never removes a request, so every system is offered exactly the same
+requests, first turns at the same times, whatever a system refuses.
 
 The SLO's base, each request's floor, is computed before anything is sent: its prefill
 alone on one instance holding every earlier prompt of the step (the oracle's cache).
@@ -37,8 +38,8 @@ POOL_RATE = 1.0  # the pool's own timestamps are replaced by each step's arrival
 
 @dataclass(frozen=True)
 class Pool:
-    """One seed's sessions in a seeded order, each its rows in trace order, independent (no
-    parent) and not yet timed."""
+    """One seed's sessions in a seeded order, each its rows in trace order (`rid` and `parent`
+    are rows of the trace subset), not yet timed."""
 
     seed: int
     sessions: tuple[tuple[Request, ...], ...]
@@ -76,8 +77,8 @@ def build_pool(
     )
     built = replay.build(vocab)
     grouped: dict[str, list[Request]] = {}
-    for r in built.requests:  # trace order: each session's turns in order
-        grouped.setdefault(r.session, []).append(replace(r, parent=None, at_s=0.0))
+    for r in built.requests:  # trace order: each session's turns in order, rid the row's
+        grouped.setdefault(r.session, []).append(replace(r, at_s=0.0))
     order = list(grouped)
     random.Random(f"overload-pool:{seed}").shuffle(order)
     params = {k: v for k, v in built.params.items() if k not in ("trace", "rate", "time_scale")}
@@ -103,7 +104,11 @@ def step_workload(pool: Pool, rate: float, count: int, label: str) -> Workload:
         for r, t in zip(turns, at, strict=True)
     ]
     timed.sort(key=lambda r: r.at_s)
-    requests = [replace(r, rid=i) for i, r in enumerate(timed)]
+    rid = {r.rid: i for i, r in enumerate(timed)}  # a parent is in its child's session
+    requests = [
+        replace(r, rid=i, parent=None if r.parent is None else rid.get(r.parent))
+        for i, r in enumerate(timed)
+    ]
     params = {
         **pool.params,
         "rate": rate,

@@ -141,10 +141,11 @@ def test_figures_of_a_run() -> None:
 
 
 def test_steady_rate_leaves_out_the_start_and_the_drain() -> None:
-    # sends at 0..8 s; answers end 1 s later: the settled window is 2..8 s
-    samples = [Sample(OK, float(t), 0.5, float(t) + 1.0) for t in range(9)]
-    samples.append(Sample(OK, 8.0, 0.5, 30.0))  # a long drain after the last send
-    assert steady_rps(samples) == pytest.approx(7 / 6)  # ends at 2..8: seven of them
+    # sends at 0..8 s, first tokens 1 s later: the settled window is 2..8 s
+    samples = [Sample(OK, float(t), 1.0, float(t) + 5.0) for t in range(9)]
+    samples.append(Sample(OK, 8.0, 20.0, 30.0))  # a first token long after the last send
+    samples.append(Sample(REFUSED, 5.0))
+    assert steady_rps(samples) == pytest.approx(7 / 6)  # first tokens at 2..8: seven
     assert steady_rps(samples[:1]) is None
 
 
@@ -241,10 +242,11 @@ def test_paired_ratios_to_cache_aware() -> None:
 
 
 def test_steps_offer_the_same_requests_at_the_same_times() -> None:
-    def row(session: str, turn: int) -> Request:
-        return Request(0, session, turn, 0.0, 8, COMPLETION, prompt="x", prompt_ids=[1, 2])
+    def row(rid: int, session: str, turn: int, parent: int | None = None) -> Request:
+        return Request(rid, session, turn, 0.0, 8, COMPLETION, parent, prompt="x", prompt_ids=[1])
 
-    pool = Pool(7, ((row("a", 0), row("a", 1), row("a", 2)), (row("b", 0),), (row("c", 0),)), {})
+    a = (row(10, "a", 0), row(11, "a", 1, 10), row(12, "a", 2, 11))
+    pool = Pool(7, (a, (row(20, "b", 0),), (row(30, "c", 0),)), {})
     assert len(pool) == 5
     assert [len(s) for s in pool.take(4)] == [3, 1]
     one = step_workload(pool, 2.0, 4, "1.0")
@@ -253,9 +255,10 @@ def test_steps_offer_the_same_requests_at_the_same_times() -> None:
         (r.session, r.turn, r.at_s) for r in two.requests
     ]
     assert [r.rid for r in one.requests] == [0, 1, 2, 3]
-    assert all(r.parent is None for r in one.requests)
-    turns = [r.turn for r in one.requests if r.session == "a"]
-    assert turns == [0, 1, 2]  # a session's turns keep their order
+    turns = [r for r in one.requests if r.session == "a"]
+    assert [r.turn for r in turns] == [0, 1, 2]  # a session's turns keep their order
+    # each later turn names its previous turn by its new rid (the client waits for it)
+    assert [r.parent for r in turns] == [None, turns[0].rid, turns[1].rid]
     assert one.params["rate"] == 2.0 and one.params["requests"] == 4
     with pytest.raises(ValueError, match="needs 6 requests"):
         step_workload(pool, 2.0, 6, "x")
