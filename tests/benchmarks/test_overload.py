@@ -9,11 +9,13 @@ their definitions shows here.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.multiturn.client import RunResult, run_workload
 from benchmarks.multiturn.workloads import COMPLETION, Request
 from benchmarks.overload import calibrate
 from benchmarks.overload.preset import (
@@ -24,6 +26,7 @@ from benchmarks.overload.preset import (
     cost_model_args,
     systems,
 )
+from benchmarks.overload.runner import NO_RETRY
 from benchmarks.overload.slo import ERROR, OK, REFUSED, Sample, figures, status_of, steady_rps
 from benchmarks.overload.targets import (
     Workers,
@@ -33,6 +36,7 @@ from benchmarks.overload.targets import (
 )
 from benchmarks.overload.workload import Pool, step_workload
 from tests.benchmarks.runs import PNG_MAGIC, finite, quick_results
+from tests.benchmarks.test_multiturn_client import Refusing, chat_workload, serving
 
 out_dir, results = quick_results("overload", timeout=300, json_name="results")
 
@@ -281,3 +285,26 @@ def test_systems_and_their_flags() -> None:
     assert deadline[deadline.index("--queue-size") + 1] == "0"
     assert "--max-expected-wait-secs" not in specs[1].args and specs[1].args == cost
     assert not specs[2].args
+
+
+@pytest.mark.parametrize("orphans", [True, False])
+def test_a_turn_whose_previous_turn_was_refused_is_still_sent(orphans: bool) -> None:
+    """The ramp's client never retries, and a refusal must not remove the next turn: with
+    `orphans` it goes at its own time (here refused as well: every first try is)."""
+    handler = Refusing(refusals=1)
+
+    async def scenario() -> RunResult:
+        async with serving(handler) as url:
+            workload = chat_workload(turns=2)
+            return await run_workload(
+                url, workload, "m", timeout_s=10, retry=NO_RETRY, orphans=orphans
+            )
+
+    first, second = asyncio.run(scenario()).outcomes
+    assert first.error is not None and first.error.startswith("HTTP 429")
+    if orphans:
+        assert "s0/1" in handler.tries  # sent, without the refused turn's messages
+        assert second.error is not None and second.error.startswith("HTTP 429")
+    else:
+        assert "s0/1" not in handler.tries
+        assert second.error == "not sent: its previous turn failed"
