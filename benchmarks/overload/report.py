@@ -17,7 +17,7 @@ from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADL
 from benchmarks.overload.targets import Workers, all_targets, by_step, paired_ratios
 
 Run = dict[str, Any]
-TITLE = "Overload ramp: goodput and TTFT of admitted requests, 50% to 150% of the sustained rate"
+TITLE = "Overload ramp: goodput and TTFT of admitted requests, {} to {} of the sustained rate"
 
 
 def values(seeds: dict[int, Run], key: str) -> list[float]:
@@ -260,4 +260,6 @@ def write(out_dir: Path, measured: dict[str, Any], machine: dict[str, Any] | Non
         *table_section("Calibration of the sustained rate", calibration_rows(setup)),
         *table_section("Every run", run_rows(runs)),
     ]
-    publish(Path(out_dir), figures, TITLE, body, notes(setup, runs, measured["peers"]), machine)
+    fractions = setup["fractions"]
+    title = TITLE.format(f"{min(fractions):.0%}", f"{max(fractions):.0%}")
+    publish(Path(out_dir), figures, title, body, notes(setup, runs, measured["peers"]), machine)
