@@ -51,7 +51,9 @@ def test_files_and_one_row_per_step_and_system(out_dir: Path, results: dict[str,
     page = (out_dir / "results.md").read_text()
     for heading in ("## Targets", "## Calibration of the sustained rate", "## Every run"):
         assert heading in page
-    assert "python -m benchmarks.overload --quick" in page
+    command = results["command"]  # the exact command, on the page too
+    assert command.startswith("python -m benchmarks.overload") and "--quick" in command
+    assert f"`{command}`" in page
     assert "/work/" not in page and "/work/" not in (out_dir / "results.json").read_text()
     setup = results["setup"]
     assert setup["preset"] == "quick"
