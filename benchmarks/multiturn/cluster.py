@@ -270,6 +270,8 @@ class RouterSpec:
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
     replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
     processes: int = 1  # ours: --processes (one router of that many processes, one port)
+    args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
+    tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
 
     @property
     def name(self) -> str:
@@ -278,6 +280,8 @@ class RouterSpec:
             name += f" x{self.replicas} replicas"
         if self.processes > 1:
             name += f" x{self.processes} processes"
+        if self.tag:
+            name += f" {self.tag}"
         return name if self.pull else f"{name} (no pull)"
 
 
@@ -349,6 +353,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
         if not spec.pull:
             args.append("--disable-mempool-pull")
         args += ["--processes", str(spec.processes)]
+        args += spec.args
         return module_command("router", port, args)
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
