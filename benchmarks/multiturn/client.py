@@ -313,10 +313,13 @@ async def run_workload(
     timeout_s: float = 600,
     render: Callable[[list[dict[str, str]]], str] | None = None,
     retry: Retry429 = RETRY_429,
+    orphans: bool = False,
 ) -> RunResult:
     """Send every request of `workload` to `url` as its plan says, through the workload's
-    API (`render` makes a chat's text for SGLang's /generate); wait for all answers (a 429
-    is tried again as `retry` says)."""
+    API (`render` makes a chat's text for SGLang's /generate); `orphans`: a request whose
+    parent failed is sent anyway at its own time, without the parent's messages (a request
+    that carries its whole prompt, a trace row, does not need them), instead of not at all;
+    wait for all answers (a 429 is tried again as `retry` says)."""
     requests = workload.requests
     outcomes = [Outcome(r.rid, r.session, r.turn) for r in requests]
     done = [asyncio.Event() for _ in requests]
@@ -334,11 +337,14 @@ async def run_workload(
                 if request.parent is not None:
                     await done[request.parent].wait()
                     parent = outcomes[request.parent]
-                    if not parent.ok:
+                    if not parent.ok and not orphans:
                         outcome.error = "not sent: its previous turn failed"
                         return
-                    assert parent.jct_s is not None and parent.sent_s is not None
-                    not_before = max(not_before, parent.sent_s + parent.jct_s + request.gap_s)
+                    if not parent.ok:
+                        parent = None
+                    else:
+                        assert parent.jct_s is not None and parent.sent_s is not None
+                        not_before = max(not_before, parent.sent_s + parent.jct_s + request.gap_s)
                 delay = not_before - (loop.time() - start_loop)
                 if delay > 0:
                     await asyncio.sleep(delay)

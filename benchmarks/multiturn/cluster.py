@@ -275,6 +275,8 @@ class RouterSpec:
     prefill_policy: str | None = None  # PD: --prefill-policy (None: the router's default)
     decode_policy: str | None = None  # PD: --decode-policy
     processes: int = 1  # ours: --processes (one router of that many processes, one port)
+    args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
+    tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
 
     @property
     def name(self) -> str:
@@ -288,6 +290,8 @@ class RouterSpec:
             name += f" x{self.replicas} replicas"
         if self.processes > 1:
             name += f" x{self.processes} processes"
+        if self.tag:
+            name += f" {self.tag}"
         return name if self.pull else f"{name} (no pull)"
 
 
@@ -377,6 +381,7 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args.append("--disable-mempool-pull")
         args += ["--processes", str(spec.processes)]
         args += scaled_cost_args(cluster.time_scale)
+        args += spec.args  # (after the scaled terms: a spec's own cost flags win)
         return module_command("router", port, args + pd_policies(spec, cluster))
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:

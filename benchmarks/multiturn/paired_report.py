@@ -23,10 +23,10 @@ from benchmarks.multiturn.capacity_report import spread
 from benchmarks.multiturn.paired import system_label
 from benchmarks.multiturn.paired_plots import plot_paired
 from benchmarks.multiturn.results import (
-    model_text,
     params_text,
     publish,
     sim_model,
+    sim_text,
     target_rows,
 )
 from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
@@ -495,7 +495,7 @@ def notes(
     out = [
         *preset_text,
         f"Sim workers (`python -m connector.worker --backend sim --tokenizer-cache`) model "
-        f"{model_text(model)}; `connector/worker/latency_model.py`. A time scale of k makes "
+        f"{sim_text(model)}; `connector/worker/latency_model.py`. A time scale of k makes "
         "the modelled GPU k times slower, so wall-clock latencies are k times H100 time.",
         "`hit`: prompt tokens reused / prompt tokens, by source as the answers report them "
         "(`cached_tokens`, its `cached_tokens_details` device/host split where the answer has "

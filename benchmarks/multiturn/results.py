@@ -24,8 +24,8 @@ def sim_model() -> dict[str, Any]:
     return {**model.describe(), "kv_capacity_tokens_default": model.kv_capacity_tokens(16)}
 
 
-def model_text(model: dict[str, Any]) -> str:
-    """The sim's latency model in one phrase (`sim_model()`'s figures)."""
+def sim_text(model: dict[str, Any]) -> str:
+    """The sim's latency model (`sim_model()`) in one phrase, for a results page."""
     return (
         f"{model['model']} on one {model['gpu']}: prefill {model['prefill_per_token_s'] * 1e6:g} "
         f"µs/token + {model['prefill_per_token_pair_s'] * 1e9:g} ns per (new, context) pair, "
@@ -180,7 +180,7 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         "report them; `oracle`: the same requests replayed in send order into one infinite "
         "prefix cache (16-token pages, last prompt token always computed): the upper bound.",
         "Workers: `python -m connector.worker --backend sim --tokenizer-cache` (the sim models "
-        f"{model_text(model)}). KV capacity per instance: "
+        f"{sim_text(model)}). KV capacity per instance: "
         f"{capacity:,} tokens"
         + (
             " (--max-total-tokens, lowered so eviction shows)"

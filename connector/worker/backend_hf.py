@@ -171,9 +171,10 @@ class HFBackend(Backend):
         if not 0 <= start < end <= len(prompt) or start < min(seq.cached_tokens, len(prompt) - 1):
             raise ValueError(f"request {seq.rid}: bad prefill chunk {start}..{end}")
         state = seq.backend_state
-        if start > seq.cached_tokens:  # a later chunk: continue the earlier chunks' cache
-            if not isinstance(state, HFState) or state.cache.get_seq_length() != start:
-                raise RuntimeError(f"request {seq.rid}: chunk at {start} without the KV before")
+        if isinstance(state, HFState) and start and state.cache.get_seq_length() == start:
+            pass  # a later chunk: continue the earlier chunks' cache
+        elif start > seq.cached_tokens:
+            raise RuntimeError(f"request {seq.rid}: chunk at {start} without the KV before")
         else:
             cache = DynamicCache(config=self.model.config)
             if start > 0:

@@ -38,7 +38,7 @@ from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache
 from connector.worker.protocol import BadRequest, GenerateInput
 from connector.worker.sequence import DONE, TOKEN, Sequence
-from mempool import InsertResult
+from mempool import InsertResult, PrefixMatch
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +231,37 @@ class Scheduler:
             for seq in [s for s in self.running if s.finish_reason is not None]:
                 self.running.remove(seq)
                 self._finish(seq, cache=self.config.enable_cache)
+            if self.config.enable_cache:
+                for seq in prefills:
+                    if seq.finish_reason is None:
+                        self._cache_prompt(seq)
             self.kv.publish()
             await asyncio.sleep(0)  # let HTTP handlers run between steps, even when steps are free
+
+    def _cache_prompt(self, seq: Sequence) -> None:
+        """A prompt's computed whole pages enter the cache as soon as they are prefilled,
+        pinned by the request (SGLang's cache_unfinished_req): requests sharing them hit at
+        once, not only after this one finishes. Its answer is added when it finishes."""
+        computed = seq.num_computed if seq.prefilled else seq.extend_from + seq.extend_len
+        full, cached_pages = computed // self.page, seq.cached_tokens // self.page
+        if full <= cached_pages:
+            return
+        if seq.reported_cached is None:  # the response reports what admission found
+            seq.reported_cached = seq.report_cached
+        adopt = seq.blocks[: full - cached_pages]
+        try:
+            pinned = self.kv.keep_pinned(seq, full, adopt)
+        except Exception:  # not cached early: it still is when it finishes
+            log.exception("caching the prompt of request %s failed", seq.rid)
+            return
+        # The index holds these pages now (or its own copies of them): the request reads
+        # them as its prefix, locked by the insert, instead of owning them.
+        addrs = self.kv.lookup(seq.all_ids[: full * self.page])
+        if seq.prefix is not None:
+            self.kv.release(seq.prefix)
+        seq.prefix = PrefixMatch(addrs, full * self.page, pinned.node, True)
+        seq.blocks = seq.blocks[full - cached_pages :]
+        seq.cached_tokens = full * self.page
 
     def _finish_left(self) -> None:
         """Running requests whose client left finish before the step (they get no token)."""

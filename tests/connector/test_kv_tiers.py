@@ -183,9 +183,9 @@ def test_scheduler_host_hits_and_chunks_free_what_they_take(tokenizer: ChatToken
     kv = make_kv(tokenizer, device_pages=24, host_pages=48)
     first = ids(30, 150)
     seqs = run_requests(tokenizer, kv, [first, ids(31, 150), ids(32, 150)], chunk=64)
-    assert [s.cached_tokens for s in seqs] == [0, 0, 0]
+    assert [s.report_cached for s in seqs] == [0, 0, 0]
     again = run_requests(tokenizer, kv, [first + ids(33, 40)], chunk=64)[0]
-    assert again.cached_tokens == 144 and again.host_cached_tokens > 0
+    assert again.report_cached == 144 and again.host_cached_tokens > 0
     assert again.cached_tokens_details == {
         "device": 144 - again.host_cached_tokens,
         "host": again.host_cached_tokens,

@@ -254,8 +254,10 @@ def test_hf_greedy_output_after_retraction_equals_the_request_alone(
         kv = hf_kv(hf_backend, 64)
         alone.append(run(scheduler_for(kv, tokenizer, enable_cache=cache), [request])[0])
         kv.pool.close()
-    need = sum(-(-(len(p) + 40) // PAGE) for p in prompts)
-    kv = hf_kv(hf_backend, need - 3)  # a few pages short of all three at once
+    pages = [-(-(len(p) + 40) // PAGE) for p in prompts]
+    # well short of all three at once (they share the chat template's first pages), room
+    # for each alone
+    kv = hf_kv(hf_backend, max(max(pages) + 1, sum(pages) - 8))
     scheduler = scheduler_for(kv, tokenizer, enable_cache=cache, ratio=TokenRatio(0, 0, 0))
     together = run(scheduler, requests)
     assert scheduler.stats.retracted > 0 and scheduler.stats.aborted == 0
@@ -265,3 +267,32 @@ def test_hf_greedy_output_after_retraction_equals_the_request_alone(
     if cache:
         balanced(kv)
     kv.pool.close()
+
+
+def test_a_prompt_is_cached_once_prefilled_not_when_its_request_ends(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """SGLang inserts a prompt into its radix cache after prefill: a request sharing it that
+    arrives while the first one still decodes reuses it."""
+    kv = sim_kv(tokenizer, pages=64)
+    scheduler = scheduler_for(kv, tokenizer)
+    shared = ids(50, 10 * PAGE)
+
+    async def main() -> tuple[Sequence, Sequence]:
+        await scheduler.start()
+        first = scheduler.submit(gen([*shared, *ids(51, 8)], 40, "first"))
+        assert await first.events.get() != DONE  # its first token: prefilled
+        second = scheduler.submit(gen([*shared, *ids(52, 8)], 4, "second"))
+        for seq in (second, first):
+            while await seq.events.get() != DONE:
+                pass
+        await scheduler.stop()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.finish_reason == {"type": "length", "length": 40}
+    assert second.report_cached == len(shared)  # the first one was still decoding
+    assert first.report_cached == 0  # what its own admission found
+    sim = kv.backend
+    assert isinstance(sim, SimBackend) and sim.verified_pages >= 10
+    balanced(kv)
