@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mempool.radix import RadixTree
+from router.heat import PrefixHeat
 from router.trees import PrefixView, PromptTrees
 from router.workers import Worker, WorkerType
 
@@ -257,6 +258,7 @@ class PromptTree(Policy):
         self.thresholds = thresholds
         self.cost = cost
         self.pulls = pulls  # plan MemPool pulls between workers that support them
+        self.heat = PrefixHeat(trees.page_size)
 
     def _predicted(self, held: int, n: int) -> int:
         # The engine always computes the last prompt token; it reuses whole pages only.
@@ -297,9 +299,12 @@ class PromptTree(Policy):
         # own TTFT, pull or not: pulls make a move cheaper for the request that moves, not
         # more frequent (measured: scoring pulls as free moved 42% of multi-round QA turns off
         # their holders and halved the host-tier hits).
-        # Recomputed on a worker with requests waiting, the prefix delays each of them.
+        # Recomputed on a worker with requests waiting, the prefix delays each of them; a
+        # prefix many requests reuse pays for its copy on every one of them (router.heat).
+        heat = self.heat.bump(request.tokens or [], most) if most else 0.0
         placement = {
-            w.url: plans[w.url].seconds + (most - affinity[w.url]) * per_token * (1 + w.waiting)
+            w.url: plans[w.url].seconds
+            + (most - affinity[w.url]) * per_token * (1 + w.waiting) / (1 + heat)
             for w in workers
         }
         soonest = min(workers, key=lambda w: (placement[w.url], w.load))

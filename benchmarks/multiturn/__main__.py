@@ -51,6 +51,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick: one multiple, one seed, three systems)",
     )
     parser.add_argument(
+        "--hot-prefix",
+        action="store_true",
+        help="hot shared prefixes (tool-agent-like, Zipf popularity, /v1/completions) at 85%% "
+        "of the sustained rate, 4 colocated and 2P2D, 3 paired seeds (--trace FILE: replay "
+        "that Mooncake-format trace open-loop instead; with --quick: 4 colocated, 3 systems, "
+        "one seed)",
+    )
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="several prefills: 2P2D and 3P1D in PD-Caching-3/-1/Basic against sglang-router "
+        "and smg PD, working set 2x and 4x the cluster's KV, at 80%% of the sustained rate, "
+        "3 paired seeds (with --quick: 2P2D, one small workload, one seed)",
+    )
+    parser.add_argument(
+        "--calibration-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="--hot-prefix/--pd: take each cluster's sustained rate from DIR/results.json "
+        "instead of measuring it (say, to split the seeds over several invocations)",
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         nargs="+",
@@ -66,7 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--capacity: these working-set multiples of the cluster's device KV",
     )
     parser.add_argument(
-        "--trace", type=Path, default=DEFAULT_TRACE, help="a trace in Mooncake's format"
+        "--trace",
+        type=Path,
+        default=None,
+        help="a trace in Mooncake's format, gzipped or plain (default: the shipped "
+        "conversation trace; with --hot-prefix: replayed open-loop instead of the synthetic "
+        "workload)",
     )
     parser.add_argument(
         "--workloads",
@@ -110,24 +138,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stop_children_on_terminate()
+    kind = paired_kind(args)
+    if sum((args.capacity, args.hot_prefix, args.pd)) > 1:
+        parser.error("--capacity, --hot-prefix and --pd are presets of their own: pick one")
     if args.out is None:
-        args.out = CAPACITY_OUT if args.capacity else DEFAULT_OUT
-    if not args.trace.exists():
+        args.out = kind.out if kind else CAPACITY_OUT if args.capacity else DEFAULT_OUT
+    if args.trace is not None and not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
-    if not args.capacity and args.multiples:
-        parser.error("--multiples belongs to --capacity")
+    if not (args.capacity or args.pd) and args.multiples:
+        parser.error("--multiples belongs to --capacity and --pd")
+    if args.calibration_from and not (kind and not args.report_only):
+        parser.error("--calibration-from belongs to --hot-prefix and --pd runs")
     if any(m <= 0 for m in args.multiples or ()):
         parser.error("--multiples must be positive")
     if args.merge and not args.report_only:
         parser.error("--merge belongs to --report-only")
     if args.report_only:
-        return report_only(parser, args.out, args.trace, args.merge)
+        return report_only(parser, args.out, args.trace or DEFAULT_TRACE, args.merge)
     if args.capacity:
         return run_capacity(parser, args, argv)
+    if kind is not None:
+        return run_paired_preset(kind, parser, args, argv)
     started = time.perf_counter()
     plan = make_plan(
         args.quick,
-        args.trace,
+        args.trace or DEFAULT_TRACE,
         pd=not args.no_pd,
         workloads=set(args.workloads) if args.workloads else None,
         systems=set(args.systems) if args.systems else None,
@@ -152,7 +187,9 @@ def run_capacity(
     from benchmarks.multiturn.capacity_report import write_capacity
 
     started = time.perf_counter()
-    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(args.trace)
+    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(
+        args.trace or DEFAULT_TRACE
+    )
     preset = capacity.narrowed(preset, args.seeds, args.multiples)
     if args.max_total_tokens:
         parser.error("--max-total-tokens: --capacity sizes the KV from the working set")
@@ -187,6 +224,42 @@ def run_capacity(
         command_line(argv),
     )
     return finished(sized.plan.preset, len(records), elapsed, args.out)
+
+
+def paired_kind(args: argparse.Namespace) -> Any:
+    """The paired preset the flags ask for (`paired_cli.Kind`), or None."""
+    if not (args.hot_prefix or args.pd):
+        return None
+    from benchmarks.multiturn import paired_cli
+
+    return paired_cli.HOT_PREFIX if args.hot_prefix else paired_cli.PD
+
+
+def run_paired_preset(
+    kind: Any, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
+) -> int:
+    """--hot-prefix or --pd: plan, measure each cluster's sustained rate, run, report."""
+    from benchmarks.multiturn import paired_cli
+
+    if args.max_total_tokens:
+        parser.error(f"--max-total-tokens: --{kind.name} sizes the KV from the workload")
+    started = time.perf_counter()
+    with Session.open(args.log_dir) as session:
+        records, calibration, plan = paired_cli.run(kind, parser, args, session)
+    elapsed = time.perf_counter() - started
+    paired_cli.write(
+        kind,
+        args.out,
+        plan.preset,
+        records,
+        calibration,
+        plan.setup,
+        plan.notes,
+        session.peers,
+        elapsed,
+        command_line(argv),
+    )
+    return finished(plan.preset, len(records), elapsed, args.out)
 
 
 @dataclass
@@ -271,6 +344,13 @@ def report_only(
     peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
     machine = figures.get("machine") or None  # where the runs were measured
     elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
+    from benchmarks.multiturn import paired_cli
+
+    kind = paired_cli.kind_of(str(preset))
+    if kind is not None:
+        paired_cli.report_again(kind, out, figures, peers)
+        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
+        return 0
     if str(preset).startswith("capacity"):
         from benchmarks.multiturn.capacity_report import write_capacity
 

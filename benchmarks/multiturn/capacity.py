@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.harness import REPO_ROOT
 from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
@@ -33,6 +33,9 @@ from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
 from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
 from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 CAPACITY = "capacity"
 CAPACITY_QUICK = "capacity-quick"
@@ -301,9 +304,10 @@ def make_capacity_plan(
     return CapacityPlan(plan, features, sized, sizings)
 
 
-def narrowed(
-    preset: CapacityPreset, seeds: Sequence[int] | None, multiples: Sequence[float] | None
-) -> CapacityPreset:
+P = TypeVar("P", bound="DataclassInstance")  # a preset with `seeds` (and `multiples`)
+
+
+def narrowed(preset: P, seeds: Sequence[int] | None, multiples: Sequence[float] | None) -> P:
     """The preset with other seeds or multiples, when given."""
     if seeds:
         preset = replace(preset, seeds=tuple(dict.fromkeys(seeds)))

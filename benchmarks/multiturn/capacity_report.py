@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks.harness import finite, markdown_table
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
-from benchmarks.multiturn.results import publish, sim_model, target_rows
+from benchmarks.multiturn.results import params_text, publish, sim_model, target_rows
 from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
 from benchmarks.peers import PeerStatus
 
@@ -488,12 +488,7 @@ def notes(
         if run.get("workload_params") and run["workload"] not in params:
             params[run["workload"]] = run["workload_params"]
     for name, p in params.items():
-        text = ", ".join(
-            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in p.items()
-            if k != "seed"
-        )
-        out.append(f"Workload `{name}` (seed {p.get('seed')}): {text}.")
+        out.append(f"Workload `{name}` (seed {p.get('seed')}): {params_text(p)}.")
     return out
 
 

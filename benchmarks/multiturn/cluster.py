@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, peer_command
+from router.policies import CostModel
 from router.procs import (
     Launch,
     Server,
@@ -187,7 +188,8 @@ class Cluster:
 
     def worker_counters(self) -> list[dict[str, float]]:
         """Per worker: requests, prompt and cached tokens, evictions, retractions and aborts
-        so far (its Prometheus counters)."""
+        so far (its Prometheus counters), and what it sent to other PD instances
+        (`pd_counters`)."""
         names = {
             "sglang:num_requests_total": "requests",
             "sglang:prompt_tokens_total": "prompt_tokens",
@@ -197,9 +199,10 @@ class Cluster:
             "sglang:num_aborted_requests_total": "aborted",
         }
         out = []
-        for w in self.workers:
+        for w, info in zip(self.workers, self.server_info(), strict=True):
             metrics = scrape(w.url + "/metrics")
-            out.append({short: metrics.get(name, 0.0) for name, short in names.items()})
+            counters = {short: metrics.get(name, 0.0) for name, short in names.items()}
+            out.append({**counters, **pd_counters(info)})
         return out
 
     def tier_counters(self) -> dict[str, float]:
@@ -269,6 +272,8 @@ class RouterSpec:
     policy: str
     pull: bool = True  # ours: plan MemPool pulls (False: --disable-mempool-pull)
     replicas: int = 1  # ours: > 1 runs that many replicas, a redis-server and the front
+    prefill_policy: str | None = None  # PD: --prefill-policy (None: the router's default)
+    decode_policy: str | None = None  # PD: --decode-policy
     processes: int = 1  # ours: --processes (one router of that many processes, one port)
     args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
     tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
@@ -276,6 +281,11 @@ class RouterSpec:
     @property
     def name(self) -> str:
         name = f"{'ours' if self.router == OURS else self.router} {self.policy}"
+        if self.prefill_policy or self.decode_policy:
+            name = (
+                f"{'ours' if self.router == OURS else self.router} PD "
+                f"{self.prefill_policy or self.policy}/{self.decode_policy or self.policy}"
+            )
         if self.replicas > 1:
             name += f" x{self.replicas} replicas"
         if self.processes > 1:
@@ -333,6 +343,23 @@ def launch(name: str, args: list[str], port: int, log: Path) -> Launch:
     return Launch(name, args, port, log, REPO_ROOT, OFFLINE_ENV)
 
 
+def scaled_cost_args(time_scale: float) -> list[str]:
+    """Our router's cost-model flags for sim workers slowed `time_scale` times: its defaults
+    (the sim's H100) times the scale, so that modelled work and the queues it measures in
+    real seconds are in the same units, as an operator sets them to their real GPU."""
+    if time_scale in (0, 1):
+        return []
+    cost = CostModel()
+    terms = {
+        "--prefill-secs-per-token": cost.prefill_s_per_token,
+        "--prefill-secs-per-token-pair": cost.prefill_s_per_token_pair,
+        "--transfer-secs-per-token": cost.transfer_s_per_token,
+        "--host-load-secs-per-token": cost.host_load_s_per_token,
+        "--busy-secs-per-request": cost.busy_s_per_request,
+    }
+    return [x for flag, value in terms.items() for x in (flag, f"{value * time_scale:.6g}")]
+
+
 def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
     colocated = [w.url for w in cluster.by_role("colocated")]
     prefills = cluster.by_role("prefill")
@@ -353,8 +380,9 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
         if not spec.pull:
             args.append("--disable-mempool-pull")
         args += ["--processes", str(spec.processes)]
-        args += spec.args
-        return module_command("router", port, args)
+        args += scaled_cost_args(cluster.time_scale)
+        args += spec.args  # (after the scaled terms: a spec's own cost flags win)
+        return module_command("router", port, args + pd_policies(spec, cluster))
     args = peer_command(spec.router, spec.policy, port, grace_s=1)
     if cluster.spec.pd:
         args.append("--pd-disaggregation")
@@ -364,6 +392,19 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args += ["--decode", w.url]
     else:
         args += ["--worker-urls", *colocated]
+    return args + pd_policies(spec, cluster)
+
+
+def pd_policies(spec: RouterSpec, cluster: Cluster) -> list[str]:
+    """`--prefill-policy` / `--decode-policy` of a PD system (the same flags in all three
+    routers); none on a colocated cluster."""
+    if not cluster.spec.pd:
+        return []
+    args = []
+    if spec.prefill_policy:
+        args += ["--prefill-policy", spec.prefill_policy]
+    if spec.decode_policy:
+        args += ["--decode-policy", spec.decode_policy]
     return args
 
 
@@ -438,6 +479,23 @@ def with_children(pid: int) -> list[int]:
     except OSError:
         children = []
     return [pid, *map(int, children)]
+
+
+def pd_counters(info: dict[str, Any]) -> dict[str, float]:
+    """A PD worker's transfers so far, from /get_server_info: KV pushes it sent (a prefill's
+    to its decodes; a decode's are write-backs to the prefill, PD-Caching-3), pages and
+    modelled bytes it sent, and write-backs completed ({} for a colocated worker)."""
+    pd = info.get("disaggregation") or {}
+    if not pd:
+        return {}
+    page_bytes = float((info.get("backend") or {}).get("modelled_kv_page_bytes") or 0)
+    pages = float(pd.get("pages_moved") or 0)
+    return {
+        "pd_pushes": float(pd.get("sent") or 0),
+        "pd_pages_sent": pages,
+        "pd_bytes_sent": pages * page_bytes,
+        "written_back": float(pd.get("written_back") or 0),
+    }
 
 
 def cpu_seconds(pid: int | None) -> float:

@@ -78,6 +78,7 @@ class Step:
     group: str  # main | rate_sweep | share_ratio | no_cache | pd | capacity
     rate: float
     labels: dict[str, Any] = field(default_factory=dict)  # copied into each run's record
+    samples: bool = False  # keep every measured TTFT in the records (`ttft_samples_s`)
 
 
 @dataclass

@@ -33,7 +33,9 @@ def sim_text(model: dict[str, Any]) -> str:
         f"{model['decode_per_context_token_s'] * 1e9:g} ns per context token, "
         f"{model['step_overhead_s'] * 1e3:g} ms per step, KV over {model['interconnect']} "
         f"({model['interconnect_bytes_per_s'] / 1e9:g} GB/s + "
-        f"{model['transfer_latency_s'] * 1e6:g} µs per transfer)"
+        f"{model['transfer_latency_s'] * 1e6:g} µs per transfer), host tier over "
+        f"{model['host_link']} ({model['host_link_bytes_per_s'] / 1e9:g} GB/s + "
+        f"{model['host_copy_latency_s'] * 1e6:g} µs per load)"
     )
 
 
@@ -224,11 +226,17 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
             "means something else competed for the CPU during that run."
         )
     for name, params in workloads.items():
-        text = ", ".join(
-            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items()
-        )
-        out.append(f"Workload `{name}`: {text}.")
+        out.append(f"Workload `{name}`: {params_text(params, leave=())}.")
     return out
+
+
+def params_text(params: dict[str, Any], leave: Sequence[str] = ("seed",)) -> str:
+    """A workload's parameters as one line: `name value, ...` (floats shortened)."""
+    return ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in params.items()
+        if k not in leave
+    )
 
 
 def publish(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +45,15 @@ class Context:
     peers: dict[str, PeerStatus]
 
 
-def execute(ctx: Context) -> list[dict[str, Any]]:
+# Called once per cluster after it started (the cluster, its steps, the served model, the
+# floor): the steps to run on it, say with a rate measured on it first (`sustained`).
+Prepare = Callable[[Cluster, list[Step], str, Floor], list[Step]]
+
+
+def execute(ctx: Context, prepare: Prepare | None = None) -> list[dict[str, Any]]:
     """Every step of the plan; one record per (step, system), failures recorded, not raised
-    (except that our own router failing to start is an error of the project)."""
+    (except that our own router failing to start is an error of the project). `prepare`
+    may replace a cluster's steps once the cluster runs."""
     plan = ctx.plan
     overall = ctx.progress.add_task("runs", total=plan.runs())
     records: list[dict[str, Any]] = []
@@ -66,6 +72,8 @@ def execute(ctx: Context) -> list[dict[str, Any]]:
             model = model_name(cluster.workers[0].url)
             info = cluster.server_info()[0]
             floor = Floor.of_worker(info)
+            if prepare is not None:
+                steps = prepare(cluster, steps, model, floor)
             for step in steps:
                 workload = built.get(id(step.workload))
                 if workload is None:
@@ -203,6 +211,11 @@ def run_one(
     record["router_decisions"] = decisions(router_metrics)
     span = active_span(result.outcomes, result.wall_s)  # warm-ups kept the GPUs busy too
     record["gpu_busy_s"] = busy
+    record["worker_roles"] = [w.role for w in cluster.workers]
+    if step.samples:  # every measured TTFT, for distributions (CDFs)
+        record["ttft_samples_s"] = sorted(
+            round(o.ttft_s, 5) for o in measured if o.ok and o.ttft_s is not None
+        )
     record["gpu_utilization"] = (
         sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None
     )

@@ -131,17 +131,22 @@ def _why_hit(pt: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def tail_summary(run: dict[str, Any]) -> str:
-    """What the slowest 5 % of a run's requests were: first turns or not, how much cached."""
+def tail_summary(run: dict[str, Any], turns: bool = True) -> str:
+    """What the slowest 5 % of a run's requests were: first turns or not (`turns`), their
+    TTFT, how long and how much cached."""
     rows = run.get("ttft_tail") or []
     if not rows:
         return "?"
     first = sum(1 for r in rows if r["turn"] == 0)
     prompt = sum(r["prompt_tokens"] for r in rows)
     cached = sum(r["cached_tokens"] for r in rows)
+    what = f"{first}/{len(rows)} first turns, " if turns else f"{len(rows)} requests, "
+    if not turns:
+        ttfts = [r["ttft_s"] for r in rows]
+        what += f"TTFT {min(ttfts):.2f}-{max(ttfts):.2f} s, "
     return (
-        f"{first}/{len(rows)} first turns, {prompt / len(rows):,.0f} prompt tokens on "
-        f"average, {cached / prompt if prompt else 0:.0%} cached"
+        f"{what}{prompt / len(rows):,.0f} prompt tokens on average, "
+        f"{cached / prompt if prompt else 0:.0%} cached"
     )
 
 

@@ -23,7 +23,7 @@ class Vocab:
     ids: list[int]
     words: list[str]
     newline_id: int
-    _blocks: dict[int, tuple[str, list[int]]] = field(default_factory=dict, repr=False)
+    _blocks: dict[tuple[int, int], tuple[str, list[int]]] = field(default_factory=dict, repr=False)
     _word_of: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,13 +53,13 @@ class Vocab:
 
     def block(self, hash_id: int, seed: int = 0) -> tuple[str, list[int]]:
         """The trace block of `hash_id`: 511 words and a newline, 512 tokens."""
-        got = self._blocks.get(hash_id)
+        got = self._blocks.get((seed, hash_id))  # seeds give other text
         if got is None:
             rng = random.Random(f"block:{seed}:{hash_id}")
             text, ids = self.words_text(rng, BLOCK_TOKENS - 1)
             got = (text + "\n", [*ids, self.newline_id])
             if len(self._blocks) < 200_000:
-                self._blocks[hash_id] = got
+                self._blocks[(seed, hash_id)] = got
         return got
 
     def blocks_prompt(

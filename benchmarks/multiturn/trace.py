@@ -90,6 +90,24 @@ def parents(rows: list[TraceRow]) -> list[int | None]:
 
 
 @dataclass(frozen=True)
+class Clock:
+    """Trace time to run time: the rows' timestamps scaled so they arrive at `rate`/s."""
+
+    t0_ms: float
+    span_s: float  # from the first row to the last, in trace seconds
+    scale: float  # run seconds per trace second
+
+    @classmethod
+    def of(cls, rows: list[TraceRow], rate: float) -> Clock:
+        t0 = rows[0].timestamp_ms
+        span = max(rows[-1].timestamp_ms - t0, 1.0) / 1000
+        return cls(t0, span, (len(rows) / rate) / span)
+
+    def at_s(self, row: TraceRow) -> float:
+        return (row.timestamp_ms - self.t0_ms) / 1000 * self.scale
+
+
+@dataclass(frozen=True)
 class TraceReplay:
     path: Path = DEFAULT_TRACE
     sessions: int = 150  # sampled whole sessions (0: use `requests` from `start`)
@@ -118,9 +136,7 @@ class TraceReplay:
         kept = set(keep)
         if not keep:
             raise ValueError(f"{shown_path(self.path)}: the subset is empty")
-        t0 = rows[keep[0]].timestamp_ms
-        span = max(rows[keep[-1]].timestamp_ms - t0, 1.0) / 1000
-        scale = (len(keep) / self.rate) / span  # trace seconds -> run seconds
+        clock = Clock.of([rows[i] for i in keep], self.rate)
         index = {row: n for n, row in enumerate(keep)}
         kept_parent: dict[int, int | None] = {}
         depth: dict[int, int] = {}
@@ -140,7 +156,7 @@ class TraceReplay:
                     index[i],
                     f"trace{session[i]}",
                     depth[i],
-                    (row.timestamp_ms - t0) / 1000 * scale,
+                    clock.at_s(row),
                     max(1, min(row.output_length, self.max_output_tokens)),
                     COMPLETION,
                     None if p is None else index[p],
@@ -148,25 +164,41 @@ class TraceReplay:
                     prompt_ids=ids,
                 )
             )
-        params: dict[str, Any] = {
-            "trace": shown_path(self.path),
-            "trace_rows": len(rows),
-            "subset": f"{self.sessions} sampled sessions (seed {self.seed})"
+        subset = (
+            f"{self.sessions} sampled sessions (seed {self.seed})"
             if self.sessions
-            else f"rows {self.start}..{self.start + len(keep)}",
-            "requests": len(requests),
+            else f"rows {self.start}..{self.start + len(keep)}"
+        )
+        params = {
+            **replay_params(self, len(rows), subset, requests, clock),
             "sessions": len({r.session for r in requests}),
-            "rate": self.rate,
-            "time_scale": scale,
-            "trace_span_s": span,
-            "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
-            "max_input_tokens": self.max_input_tokens,
-            "max_output_tokens": self.max_output_tokens,
-            "block_tokens": 512,
         }
         return Workload(
             trace_name(self.path), f"trace replay ({Path(self.path).name})", requests, params
         )
+
+
+def replay_params(
+    replay: TraceReplay | OpenLoopTrace,
+    rows: int,
+    subset: str,
+    requests: list[Request],
+    clock: Clock,
+) -> dict[str, Any]:
+    """What the results say about a trace replay."""
+    return {
+        "trace": shown_path(replay.path),
+        "trace_rows": rows,
+        "subset": subset,
+        "requests": len(requests),
+        "rate": replay.rate,
+        "time_scale": clock.scale,
+        "trace_span_s": clock.span_s,
+        "mean_input_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
+        "max_input_tokens": replay.max_input_tokens,
+        "max_output_tokens": replay.max_output_tokens,
+        "block_tokens": 512,
+    }
 
 
 def trace_name(path: Path) -> str:
@@ -174,3 +206,47 @@ def trace_name(path: Path) -> str:
     if Path(path).resolve() == DEFAULT_TRACE:
         return "trace"
     return f"trace:{Path(path).name.split('.')[0]}"
+
+
+@dataclass(frozen=True)
+class OpenLoopTrace:
+    """A Mooncake-format trace replayed as independent requests, open-loop: no session
+    chaining, each row sent at its (scaled) timestamp whatever happened to the others, as a
+    hot-prefix trace (tool and agent calls sharing long system prompts) is meant to be
+    replayed. `requests` consecutive rows of at most `max_input_tokens`; seed k takes the
+    k-th such window from `start` (the last whole one past the end), so paired seeds are
+    other windows of the same trace; the seed also seeds the block text."""
+
+    path: Path = DEFAULT_TRACE
+    requests: int = 300
+    start: int = 0
+    rate: float = 2.0
+    max_input_tokens: int = 32768
+    max_output_tokens: int = 64
+    seed: int = 1
+
+    def build(self, vocab: Vocab) -> Workload:
+        rows = [r for r in load_trace(self.path) if r.input_length <= self.max_input_tokens]
+        if not rows:
+            raise ValueError(f"{shown_path(self.path)}: no row of at most {self.max_input_tokens}")
+        first = (self.start + (self.seed - 1) * self.requests) % len(rows)
+        first = min(first, max(0, len(rows) - self.requests))  # a whole window: the last
+        window = rows[first : first + self.requests]
+        clock = Clock.of(window, self.rate)
+        requests = []
+        for n, row in enumerate(window):
+            text, ids = vocab.blocks_prompt(list(row.hash_ids), row.input_length, self.seed)
+            answer = max(1, min(row.output_length, self.max_output_tokens))
+            requests.append(
+                Request(
+                    n, f"r{n}", 0, clock.at_s(row), answer, COMPLETION, prompt=text, prompt_ids=ids
+                )
+            )
+        subset = f"rows {first}.. of those within max_input_tokens, {len(window)} requests"
+        params = {
+            **replay_params(self, len(rows), subset, requests, clock),
+            "open_loop": True,
+        }
+        return Workload(
+            trace_name(self.path), f"open-loop trace ({Path(self.path).name})", requests, params
+        )

@@ -11,11 +11,12 @@ ones the run will send, up to the answers' words.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.multiturn.client import Outcome, messages_for
-from benchmarks.multiturn.oracle import PAGE, Replay, replay
+from benchmarks.multiturn.oracle import PAGE, Replay, page_keys, replay
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import CHAT, Workload
 
@@ -83,3 +84,13 @@ class Sizing:
                 f"instance, less than the largest request needs ({need:,}): use a larger "
                 "workload (more sessions) or smaller requests"
             )
+
+
+def hot_set_tokens(workload: Workload, page: int = PAGE) -> int:
+    """Tokens of the prompt pages at least two requests contain (completion prompts, whose
+    ids the plan knows): the set a cache must keep for reuse to happen at all (pages seen
+    once are compulsory misses, whoever routes)."""
+    seen: Counter[int] = Counter()
+    for request in workload.requests:
+        seen.update(set(page_keys(request.prompt_ids or [], page)))
+    return sum(1 for n in seen.values() if n >= 2) * page

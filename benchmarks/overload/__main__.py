@@ -15,12 +15,18 @@ from typing import Any
 from benchmarks.harness import step as advance
 from benchmarks.harness import stop_children_on_terminate
 from benchmarks.multiturn.__main__ import Session
-from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec, model_name
+from benchmarks.multiturn.cluster import (
+    Cluster,
+    ClusterSpec,
+    RouterSpec,
+    model_name,
+    scaled_cost_args,
+)
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.results import sim_model
 from benchmarks.multiturn.trace import DEFAULT_TRACE
 from benchmarks.overload import calibrate, report
-from benchmarks.overload.preset import INSTANCES, Preset, cost_model_args, preset_for, systems
+from benchmarks.overload.preset import INSTANCES, Preset, preset_for, systems
 from benchmarks.overload.runner import Bench, run_one
 from benchmarks.overload.workload import (
     Pool,
@@ -30,7 +36,6 @@ from benchmarks.overload.workload import (
     step_workload,
 )
 from benchmarks.peers import OURS, SGLANG_ROUTER
-from router.policies import CostModel
 
 DEFAULT_OUT = Path("benchmarks/results/overload")
 
@@ -142,13 +147,8 @@ class Ramp:
         # the deadline comes from the first pool as a whole (every step's rows are from it)
         mean_floor = mean_floor_s(step_workload(first, 1.0, len(first), "D"), bench.floor)
         deadline = p.deadline_multiple * mean_floor
-        model, scale = bench.floor.model, bench.floor.time_scale
-        cost = cost_model_args(
-            model.prefill_per_token_s * scale,
-            model.prefill_per_token_pair_s * scale,
-            CostModel().busy_s_per_request * scale,
-        )
-        compared = systems(cost, deadline, p.queue_size)
+        cost = scaled_cost_args(bench.floor.time_scale)  # what the cluster gives ours
+        compared = systems(deadline, p.queue_size)
         reference = compared[1]  # ours without the deadline measures the sustained rate
         rungs: list[calibrate.Rung] = []
         if sustained is None:

@@ -97,25 +97,13 @@ WITHOUT_DEADLINE = "ours prompt_tree"
 CACHE_AWARE = "sglang-router cache_aware"
 
 
-def cost_model_args(prefill_s: float, pair_s: float, busy_s: float) -> tuple[str, ...]:
-    """Our router's cost-model flags for the workers as they run (the sim's H100 terms
-    times its time scale: the router is calibrated to the GPU it routes to)."""
-    return (
-        "--prefill-secs-per-token",
-        f"{prefill_s:.6g}",
-        "--prefill-secs-per-token-pair",
-        f"{pair_s:.6g}",
-        "--busy-secs-per-request",
-        f"{busy_s:.6g}",
-    )
-
-
-def systems(cost: tuple[str, ...], deadline_s: float, queue_size: int) -> tuple[RouterSpec, ...]:
+def systems(deadline_s: float, queue_size: int) -> tuple[RouterSpec, ...]:
     """Ours with admission by expected wait (deadline D), ours without, sglang-router's
-    cache_aware with its defaults (it has no expected-wait admission)."""
+    cache_aware with its defaults (it has no expected-wait admission). Both of ours get the
+    cost model scaled to the workers' time scale from the cluster (`scaled_cost_args`)."""
     admission = ("--max-expected-wait-secs", f"{deadline_s:.3f}", "--queue-size", str(queue_size))
     return (
-        RouterSpec(OURS, "prompt_tree", args=cost + admission, tag="+ deadline"),
-        RouterSpec(OURS, "prompt_tree", args=cost),
+        RouterSpec(OURS, "prompt_tree", args=admission, tag="+ deadline"),
+        RouterSpec(OURS, "prompt_tree"),
         RouterSpec(SGLANG_ROUTER, "cache_aware"),
     )

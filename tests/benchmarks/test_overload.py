@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks.multiturn.client import RunResult, run_workload
+from benchmarks.multiturn.cluster import scaled_cost_args
 from benchmarks.multiturn.workloads import COMPLETION, Request
 from benchmarks.overload import calibrate
 from benchmarks.overload.preset import (
@@ -23,7 +24,6 @@ from benchmarks.overload.preset import (
     WITH_DEADLINE,
     WITHOUT_DEADLINE,
     Calibration,
-    cost_model_args,
     systems,
 )
 from benchmarks.overload.runner import NO_RETRY
@@ -35,6 +35,7 @@ from benchmarks.overload.targets import (
     wait_within,
 )
 from benchmarks.overload.workload import Pool, step_workload
+from router.policies import CostModel
 from tests.benchmarks.runs import PNG_MAGIC, finite, quick_results
 from tests.benchmarks.test_multiturn_client import Refusing, chat_workload, serving
 
@@ -275,22 +276,23 @@ def test_steps_offer_the_same_requests_at_the_same_times() -> None:
 
 
 def test_systems_and_their_flags() -> None:
-    cost = cost_model_args(1.6e-4, 5.2e-9, 0.008)
-    assert cost == (
-        "--prefill-secs-per-token",
-        "0.00016",
-        "--prefill-secs-per-token-pair",
-        "5.2e-09",
-        "--busy-secs-per-request",
-        "0.008",
-    )
-    specs = systems(cost, 2.5, 0)
+    specs = systems(2.5, 0)
     assert [s.name for s in specs] == list(SYSTEMS)
     deadline = specs[0].args
     assert deadline[deadline.index("--max-expected-wait-secs") + 1] == "2.500"
     assert deadline[deadline.index("--queue-size") + 1] == "0"
-    assert "--max-expected-wait-secs" not in specs[1].args and specs[1].args == cost
-    assert not specs[2].args
+    assert not specs[1].args and not specs[2].args
+
+
+def test_ours_get_the_cost_model_at_the_workers_time_scale() -> None:
+    """Both of ours run with the sim's H100 terms times the scale (the cluster adds them),
+    the report's flags are the ones the router got."""
+    cost = scaled_cost_args(4.0)
+    value = dict(zip(cost[::2], cost[1::2], strict=True))
+    assert float(value["--prefill-secs-per-token"]) == pytest.approx(4 * 4.0e-5)
+    busy = CostModel().busy_s_per_request
+    assert float(value["--busy-secs-per-request"]) == pytest.approx(4 * busy)
+    assert scaled_cost_args(1.0) == []
 
 
 @pytest.mark.parametrize("orphans", [True, False])

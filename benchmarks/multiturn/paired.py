@@ -1,0 +1,212 @@
+"""Presets that compare systems at a measured share of what the cluster sustains, over
+paired seeds: `--hot-prefix` and `--pd`.
+
+A `Config` is one comparison: a workload on one cluster shape. It has one or more `Member`
+clusters of that shape and KV (PD: one per caching mode, since the mode is a worker flag),
+each with the systems that run on it. The first member is started first and calibrated:
+its reference system finds the rate the cluster sustains (`sustained`), and then every
+member runs every seed's workload at `load` x that rate. So every system of a config gets
+the same requests, at the same times, on workers of the same shape and KV; ratios between
+systems are taken within a seed and summarized over the seeds (`paired_report`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import step as advance
+from benchmarks.multiturn.capacity import Prebuilt
+from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec
+from benchmarks.multiturn.floor import Floor
+from benchmarks.multiturn.plan import Plan, Step
+from benchmarks.multiturn.runner import Context, execute, run_one
+from benchmarks.multiturn.sustained import Calibration, Search, at_rate, calibrate
+from benchmarks.multiturn.working_set import estimate
+from benchmarks.multiturn.workloads import Workload
+from benchmarks.peers import OURS
+
+# MemServe's names for the caching modes, as the reports show them
+MODE_LABELS = {
+    None: "",
+    "basic": "PD-Basic",
+    "caching-1": "PD-Caching-1",
+    "caching-2": "PD-Caching-2",
+    "caching-3": "PD-Caching-3",
+}
+
+
+def system_label(system: str, pd_caching: str | None) -> str:
+    """A system as the reports name it: with its workers' caching mode on a PD cluster."""
+    mode = MODE_LABELS.get(pd_caching, pd_caching or "")
+    return f"{system} [{mode}]" if mode else system
+
+
+@dataclass(frozen=True)
+class Member:
+    """One cluster of a config and the systems compared on it."""
+
+    spec: ClusterSpec
+    systems: tuple[RouterSpec, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One comparison: `workload` (seed -> builder at a nominal rate) on `members`, offered at
+    `load` x the rate `reference` sustains on the first member with the `calibration`
+    builder (a seed no measured run uses)."""
+
+    key: str
+    workload: str
+    seeds: dict[int, Any]
+    calibration: Any
+    members: tuple[Member, ...]
+    reference: RouterSpec
+    load: float
+    api: str
+    labels: dict[str, Any] = field(default_factory=dict)  # into every record of the config
+
+    def cluster_key(self, member: Member) -> str:
+        mode = MODE_LABELS.get(member.spec.caching, "")
+        return f"{self.key}" + (f" [{mode}]" if mode else "")
+
+
+@dataclass
+class PairedPlan:
+    """A preset made concrete: its configs, the search for the sustained rate, what was
+    left out, the sizing per config (for results.json), and sustained rates taken from an
+    earlier run instead of measured (`--calibration-from`)."""
+
+    preset: str
+    configs: list[Config]
+    search: Search
+    notes: list[str] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)
+    known: dict[str, float] = field(default_factory=dict)
+
+    def plan(self) -> Plan:
+        """The runner's plan: every member cluster in config order, one step per seed with
+        a placeholder rate (`Rater` sets it once the config's rate is known)."""
+        clusters: dict[str, ClusterSpec] = {}
+        steps: list[Step] = []
+        for config in self.configs:
+            for member in config.members:
+                key = config.cluster_key(member)
+                clusters[key] = member.spec
+                for seed, builder in config.seeds.items():
+                    labels = {**config.labels, "config": config.key, "seed": seed}
+                    steps.append(
+                        Step(key, builder, member.systems, self.preset, 0.0, labels, samples=True)
+                    )
+        return Plan(self.preset, clusters, steps, None, list(self.notes))
+
+
+@dataclass
+class Rater:
+    """The runner's per-cluster hook: measures a config's sustained rate on its first member
+    (or takes a known one), then hands every member's steps the seeds' workloads built at
+    `load` x that rate, the same objects for every member."""
+
+    ctx: Context
+    paired: PairedPlan
+    calibrations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sustained: dict[str, float | None] = field(default_factory=dict)
+    built: dict[tuple[str, int], Prebuilt] = field(default_factory=dict)
+
+    def config_of(self, cluster: Cluster) -> Config:
+        for config in self.paired.configs:
+            if any(m.spec.name == cluster.spec.name for m in config.members):
+                return config
+        raise KeyError(cluster.spec.name)
+
+    def __call__(self, cluster: Cluster, steps: list[Step], model: str, floor: Floor) -> list[Step]:
+        config = self.config_of(cluster)
+        if config.key not in self.sustained:
+            self.sustained[config.key] = self.measure(config, cluster, model, floor)
+        sustained = self.sustained[config.key]
+        if sustained is None:  # no rate to offer: the config's runs are left out (said)
+            return []
+        rate = config.load * sustained
+        out = []
+        for step in steps:
+            seed = int(step.labels["seed"])
+            labels = {**step.labels, "sustained_rps": sustained, "load": config.load}
+            workload = self.workload(config, seed, rate)
+            out.append(replace(step, workload=workload, rate=rate, labels=labels))
+        return out
+
+    def workload(self, config: Config, seed: int, rate: float) -> Prebuilt:
+        if (config.key, seed) not in self.built:
+            workload = self.build(at_rate(config.seeds[seed], rate), config, seed)
+            self.built[(config.key, seed)] = Prebuilt(workload, rate)
+        return self.built[(config.key, seed)]
+
+    def build(self, builder: Any, config: Config, seed: int | None) -> Workload:
+        workload: Workload = builder.build(self.ctx.vocab)
+        workload.api = config.api
+        workload.params = {**workload.params, "seed": seed}
+        return workload
+
+    def measure(self, config: Config, cluster: Cluster, model: str, floor: Floor) -> float | None:
+        """The config's sustained rate: known, or searched for on `cluster`; None when the
+        search found none (its calibration entry says why)."""
+        if config.key in self.paired.known:
+            known = self.paired.known[config.key]
+            self.calibrations[config.key] = {"sustained_rps": known, "stopped": "known"}
+            return known
+        reference = self.reference(config)
+        label = f"calibrate {config.key}: {reference.name}"
+        task = self.ctx.progress.add_task(label, total=self.paired.search.max_steps)
+        runs: list[dict[str, Any]] = []
+
+        def run_at(rate: float) -> dict[str, Any]:
+            workload = self.build(at_rate(config.calibration, rate), config, None)
+            step = Step(
+                cluster.spec.name, Prebuilt(workload, rate), (reference,), "calibration", rate
+            )
+            record = run_one(self.ctx, cluster, step, reference, workload, model, floor)
+            runs.append(record)
+            advance(self.ctx.progress, task)
+            return record
+
+        planned = estimate(
+            self.build(config.calibration, config, None), self.ctx.vocab, self.ctx.encoder
+        )
+        result: Calibration = calibrate(
+            cluster, reference, run_at, floor, planned, self.paired.search
+        )
+        self.ctx.progress.remove_task(task)
+        entry = result.to_dict()
+        entry["config"] = config.key
+        entry["load"] = config.load
+        entry["calibration_workload"] = runs[0].get("workload_params") if runs else None
+        self.calibrations[config.key] = entry
+        return result.sustained_rps
+
+    def reference(self, config: Config) -> RouterSpec:
+        """The config's reference system, or ours when that peer cannot run here."""
+        ref = config.reference
+        status = self.ctx.peers.get(ref.router)
+        if ref.router == OURS or (status is not None and status.importable):
+            return ref
+        return next(s for s in config.members[0].systems if s.router == OURS)
+
+
+def run_paired(ctx: Context, paired: PairedPlan) -> tuple[list[dict[str, Any]], Rater]:
+    """Every config: calibrate, then every member's systems on every seed."""
+    rater = Rater(ctx, paired)
+    return execute(ctx, rater), rater
+
+
+def known_rates(source: Path) -> dict[str, float]:
+    """Sustained rates per config from an earlier run's results.json (`calibration`)."""
+    figures = json.loads((source / "results.json").read_text())
+    out = {}
+    for key, entry in (figures.get("calibration") or {}).items():
+        if entry.get("sustained_rps"):
+            out[key] = float(entry["sustained_rps"])
+    if not out:
+        raise ValueError(f"{source / 'results.json'} has no measured sustained rates")
+    return out

@@ -1,0 +1,169 @@
+"""The paired presets on the command line: `--hot-prefix` and `--pd`, run or reported again.
+
+Kept apart from `__main__` so that the main module only parses and dispatches; a preset's
+own module says what it runs (`hot_prefix_preset`, `pd_preset`), this one how its runs are
+planned, executed and written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.multiturn import hot_prefix_preset, pd_preset
+from benchmarks.multiturn.capacity import Features, narrowed
+from benchmarks.multiturn.paired import PairedPlan, known_rates, run_paired
+from benchmarks.multiturn.paired_report import TargetsFor, write_paired
+from benchmarks.peers import PeerStatus
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One paired preset: where it writes, its title, notes and targets."""
+
+    name: str  # the preset's name (results.json `preset`), quick variant with -quick
+    out: Path
+    title: str
+    notes: tuple[str, ...]
+    targets_for: TargetsFor
+
+
+HOT_PREFIX = Kind(
+    hot_prefix_preset.HOT_PREFIX,
+    Path("benchmarks/results/multiturn_hot_prefix"),
+    "Hot shared prefixes (tool-agent-like) at 85% of the sustained rate",
+    hot_prefix_preset.NOTES,
+    hot_prefix_preset.targets_for,
+)
+PD = Kind(
+    pd_preset.PD,
+    Path("benchmarks/results/multiturn_pd"),
+    "PD with several prefills: caching modes against sglang-router and smg PD",
+    pd_preset.NOTES,
+    pd_preset.targets_for,
+)
+
+
+def kind_of(preset: str) -> Kind | None:
+    """The paired preset a results.json's `preset` names, if any."""
+    for kind in (HOT_PREFIX, PD):
+        if preset in (kind.name, f"{kind.name}-quick"):
+            return kind
+    return None
+
+
+def make_plan(
+    kind: Kind,
+    args: argparse.Namespace,
+    vocab: Any,
+    encoder: Any,
+    on_seed: Callable[[], None],
+) -> PairedPlan:
+    """The preset with the command line's narrowing; ValueError when it cannot run."""
+    features = Features.detect()
+    systems = set(args.systems) if args.systems else None
+    plan: PairedPlan
+    if kind is HOT_PREFIX:
+        hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
+            args.trace
+        )
+        hot = narrowed(hot, args.seeds, None)
+        plan = hot_prefix_preset.make_plan(hot, vocab, features, systems, on_seed)
+    else:
+        pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)(args.trace)
+        pd = narrowed(pd, args.seeds, args.multiples)
+        workloads = set(args.workloads) if args.workloads else None
+        plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed)
+    if args.calibration_from:
+        plan.known = known_rates(args.calibration_from)
+    return plan
+
+
+def seeds_to_build(kind: Kind, args: argparse.Namespace) -> int:
+    """Workload builds the plan makes (for its progress bar)."""
+    if kind is HOT_PREFIX:
+        preset = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)()
+        return len(args.seeds or preset.seeds)
+    pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)()
+    names = [n for n in pd.workloads if not args.workloads or n in args.workloads]
+    return len(names) * len(args.seeds or pd.seeds)
+
+
+def run(
+    kind: Kind,
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    session: Any,  # __main__.Session
+) -> tuple[list[dict[str, Any]], dict[str, Any], PairedPlan]:
+    """Plan, calibrate and run; the records, the calibrations, and the plan."""
+    task = session.progress.add_task(
+        "plan: build and size workloads", total=seeds_to_build(kind, args)
+    )
+    try:
+        plan = make_plan(
+            kind,
+            args,
+            session.vocab,
+            session.encoder,
+            lambda: session.progress.advance(task),
+        )
+    except (ValueError, OSError) as exc:
+        parser.error(f"--{kind.name}: {exc}")
+    plan.notes = [
+        f"Sustained-rate search: {plan.search.describe()}.",
+        *(f"Left out: {m}" for m in plan.notes),
+    ]
+    records, rater = run_paired(session.context(plan.plan()), plan)
+    return records, rater.calibrations, plan
+
+
+def write(
+    kind: Kind,
+    out: Path,
+    preset: str,
+    runs: list[dict[str, Any]],
+    calibration: dict[str, Any],
+    setup: dict[str, Any],
+    notes: Sequence[str],
+    peers: dict[str, PeerStatus],
+    elapsed_s: float,
+    command: str,
+    machine: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return write_paired(
+        out,
+        preset,
+        kind.title,
+        runs,
+        calibration,
+        setup,
+        [*kind.notes, *notes],
+        kind.targets_for,
+        peers,
+        elapsed_s,
+        command,
+        machine,
+    )
+
+
+def report_again(
+    kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]
+) -> None:
+    """results.md, the targets and the plots again from an earlier results.json."""
+    own = [n for n in figures.get("notes") or [] if n not in kind.notes]  # the run's own
+    write(
+        kind,
+        out,
+        figures["preset"],
+        figures["runs"],
+        figures.get("calibration") or {},
+        figures.get("setup") or {},
+        own,
+        peers,
+        figures.get("elapsed_s", 0.0),
+        figures.get("command", ""),
+        figures.get("machine") or None,
+    )

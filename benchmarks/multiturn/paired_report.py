@@ -1,0 +1,580 @@
+"""The figures of a paired preset (`--hot-prefix`, `--pd`): per config and system, medians
+and spreads over the seeds, the targets, results.json and results.md.
+
+A run is one (config, seed, system on a member cluster). Systems are named with their
+workers' caching mode on PD clusters (`paired.system_label`). Ratios between two systems
+are taken within a seed (the same requests on workers of the same shape and KV) and then
+summarized as their median and min..max over the seeds. Per worker, the share of the
+requests and of the busy (modelled GPU) time is taken among the workers of its role: a
+prefill against the prefills, a decode against the decodes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import finite, markdown_table
+from benchmarks.multiturn.capacity_report import spread
+from benchmarks.multiturn.paired import system_label
+from benchmarks.multiturn.paired_plots import plot_paired
+from benchmarks.multiturn.results import (
+    params_text,
+    publish,
+    sim_model,
+    sim_text,
+    target_rows,
+)
+from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
+from benchmarks.peers import PeerStatus
+
+Run = dict[str, Any]
+FLOOR = "floor"  # a Target's `other`: the run's own floor
+
+# Written-back tokens (prompt tokens a prefill served from pages a decode wrote back) are not
+# reported by the workers: what would be needed to split them out.
+WRITTEN_BACK_MISSING = (
+    "written-back tokens are not reported: a prefill's cached_tokens (its answers' "
+    "meta_info, sglang:cached_tokens_total) do not say which cached pages arrived by a "
+    "decode's write-back, and /get_server_info's disaggregation block counts write-backs "
+    "(`written_back`, on the decode) and pages sent, not the prompt tokens later served from "
+    'them; a prefill counter such as cached tokens by cache_source="writeback" is missing. '
+    "Shown instead: the write-backs and the KV bytes they moved"
+)
+
+
+def label(run: Run) -> str:
+    return system_label(run["system"], run.get("pd_caching"))
+
+
+def role_groups(run: Run) -> dict[str, list[int]]:
+    """Worker indices by role (colocated, prefill, decode)."""
+    groups: dict[str, list[int]] = {}
+    for i, role in enumerate(run.get("worker_roles") or []):
+        groups.setdefault(role, []).append(i)
+    return groups
+
+
+def shares(run: Run, values: Sequence[float]) -> list[float | None]:
+    """Each worker's value as a share of its role's total."""
+    out: list[float | None] = [None] * len(values)
+    for members in role_groups(run).values():
+        total = sum(values[i] for i in members)
+        for i in members:
+            out[i] = values[i] / total if total else None
+    return out
+
+
+def request_shares(run: Run) -> list[float | None]:
+    return shares(run, [w.get("requests", 0.0) for w in run.get("per_worker") or []])
+
+
+def busy_shares(run: Run) -> list[float | None]:
+    return shares(run, list(run.get("gpu_busy_s") or []))
+
+
+def busy_balance(run: Run) -> float | None:
+    """The least busy worker's busy time over its role's mean (1: even; < 0.5: a worker
+    had less than half the mean share), the lowest over the roles."""
+    busy = list(run.get("gpu_busy_s") or [])
+    lows = []
+    for members in role_groups(run).values():
+        mean = statistics.fmean(busy[i] for i in members) if members else 0.0
+        if mean > 0 and len(members) > 1:
+            lows.append(min(busy[i] for i in members) / mean)
+    return min(lows) if lows else None
+
+
+def kv_moved(run: Run) -> dict[str, float]:
+    """Modelled KV bytes moved: prefill to decode (PD transfers), decode to prefill
+    (write-backs) and pulled between colocated peers; write-backs completed."""
+    by_role = {"prefill": 0.0, "decode": 0.0}
+    writebacks = 0.0
+    for role, worker in zip(
+        run.get("worker_roles") or [], run.get("per_worker") or [], strict=True
+    ):
+        if role in by_role:
+            by_role[role] += worker.get("pd_bytes_sent", 0.0)
+        writebacks += worker.get("written_back", 0.0)
+    return {
+        "kv_pd_bytes": by_role["prefill"],
+        "kv_writeback_bytes": by_role["decode"],
+        "kv_pulled_bytes": float(run.get("kv_pulled_bytes") or 0.0),
+        "writebacks": writebacks,
+    }
+
+
+def derived(run: Run) -> dict[str, Any]:
+    """A run's figures the report adds to what it recorded."""
+    cpu = sum((run.get("cpu_s") or {}).values())
+    return {
+        **kv_moved(run),
+        "p99_vs_floor": ratio(run.get("ttft_p99_s"), run.get("floor_ttft_p99_s")),
+        "busy_balance": busy_balance(run),
+        # client, routers and workers: what the time scale must leave room for on 2 cores
+        "cpu_ms_per_request": ratio(cpu * 1e3, run.get("requests")),
+    }
+
+
+# figures summarized per system as their median over the seeds
+FIGURES = (
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "floor_ttft_p99_s",
+    "p99_vs_floor",
+    "jct_mean_s",
+    "jct_p99_s",
+    "reuse_ratio",
+    "oracle_hit_ratio",
+    "device_share",
+    "host_share",
+    "pulled_share",
+    "recomputed_share",
+    "kv_pd_bytes",
+    "kv_writeback_bytes",
+    "kv_pulled_bytes",
+    "writebacks",
+    "offered_rps",
+    "gpu_utilization",
+    "busy_balance",
+    "cpu_ms_per_request",
+)
+
+
+def configs(runs: Sequence[Run]) -> list[str]:
+    return list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
+
+
+def runs_of(runs: Sequence[Run], config: str, system: str) -> dict[int, Run]:
+    """seed -> the available run of `system` (a label) on `config`."""
+    return {
+        r["seed"]: r
+        for r in runs
+        if r.get("available") and r.get("config") == config and label(r) == system
+    }
+
+
+def per_worker_medians(mine: dict[int, Run], of: Callable[[Run], list[float | None]]) -> list[Any]:
+    """Per worker, the median over the seeds of a per-worker share."""
+    columns: dict[int, list[float]] = {}
+    for run in mine.values():
+        for i, value in enumerate(of(run)):
+            if finite(value):
+                columns.setdefault(i, []).append(value)
+    return [statistics.median(columns[i]) if i in columns else None for i in sorted(columns)]
+
+
+def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Per config and system: medians and spreads of the figures over the seeds."""
+    out = []
+    for config in configs(runs):
+        labels = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
+        for system in labels:
+            mine = runs_of(runs, config, system)
+            if not mine:
+                continue
+            first = mine[min(mine)]
+            figures = {s: {**r, **derived(r)} for s, r in mine.items()}
+            entry: dict[str, Any] = {
+                "config": config,
+                "system": system,
+                "router": first["router"],
+                "pd_caching": first.get("pd_caching"),
+                "cluster": first["cluster"],
+                "seeds": sorted(mine),
+                "worker_roles": first.get("worker_roles"),
+                "errors": sum((r.get("errors") or 0) for r in mine.values()),
+                "retries_429": sum(r.get("retries_429") or 0 for r in mine.values()),
+                "engine_aborts": sum(r.get("engine_aborts") or 0 for r in mine.values()),
+                "retracted": sum(r.get("retracted") or 0 for r in mine.values()),
+                "request_shares": per_worker_medians(mine, request_shares),
+                "busy_shares": per_worker_medians(mine, busy_shares),
+            }
+            for key in FIGURES:
+                values = [f[key] for f in figures.values() if finite(f.get(key))]
+                entry[key] = spread(values)
+            out.append(entry)
+    return out
+
+
+def find_entry(summary: Sequence[dict[str, Any]], config: str, system: str) -> dict[str, Any]:
+    for e in summary:
+        if e["config"] == config and e["system"] == system:
+            return e
+    return {}
+
+
+def med(entry: dict[str, Any], key: str) -> float | None:
+    figure = entry.get(key) or {}
+    return figure.get("median") if isinstance(figure, dict) else None
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """`mine`'s `figure` against `other`'s in the same seed (or its own floor, `FLOOR`, or
+    alone when `other` is None), `op` `limit`, at the median over the seeds."""
+
+    name: str
+    about: str
+    mine: str  # a system label
+    figure: str  # ttft_mean_s, ttft_p99_s, reuse_ratio, busy_balance, ...
+    op: str
+    limit: float
+    other: str | None = None
+
+    def value(self, run: Run, other: Run | None) -> float | None:
+        mine = {**run, **derived(run)}
+        if self.other is None:
+            value = mine.get(self.figure)
+            return value if finite(value) else None
+        if self.other == FLOOR:
+            return ratio(run.get(self.figure), run.get(f"floor_{self.figure}"))
+        return None if other is None else ratio(run.get(self.figure), other.get(self.figure))
+
+
+TargetsFor = Callable[[str, Sequence[Run]], list[Target]]  # config, its runs -> targets
+
+
+def evaluate(
+    runs: Sequence[Run], summary: Sequence[dict[str, Any]], targets_for: TargetsFor
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for config in configs(runs):
+        mine_runs = [r for r in runs if r.get("config") == config]
+        for target in targets_for(config, mine_runs):
+            mine = runs_of(runs, config, target.mine)
+            if not mine:
+                continue
+            theirs = (
+                runs_of(runs, config, target.other) if target.other not in (None, FLOOR) else {}
+            )
+            per_seed = {s: target.value(r, theirs.get(s)) for s, r in mine.items()}
+            kept = {s: v for s, v in per_seed.items() if finite(v)}
+            figure = spread(list(kept.values())) or {}
+            about = f"{config}: {target.mine} {target.about}"
+            t = check(figure.get("median"), target.op, target.limit, about)
+            t["spread"] = [figure.get("min"), figure.get("max")]
+            t["per_seed"] = kept
+            ours = find_entry(summary, config, target.mine)
+            other = find_entry(summary, config, target.other or "")
+            t["detail"] = detail(target, ours, other)
+            if t["met"] is not True:
+                t["why"] = why(target, ours, other, mine, theirs)
+            key = slug(f"{config}_{target.mine}_{target.name}")
+            out[key] = with_errors(t, [*mine.values(), *theirs.values()])
+    return out
+
+
+def slug(text: str) -> str:
+    kept = "".join(c if c.isalnum() else "_" for c in text.lower())
+    return "_".join(p for p in kept.split("_") if p)
+
+
+def share_text(values: Sequence[Any] | None, roles: Sequence[str] | None = None) -> str:
+    """Shares per worker, grouped by role on a PD cluster: `P 60%/40%, D 50%/50%`."""
+    values = list(values or [])
+    if not values:
+        return "?"
+    roles = list(roles or [])
+    if len(roles) != len(values) or set(roles) <= {"colocated"}:
+        return "/".join(pct(v) for v in values)
+    groups: dict[str, list[str]] = {}
+    for role, value in zip(roles, values, strict=True):
+        groups.setdefault(role[:1].upper(), []).append(pct(value))
+    return ", ".join(f"{r} {'/'.join(v)}" for r, v in groups.items())
+
+
+def detail(target: Target, ours: dict[str, Any], other: dict[str, Any]) -> str:
+    roles = ours.get("worker_roles")
+    if target.figure == "busy_balance":
+        return (
+            f"busy share per worker {share_text(ours.get('busy_shares'), roles)}, requests "
+            f"{share_text(ours.get('request_shares'), roles)} (medians)"
+        )
+    if target.figure == "reuse_ratio":
+        return f"hit {pct(med(ours, 'reuse_ratio'))} vs {pct(med(other, 'reuse_ratio'))} (medians)"
+    base = f"{target.figure.removesuffix('_s').replace('_', ' ')} {secs(med(ours, target.figure))}"
+    if target.other == FLOOR:
+        return f"{base}, floor {secs(med(ours, 'floor_' + target.figure))} (medians)"
+    return f"{base} vs {secs(med(other, target.figure))} (medians)"
+
+
+def why(
+    target: Target,
+    ours: dict[str, Any],
+    other: dict[str, Any],
+    mine: dict[int, Run],
+    theirs: dict[int, Run],
+) -> str:
+    """The figures that explain a miss, from the runs themselves."""
+    if not mine:
+        return "no run"
+    if target.other not in (None, FLOOR) and not theirs:
+        return f"{target.other} did not run"
+    seed = min(mine)
+    run = mine[seed]
+    parts = [
+        f"ours: TTFT mean {secs(med(ours, 'ttft_mean_s'))}, p99 {secs(med(ours, 'ttft_p99_s'))}"
+        f", floor p99 {secs(med(ours, 'floor_ttft_p99_s'))}, hit {pct(med(ours, 'reuse_ratio'))}"
+    ]
+    if other:
+        parts.append(
+            f"{other['system']}: TTFT mean {secs(med(other, 'ttft_mean_s'))}, p99 "
+            f"{secs(med(other, 'ttft_p99_s'))}, hit {pct(med(other, 'reuse_ratio'))}"
+        )
+    roles = run.get("worker_roles")
+    parts.append(
+        f"ours per worker (seed {seed}): requests {share_text(request_shares(run), roles)}, "
+        f"busy {share_text(busy_shares(run), roles)}"
+    )
+    if other and seed in theirs:
+        them = theirs[seed]
+        parts.append(
+            f"{other['system']}'s: requests {share_text(request_shares(them), roles)}, busy "
+            f"{share_text(busy_shares(them), roles)}"
+        )
+    if target.figure.startswith("ttft"):
+        parts.append(f"ours' slowest 5%: {tail_summary(run, turns=False)}")
+        if seed in theirs:
+            parts.append(f"theirs: {tail_summary(theirs[seed], turns=False)}")
+    if run.get("router_decisions"):
+        parts.append(f"ours' decisions: {reasons(run)}")
+    parts.append(f"GPU busy {pct(run.get('gpu_utilization'))}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def _r(value: Any, digits: int = 3) -> Any:
+    return round(value, digits) if finite(value) else value
+
+
+def spread_text(figure: dict[str, Any] | None, digits: int = 2) -> str | None:
+    if not figure or not finite(figure.get("median")):
+        return None
+    if figure["min"] == figure["max"]:
+        return f"{figure['median']:.{digits}f}"
+    return f"{figure['median']:.{digits}f} [{figure['min']:.{digits}f}..{figure['max']:.{digits}f}]"
+
+
+def gib(entry: dict[str, Any], key: str) -> Any:
+    value = med(entry, key)
+    return _r(value / 2**30, 2) if finite(value) else None
+
+
+def rows_of(
+    summary: Sequence[dict[str, Any]], config: str, row: Callable[[dict[str, Any]], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One table row per system of `config`."""
+    return [{"system": e["system"], **row(e)} for e in summary if e["config"] == config]
+
+
+def latency_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "TTFT mean": spread_text(e.get("ttft_mean_s"), 3),
+        "p50": _r(med(e, "ttft_p50_s")),
+        "p99": spread_text(e.get("ttft_p99_s"), 3),
+        "floor p99": _r(med(e, "floor_ttft_p99_s")),
+        "p99/floor": spread_text(e.get("p99_vs_floor")),
+        "JCT mean": _r(med(e, "jct_mean_s")),
+        "JCT p99": _r(med(e, "jct_p99_s")),
+        "hit": pct(med(e, "reuse_ratio")),
+        "oracle": pct(med(e, "oracle_hit_ratio")),
+        "device": pct(med(e, "device_share")),
+        "host": pct(med(e, "host_share")),
+        "pulled": pct(med(e, "pulled_share")),
+        "written back": "n/a",
+        "recomputed": pct(med(e, "recomputed_share")),
+    }
+
+
+def movement_row(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "KV P->D GiB": gib(e, "kv_pd_bytes"),
+        "KV write-back GiB": gib(e, "kv_writeback_bytes"),
+        "write-backs": _r(med(e, "writebacks"), 0),
+        "KV pulled GiB": gib(e, "kv_pulled_bytes"),
+        "requests per worker": share_text(e.get("request_shares"), e.get("worker_roles")),
+        "busy per worker": share_text(e.get("busy_shares"), e.get("worker_roles")),
+        "least busy / mean": spread_text(e.get("busy_balance")),
+        "sent/s": _r(med(e, "offered_rps"), 2),
+        "GPU busy": pct(med(e, "gpu_utilization")),
+        "CPU ms/req": _r(med(e, "cpu_ms_per_request"), 0),
+        "errors": e.get("errors"),
+        "429 retries": e.get("retries_429"),
+        "aborted": e.get("engine_aborts"),
+        "retracted": e.get("retracted"),
+    }
+
+
+def calibration_rows(calibration: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, c in calibration.items():
+        steps = c.get("steps") or []
+        path = ", ".join(
+            f"{s['offered_rps']:.2f}->{s['completed_rps']:.2f}"
+            for s in steps
+            if finite(s.get("offered_rps")) and finite(s.get("completed_rps"))
+        )
+        sustained = c.get("sustained_rps")
+        rows.append(
+            {
+                "config": key,
+                "reference": c.get("reference"),
+                "floor bound req/s": _r(c.get("floor_bound_rps"), 2),
+                "offered->completed req/s": path or c.get("stopped"),
+                "sustained req/s": _r(sustained, 2),
+                "runs offered at": f"{c.get('load', 0):.0%} = {c.get('load', 0) * sustained:.2f}"
+                if finite(sustained)
+                else None,
+                "stopped": c.get("stopped"),
+            }
+        )
+    return rows
+
+
+def sections(
+    runs: Sequence[Run],
+    summary: Sequence[dict[str, Any]],
+    targets: dict[str, Any],
+    calibration: dict[str, Any],
+    setup: dict[str, Any],
+) -> list[str]:
+    seeds = sorted({r["seed"] for r in runs if r.get("seed") is not None})
+    out = [
+        f"## Targets (reported, not asserted; medians over {len(seeds)} paired seed"
+        f"{'s' if len(seeds) != 1 else ''}: {', '.join(map(str, seeds))})",
+        "",
+        markdown_table(target_rows(targets)),
+        "",
+        "## Sustained rate (measured on each cluster before its runs)",
+        "",
+        markdown_table(calibration_rows(calibration)),
+        "",
+    ]
+    for config in configs(runs):
+        s = setup.get(config) or {}
+        out += [f"## {config}", ""]
+        if s.get("text"):
+            out += [s["text"], ""]
+        out += [
+            "TTFT and JCT in seconds; median [min..max] over the seeds where they differ.",
+            "",
+            markdown_table(rows_of(summary, config, latency_row)),
+            "",
+            markdown_table(rows_of(summary, config, movement_row)),
+            "",
+        ]
+    skipped = [r for r in runs if not r.get("available")]
+    if skipped:
+        out += ["### Not run", ""]
+        out += [
+            f"- {label(r)} on {r['cluster']} seed {r.get('seed')}: {r['reason']}" for r in skipped
+        ]
+        out.append("")
+    return out
+
+
+def notes(
+    preset_text: Sequence[str], runs: Sequence[Run], peers: dict[str, PeerStatus]
+) -> list[str]:
+    model = sim_model()
+    peer_text = "; ".join(
+        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
+        for name, s in peers.items()
+    )
+    out = [
+        *preset_text,
+        f"Sim workers (`python -m connector.worker --backend sim --tokenizer-cache`) model "
+        f"{sim_text(model)}; `connector/worker/latency_model.py`. A time scale of k makes "
+        "the modelled GPU k times slower, so wall-clock latencies are k times H100 time.",
+        "`hit`: prompt tokens reused / prompt tokens, by source as the answers report them "
+        "(`cached_tokens`, its `cached_tokens_details` device/host split where the answer has "
+        "one, `pulled_tokens`); `recomputed` is the rest. `oracle`: the same requests in "
+        "send order into one infinite prefix cache. The floor: each request's TTFT alone "
+        "with the oracle's cache (chunked prefill, the latency model, the time scale; it "
+        "leaves out the KV transfer to a PD decode).",
+        f"Written back: {WRITTEN_BACK_MISSING}.",
+        f"Peers: {peer_text}; default thresholds. smg runs with --disable-tokenizer-autoload.",
+        f"Machine: {os.cpu_count()} cores run the client, the routers and every worker; the "
+        "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
+    ]
+    loads = [r["loadavg_1m"] for r in runs if finite(r.get("loadavg_1m"))]
+    if loads:
+        out.append(
+            f"Machine load at the end of each run (1-minute average): {min(loads):.1f} to "
+            f"{max(loads):.1f} on {os.cpu_count()} cores."
+        )
+    unsynced = [r for r in runs if r.get("events_synced") is False]
+    if unsynced:
+        out.append(
+            f"{len(unsynced)} runs of ours began before every worker's clear event reached "
+            "the router: " + "; ".join(f"{label(r)} seed {r['seed']}" for r in unsynced)
+        )
+    params: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        key = f"{run.get('config')} (seed {run.get('seed')})"
+        if run.get("workload_params") and key not in params:
+            params[key] = run["workload_params"]
+    for key, p in params.items():
+        out.append(f"Workload of {key}: {params_text(p)}.")
+    return out
+
+
+def write_paired(
+    out_dir: Path,
+    preset: str,
+    title: str,
+    runs: list[Run],
+    calibration: dict[str, Any],
+    setup: dict[str, Any],
+    preset_notes: Sequence[str],
+    targets_for: TargetsFor,
+    peers: dict[str, PeerStatus],
+    elapsed_s: float,
+    command: str,
+    machine: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(runs)
+    targets = evaluate(runs, summary, targets_for)
+    plots = plot_paired(out_dir, runs, summary, label)
+    figures = {
+        "preset": preset,
+        "command": command,
+        "elapsed_s": elapsed_s,
+        "runs": runs,
+        "calibration": calibration,
+        "summary": summary,
+        "targets": targets,
+        "setup": setup,
+        "notes": list(preset_notes),
+        "sim_model": sim_model(),
+        "peers": {name: s.__dict__ for name, s in peers.items()},
+        "plots": plots,
+    }
+    met = sum(1 for t in targets.values() if t.get("met") is True)
+    publish(
+        out_dir,
+        figures,
+        title,
+        [
+            f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs; {met} of "
+            f"{len(targets)} targets met).",
+            "",
+            *sections(runs, summary, targets, calibration, setup),
+        ],
+        notes(preset_notes, runs, peers),
+        machine,
+    )
+    return figures

@@ -1,0 +1,47 @@
+"""How hot a prefix is: how many recent requests reused it, decayed over time.
+
+A prefix one conversation reuses (its history) is not worth copying to another worker: the
+copy displaces other cache there and serves nobody else. A prefix many requests share (a
+system or tool prompt) is: each copy spreads its traffic over one more worker. The policy
+divides the price of moving a prefix by its heat.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+
+class PrefixHeat:
+    """Decayed counts of requests per prefix, keyed by its length and last page."""
+
+    def __init__(
+        self,
+        page_size: int = 16,
+        half_life_s: float = 30.0,
+        max_entries: int = 1 << 14,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.page_size = page_size
+        self.rate = math.log(2) / half_life_s
+        self.max_entries = max_entries
+        self.clock = clock
+        self._counts: OrderedDict[tuple[int, bytes], tuple[float, float]] = OrderedDict()
+
+    def bump(self, tokens: Sequence[int], length: int) -> float:
+        """Requests that reused the first `length` tokens before this one (decayed); this
+        one is counted. 0 for a prefix under a page."""
+        if length < self.page_size:
+            return 0.0
+        last = tokens[length - self.page_size : length]
+        key = (length, last.tobytes() if isinstance(last, array) else array("I", last).tobytes())
+        now = self.clock()
+        count, at = self._counts.pop(key, (0.0, now))
+        count *= math.exp(-self.rate * (now - at))
+        self._counts[key] = (count + 1.0, now)
+        if len(self._counts) > self.max_entries:
+            self._counts.popitem(last=False)  # the least recently seen
+        return count

@@ -1,0 +1,51 @@
+"""Prefix heat: how many recent requests reused a prefix, and what it changes in a move."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from router.heat import PrefixHeat
+from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
+from router.trees import PromptTrees
+from router.workers import Worker, WorkerType
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_heat_counts_earlier_requests_and_decays() -> None:
+    clock = Clock()
+    heat = PrefixHeat(page_size=4, half_life_s=10.0, clock=clock)
+    tokens = list(range(40))
+    assert heat.bump(tokens, 3) == 0.0  # under a page: no prefix
+    assert heat.bump(tokens, 16) == 0.0  # the first request
+    assert heat.bump(array("I", tokens), 16) == pytest.approx(1.0)  # same key either type
+    assert heat.bump(tokens, 20) == 0.0  # a longer prefix is another prefix
+    clock.now = 10.0  # one half-life later
+    assert heat.bump(tokens, 16) == pytest.approx(1.0)  # 2 requests, halved
+
+
+def test_a_hot_prefix_leaves_a_busy_holder_where_a_cold_one_stays() -> None:
+    """A conversation's own history (reused by nobody else) stays on its holder behind a
+    queue; a prompt many requests share spreads as soon as its holder queues."""
+    trees = PromptTrees(page_size=16)
+    tokens = list(range(3000))
+    ws = [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    trees.record(WorkerType.COLOCATED, ws[0].url, tokens[:2992])
+    ws[0].in_flight_tokens = 10_000  # 0.4 s of queued prefill on the holder
+    ws[1].reported_waiting = 2  # the other one has a little queue of its own
+    policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
+
+    def choose() -> Worker:
+        return policy.select(RouteRequest(tokens, "", None), ws).worker
+
+    assert choose() is ws[0]  # cold: the copy would cost 3 x 0.12 s on ws[1]
+    for _ in range(8):  # the same prefix, again and again: hot
+        choose()
+    assert choose() is ws[1]
