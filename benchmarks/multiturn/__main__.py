@@ -111,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-pd", action="store_true", help="skip the PD clusters")
     parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="SHAPE",
+        help="--hot-prefix/--pd: only these cluster shapes ('4 colocated', 2P2D, 3P1D)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="run nothing: rewrite results.md, the targets and the plots from OUT/results.json",
@@ -147,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--trace {args.trace}: no such file")
     if not (args.capacity or args.pd) and args.multiples:
         parser.error("--multiples belongs to --capacity and --pd")
+    if args.shapes and not kind:
+        parser.error("--shapes belongs to --hot-prefix and --pd")
     if args.calibration_from and not (kind and not args.report_only):
         parser.error("--calibration-from belongs to --hot-prefix and --pd runs")
     if any(m <= 0 for m in args.multiples or ()):

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.multiturn import hot_prefix_preset, pd_preset
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_rates, run_paired
 from benchmarks.multiturn.paired_report import TargetsFor, write_paired
 from benchmarks.peers import PeerStatus
+
+Shaped = TypeVar("Shaped", hot_prefix_preset.HotPrefixPreset, pd_preset.PDPreset)
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,27 @@ def make_plan(
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
             args.trace
         )
-        hot = narrowed(hot, args.seeds, None)
+        hot = with_shapes(narrowed(hot, args.seeds, None), args.shapes)
         plan = hot_prefix_preset.make_plan(hot, vocab, features, systems, on_seed)
     else:
         pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)(args.trace)
-        pd = narrowed(pd, args.seeds, args.multiples)
+        pd = with_shapes(narrowed(pd, args.seeds, args.multiples), args.shapes)
         workloads = set(args.workloads) if args.workloads else None
         plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed)
     if args.calibration_from:
         plan.known = known_rates(args.calibration_from)
     return plan
+
+
+def with_shapes(preset: Shaped, shapes: Sequence[str] | None) -> Shaped:
+    """The preset on these of its cluster shapes only; ValueError naming the preset's own
+    when none of them is one."""
+    if not shapes:
+        return preset
+    kept = tuple(s for s in preset.shapes if s in shapes)
+    if not kept:
+        raise ValueError(f"--shapes {' '.join(shapes)}: this preset has {list(preset.shapes)}")
+    return replace(preset, shapes=kept)
 
 
 def seeds_to_build(kind: Kind, args: argparse.Namespace) -> int:

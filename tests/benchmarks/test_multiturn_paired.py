@@ -349,8 +349,24 @@ def test_one_decode_gets_a_policy_the_peers_accept() -> None:
         (["--hot-prefix", "--multiples", "2"], "--multiples belongs to --capacity and --pd"),
         (["--calibration-from", "x"], "--calibration-from belongs to"),
         (["--pd", "--max-total-tokens", "4096"], "sizes the KV from the workload"),
+        (["--capacity", "--shapes", "2P2D"], "--shapes belongs to --hot-prefix and --pd"),
+        (["--hot-prefix", "--quick", "--shapes", "3P1D"], "this preset has ['4 colocated']"),
     ],
 )
 def test_paired_command_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
     done = benchmark("multiturn", tmp_path, *args, timeout=180)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_shapes_narrow_a_paired_preset() -> None:
+    """--shapes keeps the preset's own order and refuses a shape it does not run."""
+    from benchmarks.multiturn import hot_prefix_preset, pd_preset
+    from benchmarks.multiturn.paired_cli import with_shapes
+
+    pd = pd_preset.full_preset()
+    assert with_shapes(pd, ["3P1D", "9P9D"]).shapes == ("3P1D",)
+    assert with_shapes(pd, None) is pd
+    hot = hot_prefix_preset.full_preset()
+    assert with_shapes(hot, ["2P2D", "4 colocated"]).shapes == ("4 colocated", "2P2D")
+    with pytest.raises(ValueError, match="this preset has"):
+        with_shapes(hot, ["3P1D"])
