@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks.harness import finite, markdown_table
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
-from benchmarks.multiturn.results import params_text, publish, sim_model, target_rows
+from benchmarks.multiturn.results import params_text, peers_text, publish, sim_model, target_rows
 from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
 from benchmarks.peers import PeerStatus
 
@@ -437,10 +437,7 @@ def notes(
     peers: dict[str, PeerStatus],
 ) -> list[str]:
     model = sim_model()
-    peer_text = "; ".join(
-        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
-        for name, s in peers.items()
-    )
+    peer_text = peers_text(peers)
     out = [
         f"Preset: {preset}. Times in seconds. `hit`: prompt tokens reused / prompt tokens, "
         "counting every source as the answers report it (`meta_info.cached_tokens_details` "

@@ -24,6 +24,7 @@ from benchmarks.multiturn.paired import system_label
 from benchmarks.multiturn.paired_plots import plot_paired
 from benchmarks.multiturn.results import (
     params_text,
+    peers_text,
     publish,
     sim_model,
     sim_text,
@@ -488,10 +489,7 @@ def notes(
     preset_text: Sequence[str], runs: Sequence[Run], peers: dict[str, PeerStatus]
 ) -> list[str]:
     model = sim_model()
-    peer_text = "; ".join(
-        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
-        for name, s in peers.items()
-    )
+    peer_text = peers_text(peers)
     out = [
         *preset_text,
         f"Sim workers (`python -m connector.worker --backend sim --tokenizer-cache`) model "

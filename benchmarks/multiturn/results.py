@@ -162,6 +162,14 @@ def sections(
     return out
 
 
+def peers_text(peers: dict[str, PeerStatus]) -> str:
+    """The peers as a note names them: their versions, or why they could not run."""
+    return "; ".join(
+        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
+        for name, s in peers.items()
+    )
+
+
 def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatus]) -> list[str]:
     model = sim_model()
     capacity = plan.max_total_tokens or model["kv_capacity_tokens_default"]
@@ -169,10 +177,7 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
     for run in runs:
         if run.get("workload_params") and run["workload"] not in workloads:
             workloads[run["workload"]] = run["workload_params"]
-    peer_text = "; ".join(
-        f"{name} {s.version}" if s.importable else f"{name}: {s.reason}"
-        for name, s in peers.items()
-    )
+    peer_text = peers_text(peers)
     out = [
         f"Preset: {plan.preset}. Times in seconds unless marked. TTFT: time to the first "
         "streamed chunk with content; JCT: time to the end of the stream; TPOT: (JCT - TTFT) "
