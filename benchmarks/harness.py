@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import time
@@ -83,7 +84,8 @@ def shown_path(path: Path | str) -> str:
 
 
 def shown_command(prefix: str, argv: Sequence[str]) -> str:
-    """A command line as results may show it: its absolute paths as `shown_path` gives them."""
+    """A command line as results may show it, one a shell runs as it stands: its absolute
+    paths as `shown_path` gives them, each word quoted where it needs to be."""
 
     def shown(word: str) -> str:
         flag, eq, value = word.partition("=")
@@ -91,7 +93,7 @@ def shown_command(prefix: str, argv: Sequence[str]) -> str:
             return f"{flag}={shown_path(value)}"
         return shown_path(word) if word.startswith("/") else word
 
-    return " ".join([prefix, *map(shown, argv)])
+    return " ".join([prefix, *(shlex.quote(shown(word)) for word in argv)])
 
 
 def jsonable(value: Any) -> Any:

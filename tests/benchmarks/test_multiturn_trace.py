@@ -79,6 +79,9 @@ def test_results_show_paths_relative_to_the_repository() -> None:
         f"python -m b --trace benchmarks/multiturn/data/{DEFAULT_TRACE.name} "
         "--out=benchmarks/results/x"
     )
+    assert shown_command("python -m b", ["--shapes", "4 colocated"]) == (
+        "python -m b --shapes '4 colocated'"
+    )
 
 
 def test_no_committed_result_names_a_machine_path() -> None:
