@@ -6,8 +6,8 @@ own `_page_backup` and `_page_transfer`, taken verbatim from the installed wheel
 connector/sglang/cpu_paths.py) on a CPU host pool in SGLang's layer_first layout:
 
 - ours: `interface_v1` (zero-copy `batch_set_v1`/`batch_get_v1` with host indices), as the
-  README's command lines configure it; and ours through the legacy tensor calls, to show
-  what zero-copy buys;
+  docs' command lines configure it (docs/sglang/hicache.md); and ours through the legacy
+  tensor calls, to show what zero-copy buys;
 - SGLang's `HiCacheFile`: the generic path SGLang uses for it (one flat page tensor per page
   into `batch_set`; `batch_get` into dummy pages, then `set_from_flat_data_page`).
 

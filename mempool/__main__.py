@@ -1,7 +1,7 @@
 """`python -m mempool`: a two-turn walk through MemPool as an engine would drive it.
 
-The README's main command until the router lands: it shows context caching (insert/match),
-tiering (swap_out/swap_in with bytes intact) and huge-page aggregation on a real model shape.
+It shows context caching (insert/match), tiering (swap_out/swap_in with bytes intact) and
+huge-page aggregation on a real model shape.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The front page: README.md once it is the short one, docs/_front_page.md until the swap.
-At most 150 lines, and every relative link in it (written from the repository root) leads to
-a file that exists; its pages are in the docs site."""
+"""The front page, README.md: at most 150 lines, it starts with the two commands, and every
+relative link in it (written from the repository root) leads to a file that exists; its
+pages are in the docs site."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ MAX_LINES = 150
 
 
 def front_page() -> Path:
-    readme = ROOT / "README.md"
-    if len(readme.read_text().splitlines()) <= MAX_LINES:
-        return readme
-    return ROOT / "docs" / "_front_page.md"
+    return ROOT / "README.md"
 
 
 def test_the_front_page_is_short() -> None:
@@ -33,3 +30,12 @@ def test_every_link_of_the_front_page_leads_somewhere() -> None:
         path = link.split("#", 1)[0]
         assert (ROOT / path).exists(), f"{link}: no {path} in the repository"
     assert any(link.startswith("docs/") for link in relative)
+
+
+def test_the_front_page_starts_with_the_two_commands() -> None:
+    """The main job and the tests, in the first shell block, before any other section."""
+    text = front_page().read_text()
+    first_block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert text.index("```bash") < text.index("\n## ")
+    assert first_block.startswith("bash scripts/serve.sh")
+    assert "bash scripts/test.sh" in first_block
