@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import benchmarks.router_overhead as package
-from benchmarks.harness import benchmark_main, progress_bar, run_async, step
+from benchmarks.harness import benchmark_main, progress_bar, run_async, shown_path, step
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
 from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
@@ -141,7 +141,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
             "settings": asdict(settings),
             "workers": WORKERS,
             "worker_args": " ".join(WORKER_ARGS),
-            "model_dir": str(model_dir),
+            "model_dir": shown_path(model_dir),
         },
     }
     figures["rps_ratio"] = rps_ratios(figures)
