@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,12 +28,55 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 STOP_TIMEOUT_S = 10.0
 
 
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PICKED_PORT = 20000  # below the kernel's ephemeral range on every usual setting
+_picked_ports: set[int] = set()
+_port_random = random.SystemRandom()  # not the module's: forked children share its state
+
+
 def free_port() -> int:
-    """A port nobody listens on right now (the kernel's pick)."""
+    """A loopback port nobody listens on right now, which no outgoing connection will take
+    before the server binds it, and never the same twice in this process.
+
+    A server started as a process binds seconds after its port is picked. The kernel's own
+    pick (bind to port 0) comes from the ephemeral range, where connect() also takes its
+    source ports, so any connection made meanwhile could take it; this picks at random
+    below that range instead, and falls back to the kernel's pick where there is no room.
+    """
+    low = ephemeral_ports()[0]
+    if low - FIRST_PICKED_PORT >= 1000:
+        for _ in range(100):
+            port = _port_random.randrange(FIRST_PICKED_PORT, low)
+            if port not in _picked_ports and can_bind(port):
+                _picked_ports.add(port)
+                return port
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = int(s.getsockname()[1])
+        if port not in _picked_ports:
+            _picked_ports.add(port)
+            return port
+    raise RuntimeError("no free loopback port: 200 picks were all taken")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for connect()'s source ports (Linux's default where unreadable)."""
+    try:
+        low, high = PORT_RANGE_FILE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def can_bind(port: int) -> bool:
+    """Whether a listening socket on the loopback could take `port` right now."""
     with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
 
 
 def module_command(module: str, port: int, args: Sequence[str] = ()) -> list[str]:

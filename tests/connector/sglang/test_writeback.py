@@ -5,7 +5,6 @@ sockets; the prefill's next turn finds them through SGLang's hit query and reads
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from connector.sglang.backend import MemPoolStorage
 from connector.sglang.cpu_paths import Controller
+from router.procs import free_port
 from tests.connector.sglang.helpers import (
     PAGE,
     create,
@@ -95,12 +95,6 @@ def test_without_writeback_the_prefill_misses_the_decoded_pages() -> None:
         assert prefill.batch_exists(keys_of(prompt + output)) == 3
     finally:
         prefill.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_an_unreachable_prefill_fails_the_writeback_not_the_store() -> None:
