@@ -37,12 +37,32 @@ def listen_below_the_ephemeral_range() -> socket.socket:
     raise AssertionError("no port below the ephemeral range is free")
 
 
+def bindable_port_other_than(taken: int) -> int:
+    """A port below the ephemeral range, other than `taken`, that a listener could take."""
+    for port in range(procs.FIRST_PICKED_PORT, ephemeral_ports()[0]):
+        if port != taken and procs.can_bind(port):
+            return port
+    raise AssertionError("no second port below the ephemeral range is free")
+
+
 def test_a_port_someone_listens_on_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fresh record of handed-out ports: earlier tests in the session may have had `free`.
+    monkeypatch.setattr(procs, "_picked_ports", set())
     with listen_below_the_ephemeral_range() as listener:
         taken = listener.getsockname()[1]
-        picks = iter([taken, taken, taken + 1])
+        free = bindable_port_other_than(taken)
+        picks = iter([taken, taken, free])
         monkeypatch.setattr(procs._port_random, "randrange", lambda low, high: next(picks))
-        assert free_port() == taken + 1
+        assert free_port() == free
+
+
+def test_a_port_already_handed_out_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    handed_out = bindable_port_other_than(0)
+    monkeypatch.setattr(procs, "_picked_ports", {handed_out})
+    free = bindable_port_other_than(handed_out)
+    picks = iter([handed_out, free])
+    monkeypatch.setattr(procs._port_random, "randrange", lambda low, high: next(picks))
+    assert free_port() == free
 
 
 def test_a_server_can_bind_the_port_it_is_handed() -> None:
