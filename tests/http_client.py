@@ -52,3 +52,10 @@ def stream(url: str, body: Any, timeout: float = 60) -> list[Any]:
                 payload = line[len("data: ") :]
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def metric(text: str, name: str) -> float:
+    """A metric's value summed over its labels, from Prometheus text."""
+    lines = [ln for ln in text.splitlines() if ln.startswith((name + "{", name + " "))]
+    assert lines, f"{name} not exported"
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)

@@ -51,6 +51,8 @@ class Outcome:
     device_tokens: int | None = None
     host_tokens: int | None = None
     pulled_tokens: int | None = None
+    # Of cached_tokens: on pages a decode wrote back to the prefill (PD-Caching-3).
+    written_back_tokens: int | None = None
     answer: str = ""
     messages: list[dict[str, str]] | None = None  # chat: what was sent
     error: str | None = None
@@ -291,8 +293,8 @@ async def _try(
 
 def read_split(outcome: Outcome, places: Sequence[dict[str, Any]]) -> None:
     """The tier split and the pulled tokens from the first of `places` that has each:
-    `cached_tokens_details` {device, host} and `pulled_tokens` (SGLang's meta_info names;
-    OpenAI usage carries them in its prompt_tokens_details)."""
+    `cached_tokens_details` {device, host} (SGLang's meta_info name), `pulled_tokens` and
+    `written_back_tokens` (ours); OpenAI usage carries them in its prompt_tokens_details."""
     for place in places:
         tiers = place.get("cached_tokens_details")
         if isinstance(tiers, dict):
@@ -302,6 +304,10 @@ def read_split(outcome: Outcome, places: Sequence[dict[str, Any]]) -> None:
     for place in places:
         if place.get("pulled_tokens") is not None:
             outcome.pulled_tokens = int(place["pulled_tokens"])
+            break
+    for place in places:
+        if place.get("written_back_tokens") is not None:
+            outcome.written_back_tokens = int(place["written_back_tokens"])
             break
 
 

@@ -75,24 +75,31 @@ def summarize(
 
 def split(ok: Sequence[Outcome]) -> dict[str, Any]:
     """Where the prompt tokens of answered requests came from: this instance's device tier,
-    its host tier, a peer (pulled), or recomputed. A reused token counts wherever it came
-    from (`reuse_ratio`); an answer that does not say its tiers counts its cached tokens as
-    device ones, and `split_reported` says how many did."""
+    its host tier, a peer (pulled), or recomputed; and of the device and host ones, those on
+    pages a decode wrote back (`written_back`, PD-Caching-3; shared only where the workers
+    report it). A reused token counts wherever it came from (`reuse_ratio`); an answer that
+    does not say its tiers counts its cached tokens as device ones, and `split_reported`
+    says how many did."""
     prompt = sum(o.prompt_tokens for o in ok)
     device = sum(o.cached_tokens if o.device_tokens is None else o.device_tokens for o in ok)
     host = sum(o.host_tokens or 0 for o in ok)
     pulled = sum(o.pulled_tokens or 0 for o in ok)
+    written_back = sum(o.written_back_tokens or 0 for o in ok)
     recomputed = prompt - device - host - pulled
     out: dict[str, Any] = {
         "device_tokens": device,
         "host_tokens": host,
         "pulled_tokens": pulled,
+        "written_back_tokens": written_back,
         "recomputed_tokens": recomputed,
         "split_reported": sum(1 for o in ok if o.device_tokens is not None),
         "pulls_reported": sum(1 for o in ok if o.pulled_tokens is not None),
         "reuse_ratio": (device + host + pulled) / prompt if prompt else None,
     }
-    for name, value in (("device", device), ("host", host), ("pulled", pulled)):
+    shares = [("device", device), ("host", host), ("pulled", pulled)]
+    if any(o.written_back_tokens is not None for o in ok):  # workers that report it
+        shares.append(("written_back", written_back))
+    for name, value in shares:
         out[f"{name}_share"] = value / prompt if prompt else None
     out["recomputed_share"] = recomputed / prompt if prompt else None
     return out

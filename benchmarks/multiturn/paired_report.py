@@ -36,15 +36,13 @@ from benchmarks.peers import PeerStatus
 Run = dict[str, Any]
 FLOOR = "floor"  # a Target's `other`: the run's own floor
 
-# Written-back tokens (prompt tokens a prefill served from pages a decode wrote back) are not
-# reported by the workers: what would be needed to split them out.
-WRITTEN_BACK_MISSING = (
-    "written-back tokens are not reported: a prefill's cached_tokens (its answers' "
-    "meta_info, sglang:cached_tokens_total) do not say which cached pages arrived by a "
-    "decode's write-back, and /get_server_info's disaggregation block counts write-backs "
-    "(`written_back`, on the decode) and pages sent, not the prompt tokens later served from "
-    'them; a prefill counter such as cached tokens by cache_source="writeback" is missing. '
-    "Shown instead: the write-backs and the KV bytes they moved"
+WRITTEN_BACK_TEXT = (
+    "of the hit (counted in device and host too), the prompt tokens a prefill served from "
+    "pages a decode had written back to it, as the answers report them (`written_back_tokens` "
+    "in meta_info and usage.prompt_tokens_details; the prefill's "
+    "`memserve:written_back_cached_tokens_total`); n/a where the workers do not report it "
+    "(results from before they did, and the peers' SGLang-like workers, which do not write "
+    "back). The write-backs themselves and the KV bytes they moved are in the second table"
 )
 
 
@@ -135,6 +133,7 @@ FIGURES = (
     "device_share",
     "host_share",
     "pulled_share",
+    "written_back_share",
     "recomputed_share",
     "kv_pd_bytes",
     "kv_writeback_bytes",
@@ -393,9 +392,15 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
         "device": pct(med(e, "device_share")),
         "host": pct(med(e, "host_share")),
         "pulled": pct(med(e, "pulled_share")),
-        "written back": "n/a",
+        "written back": written_back_text(e),
         "recomputed": pct(med(e, "recomputed_share")),
     }
+
+
+def written_back_text(e: dict[str, Any]) -> str:
+    """The written-back share, or n/a where no run of the entry had workers reporting it."""
+    share = med(e, "written_back_share")
+    return pct(share) if finite(share) else "n/a"
 
 
 def movement_row(e: dict[str, Any]) -> dict[str, Any]:
@@ -501,7 +506,7 @@ def notes(
         "send order into one infinite prefix cache. The floor: each request's TTFT alone "
         "with the oracle's cache (chunked prefill, the latency model, the time scale; it "
         "leaves out the KV transfer to a PD decode).",
-        f"Written back: {WRITTEN_BACK_MISSING}.",
+        f"Written back: {WRITTEN_BACK_TEXT}.",
         f"Peers: {peer_text}; default thresholds. smg runs with --disable-tokenizer-autoload.",
         f"Machine: {os.cpu_count()} cores run the client, the routers and every worker; the "
         "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",

@@ -408,7 +408,14 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.cluster_redis,
             transport=args.mempool_transport,
         )
-        link = PDLink(pd_config, pool, kv.alloc_for_peer, backend.wire_model(), args.time_scale)
+        link = PDLink(
+            pd_config,
+            pool,
+            kv.alloc_for_peer,
+            backend.wire_model(),
+            args.time_scale,
+            on_written_back=kv.note_written_back,
+        )
         hooks = PDHooks(link)
         if args.disaggregation_transfer_backend == "mempool":
             side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches

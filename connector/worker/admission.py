@@ -224,6 +224,8 @@ class Admission:
             return False
         seq.prefix, seq.cached_tokens, seq.blocks = prefix, cached, blocks
         seq.host_cached_tokens = host
+        if seq.reported_cached is None:  # the response reports the first admission's hit
+            seq.written_back_tokens = self.kv.written_back_tokens(prefix)
         seq.extend_from, seq.extend_len = cached, take
         return True
 

@@ -29,6 +29,7 @@ from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
 from mempool.address import mem_type_of
 from mempool.pool import Moved
+from mempool.transfer.receiver import Received
 
 # SGLang's StorageMedium names for our tiers (KV events' `medium`).
 MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}
@@ -83,6 +84,9 @@ class KVCache:
         self.copy_model: Callable[[int], float] | None = backend.host_copy_model()
         self._hash_of_block: dict[int, int] = {}  # historical page's first block -> page hash
         self._parent_hash: dict[int, int | None] = {}  # page hash -> the previous page's
+        # Pages a decode instance wrote back here (PD-Caching-3), by hash, while cached: a
+        # request reusing them reports them apart (its hit came from the decode's KV).
+        self._written_back: set[int] = set()
 
     # ----------------------------------------------------------------- capacity
 
@@ -215,6 +219,7 @@ class KVCache:
                 self.tiers.dropped_device_pages += 1
             if page_hash is not None:
                 self._parent_hash.pop(page_hash, None)
+                self._written_back.discard(page_hash)
                 gone.setdefault(mem, []).append(page_hash)
         if self.events is not None:
             for mem, hashes in gone.items():
@@ -265,6 +270,13 @@ class KVCache:
         self._publish_moves(runs, MemType.HOST, MemType.DEVICE)
         return loaded * self.page
 
+    def written_back_tokens(self, prefix: PrefixMatch | None) -> int:
+        """Tokens of a match whose pages a decode instance wrote back (`note_inserted`)."""
+        if prefix is None or not self._written_back:
+            return 0
+        hashes = map(self._hash_of_block.get, prefix.addrs[:: self.bpp])
+        return sum(1 for h in hashes if h in self._written_back) * self.page
+
     def lookup(self, tokens: Tokens[int]) -> list[int]:
         """The index's blocks for `tokens` (all cached), not pinned."""
         return self.pool.match(tokens).addrs
@@ -302,14 +314,32 @@ class KVCache:
             self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :])
         return result
 
-    def note_inserted(self, tokens: Tokens[int], first_page: int, num_pages: int) -> None:
+    def note_inserted(
+        self, tokens: Tokens[int], first_page: int, num_pages: int, written_back: bool = False
+    ) -> None:
         """Pages `first_page`.. of `tokens` entered the index by another path (a transfer or
         pull inserted them): learn their blocks and publish them, so that their later moves
-        and drops are published too."""
+        and drops are published too. `written_back`: a decode instance sent them (counted
+        apart when a request reuses them, until they are dropped)."""
         if num_pages <= 0:
             return
         addrs = self.pool.match(tokens[: (first_page + num_pages) * self.page]).addrs
+        first_page = min(first_page, len(addrs) // self.bpp)  # (evicted since: none to learn)
         self._learn(tokens, first_page, addrs[first_page * self.bpp :])
+        if written_back:
+            hashes = map(self._hash_of_block.get, addrs[first_page * self.bpp :: self.bpp])
+            self._written_back.update(h for h in hashes if h is not None)
+
+    def note_written_back(self, received: Received) -> None:
+        """A decode instance's write-back was inserted here: its new pages are learned (and
+        published) as written back. Pages another insert made first between the transfer's
+        prepare and commit count too (the index keeps one copy; which one is not told)."""
+        if received.tokens is None:
+            return
+        whole = received.num_tokens // self.page
+        self.note_inserted(
+            received.tokens, received.cached_pages, whole - received.cached_pages, True
+        )
 
     def _learn(self, tokens: Tokens[int], first: int, blocks: list[int]) -> None:
         """Remember pages first.. of `tokens` (in `blocks`) by hash and publish them."""
@@ -328,6 +358,7 @@ class KVCache:
         self.pool.flush()
         self._hash_of_block.clear()
         self._parent_hash.clear()
+        self._written_back.clear()
         if self.events is not None:
             self.events.cleared()
             self.events.flush()

@@ -77,6 +77,7 @@ class Arrival:
     first_token: int
     prefill_cached: int  # prompt tokens the prefill instance did not compute
     prefill_id: int
+    prefill_written_back: int = 0  # of them: from pages a decode had written back there
 
 
 WireModel = Callable[[int], float]  # pages of one transfer -> modelled seconds (unscaled)
@@ -101,8 +102,10 @@ class PDLink:
         allocate: Allocate | None = None,
         wire: WireModel | None = None,
         time_scale: float = 1.0,
+        on_written_back: Callable[[Received], None] | None = None,
     ) -> None:
         self.config = config
+        self.on_written_back = on_written_back  # the engine learns pages a decode sent here
         self.pool = pool
         self.fake = config.transfer_backend == "fake"
         self.allocate = allocate
@@ -121,6 +124,7 @@ class PDLink:
             "sent": 0,
             "received": 0,
             "written_back": 0,
+            "written_back_received": 0,  # write-backs a decode sent here (prefill)
             "bytes": 0,
             "failures": 0,
             "pages_moved": 0,
@@ -346,6 +350,7 @@ class PDLink:
         addrs: list[int],
         first_token: int,
         cached_tokens: int,
+        written_back_tokens: int = 0,
     ) -> None:
         """Push a prefilled prompt's KV (every page, partial last page included) to the
         decode instance that claimed `room`; TransferFailed or TimeoutError if it cannot."""
@@ -365,7 +370,12 @@ class PDLink:
         finally:
             self._rooms.pop(room, None)
             self._claimed_at.pop(room, None)
-        private = {"room": room, "first_token": first_token, "prefill_cached": cached_tokens}
+        private = {
+            "room": room,
+            "first_token": first_token,
+            "prefill_cached": cached_tokens,
+            "prefill_written_back": written_back_tokens,
+        }
         try:
             await self._know(peer)
             await self._push_when_room(peer, room, tokens, addrs, private)
@@ -425,7 +435,12 @@ class PDLink:
         more (its request timed out or ended), so a late arrival cannot leak blocks."""
         private = received.private
         if not isinstance(private, dict) or "room" not in private:
-            return  # a write-back: the index owns its pages
+            # A write-back: the index owns its pages; the engine learns them (KV events,
+            # hits served from them).
+            self.stats["written_back_received"] += 1
+            if self.on_written_back is not None and received.inserted:
+                self.on_written_back(received)
+            return
         waiting = self._waiting.get(private["room"])
         if waiting is not None and not waiting[0].done():
             waiting[0].set_result(received)
@@ -514,6 +529,7 @@ class PDLink:
             int(private["first_token"]),
             int(private["prefill_cached"]),
             prefill.instance_id,
+            int(private.get("prefill_written_back") or 0),
         )
 
     async def _claim_room(self, base: str, room: int) -> PeerInfo:

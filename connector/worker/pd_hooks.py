@@ -108,6 +108,7 @@ class PDHooks(RequestHooks):
         seq.cached_tokens = whole * page
         seq.preloaded = n
         seq.reported_cached = arrival.prefill_cached
+        seq.written_back_tokens = arrival.prefill_written_back
         seq.prefill_id = arrival.prefill_id
         seq.output_ids.append(arrival.first_token)
 
@@ -173,7 +174,12 @@ class PDHooks(RequestHooks):
     ) -> None:
         try:
             await self.link.send(
-                room, list(seq.prompt_ids), addrs, seq.output_ids[0], seq.cached_tokens
+                room,
+                list(seq.prompt_ids),
+                addrs,
+                seq.output_ids[0],
+                seq.cached_tokens,
+                seq.written_back_tokens,
             )
         except asyncio.CancelledError:
             raise

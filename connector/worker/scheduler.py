@@ -62,6 +62,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     host_cached_tokens: int = 0  # of cached_tokens: loaded from the host tier
+    written_back_tokens: int = 0  # of cached_tokens: from pages a decode wrote back here
     generation_tokens: int = 0
     aborted: int = 0
     # SGLang's retraction counters (sglang:num_retracted_*_total) and the last step's count.
@@ -379,6 +380,7 @@ class Scheduler:
         self.stats.prompt_tokens += len(seq.prompt_ids)
         self.stats.cached_tokens += seq.report_cached
         self.stats.host_cached_tokens += seq.host_cached_tokens
+        self.stats.written_back_tokens += seq.written_back_tokens
 
     def _first_token(self, seq: Sequence, now: float) -> None:
         seq.prefilled = True

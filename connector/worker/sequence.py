@@ -69,6 +69,9 @@ class Sequence:
     extend_len: int = 0
     # Hierarchical cache: tokens of the cached prefix that were loaded from the host tier.
     host_cached_tokens: int = 0
+    # Decode-to-prefill write-back (PD-Caching-3): tokens of the cached prefix whose pages a
+    # decode instance wrote back to this prefill; on a decode, the prefill's count.
+    written_back_tokens: int = 0
     # A pull from a peer before admission: prompt tokens [pulled_from, pulled_to) whose KV it
     # brought into this instance's cache for this request.
     pulled_from: int = 0

@@ -151,6 +151,11 @@ class WorkerMetrics:
             yield counter(
                 "sglang:cached_tokens", "Prompt tokens served from cache", stats.cached_tokens
             )
+        yield counter(
+            "memserve:written_back_cached_tokens",
+            "Of the cached prompt tokens: those on pages a decode instance wrote back here",
+            stats.written_back_tokens,
+        )
         yield counter("sglang:num_aborted_requests", "Aborted requests", stats.aborted)
         yield counter(
             "sglang:num_retracted_requests",
@@ -244,6 +249,7 @@ class WorkerServer:
             "cached_tokens": seq.report_cached,
             "cached_tokens_details": seq.cached_tokens_details,
             "pulled_tokens": seq.pulled_tokens,
+            "written_back_tokens": seq.written_back_tokens,
             "e2e_latency": time.perf_counter() - seq.arrival,
         }
 
@@ -341,6 +347,7 @@ class WorkerServer:
             "prompt_tokens_details": {
                 "cached_tokens": seq.report_cached,
                 "pulled_tokens": seq.pulled_tokens,
+                "written_back_tokens": seq.written_back_tokens,
             },
         }
 

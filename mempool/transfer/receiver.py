@@ -251,6 +251,8 @@ class Receiver:
         pending.granted = []
         lock = None
         addrs = pending.addrs
+        # (read before the insert, which releases the match)
+        cached_pages = pending.match.num_tokens // self.geometry.page_size if pending.match else 0
         if pending.insert:
             try:
                 lock, addrs = self._insert(pending)
@@ -265,7 +267,7 @@ class Receiver:
                 pending.num_tokens,
                 pending.tokens,
                 addrs,
-                pending.match.num_tokens // self.geometry.page_size if pending.match else 0,
+                cached_pages,
                 pending.insert,
                 lock,
             )

@@ -131,13 +131,20 @@ def test_pd_quick(pd_dir: Path) -> None:
         written = sum(w["written_back"] for w in decodes)
         if run["pd_caching"] == "caching-3":  # the decode writes back after each answer
             assert written > 0 and sum(w["pd_bytes_sent"] for w in decodes) > 0
+            # later turns reuse the answers' pages at the prefill, and the answers say so
+            assert 0 < run["written_back_tokens"] <= run["device_tokens"] + run["host_tokens"]
         else:
             assert written == 0 and sum(w["pd_bytes_sent"] for w in decodes) == 0
+            assert run["written_back_tokens"] == 0
     targets = figures["targets"]
     for name in ("mean_vs_sglang_pd", "p99_vs_sglang_pd", "hit_vs_sglang_pd"):
         assert f"multi_round_qa_2p2d_2x_ours_prompt_tree_pd_caching_3_{name}" in targets
     check_report(pd_dir, figures)
-    assert "written-back tokens are not reported" in (pd_dir / "results.md").read_text()
+    lines = (pd_dir / "results.md").read_text().splitlines()
+    header = next(i for i, ln in enumerate(lines) if "| written back |" in ln)
+    column = [c.strip() for c in lines[header].split("|")].index("written back")
+    row = next(ln for ln in lines[header:] if "[PD-Caching-3] |" in ln)
+    assert row.split("|")[column].strip().endswith("%")  # the written-back share is reported
 
 
 def test_paired_report_only(hot_dir: Path, tmp_path: Path) -> None:

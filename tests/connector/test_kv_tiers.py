@@ -195,3 +195,40 @@ def test_scheduler_host_hits_and_chunks_free_what_they_take(tokenizer: ChatToken
     assert isinstance(sim, SimBackend) and sim.verified_pages == 9  # its prefix's stamps
     used, indexed = counts(kv)
     assert used == indexed and kv.pool.index.protected_pages == 0
+
+
+def write_back(kv: KVCache, tokens: list[int]) -> int:
+    """What a decode's write-back does here: the receiver inserts the pages this instance
+    lacks into its index, then the engine learns them; returns the pages that were new."""
+    cached = kv.pool.match(tokens).num_tokens // PAGE
+    pages = len(tokens) // PAGE
+    blocks = kv.alloc(pages - cached)
+    assert blocks is not None
+    kv.pool.insert(tokens, kv.lookup(tokens[: cached * PAGE]) + blocks)
+    kv.note_inserted(tokens, cached, pages - cached, written_back=True)
+    return pages - cached
+
+
+def written_back_hit(kv: KVCache, tokens: list[int]) -> int:
+    found = kv.match(tokens + [7], len(tokens))
+    try:
+        return kv.written_back_tokens(found)
+    finally:
+        kv.release(found)
+
+
+def test_written_back_pages_count_apart_until_dropped(tokenizer: ChatTokenizer) -> None:
+    kv = make_kv(tokenizer, device_pages=8, host_pages=8)
+    prompt = ids(4, 3 * PAGE)
+    turn = prompt + ids(5, 2 * PAGE)  # the prompt and the answer the decode wrote back
+    cache_prompt(kv, prompt)  # the prefill cached its own prompt
+    assert written_back_hit(kv, prompt) == 0
+    assert write_back(kv, turn) == 2  # only the answer's pages were new here
+    assert written_back_hit(kv, turn) == 2 * PAGE
+    cache_prompt(kv, ids(6, 8 * PAGE))  # the device fills: the turn moves to the host tier
+    assert set(tiers_of(kv, turn)) == {MemType.HOST}
+    assert written_back_hit(kv, turn) == 2 * PAGE  # still written back, wherever it is
+    cache_prompt(kv, ids(7, 8 * PAGE))  # and out: the host drops it
+    assert kv.pool.match(turn).num_tokens == 0
+    cache_prompt(kv, turn)  # this instance computes the turn itself
+    assert written_back_hit(kv, turn) == 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.http_client import call
+from tests.http_client import call, metric
 from tests.procs import ROOT, Server, free_port, running
 
 PAGE = 16
@@ -45,13 +45,6 @@ def state(worker: Server) -> dict[str, Any]:
     status, info = call(worker.url + "/get_server_info")
     assert status == 200, info
     return info
-
-
-def metric(text: str, name: str) -> float:
-    """A metric's value summed over its labels, from Prometheus text."""
-    lines = [ln for ln in text.splitlines() if ln.startswith((name + "{", name + " "))]
-    assert lines, f"{name} not exported"
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 def no_leak(worker: Server) -> None:

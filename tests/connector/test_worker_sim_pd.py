@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RedisServer
-from tests.http_client import call, stream
+from tests.http_client import call, metric, stream
 from tests.procs import ROOT, Server, free_port, running
 
 PAGE = 16
@@ -191,6 +191,10 @@ def test_sim_pd_multi_turn_equals_colocated_in_every_caching_mode(
         expected = EXPECTED_TURN2_CACHED[caching](len(turn1), len(out1))
         assert pre2["meta_info"]["cached_tokens"] == expected
         assert dec2["meta_info"]["cached_tokens"] == expected  # the client sees the skip
+        # Of those, the pages the decode wrote back (the prefill cached its own prompt).
+        back = expected - len(turn1) // PAGE * PAGE if caching == "caching-3" else 0
+        assert pre2["meta_info"]["written_back_tokens"] == back > 0 or caching != "caching-3"
+        assert dec2["meta_info"]["written_back_tokens"] == back
         backs += writes_back(len(turn2), len(dec2["output_ids"]))
 
         # chat, two turns; the decode's answer streamed as a router would pass it through
@@ -246,6 +250,9 @@ def test_sim_pd_multi_turn_equals_colocated_in_every_caching_mode(
             written_back(d, backs)
             assert info(d)["disaggregation"]["written_back"] == backs
             assert pinfo["backend"]["verified_pages"] > 0  # written-back pages, checked
+            assert pinfo["disaggregation"]["written_back_received"] == backs
+            metrics = call(p.url + "/metrics")[1]
+            assert metric(metrics, "memserve:written_back_cached_tokens_total") >= back > 0
         no_leak(p)
         no_leak(d)
 

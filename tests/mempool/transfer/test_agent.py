@@ -132,8 +132,9 @@ def test_incremental_transfer_sends_only_missing_pages() -> None:
             # everything cached: nothing to send, only the acknowledgement
             r3 = await ta.transfer_with_insert(2, second[:24], src2[:6])
             assert (r3.pages_sent, r3.pages_skipped, r3.bytes, r3.calls) == (0, 6, 0, 0)
-            for _ in range(3):
-                await tb.wait_received(timeout=1)
+            # the receiver's engine is told which pages it had before each arrival
+            arrivals = [await tb.wait_received(timeout=1) for _ in range(3)]
+            assert [r.cached_pages for r in arrivals] == [0, 3, 6]
             b.free_mem(r2.dst_addrs[6:])
             a.free_mem(src2)
 
