@@ -178,7 +178,9 @@ class PDHooks(RequestHooks):
                 list(seq.prompt_ids),
                 addrs,
                 seq.output_ids[0],
-                seq.cached_tokens,
+                # What admission found, as a colocated answer reports it: a chunked prompt's
+                # earlier chunks are cached (and its cached_tokens grown) as they are computed.
+                seq.report_cached,
                 seq.written_back_tokens,
             )
         except asyncio.CancelledError:

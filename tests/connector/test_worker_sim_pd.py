@@ -257,6 +257,21 @@ def test_sim_pd_multi_turn_equals_colocated_in_every_caching_mode(
         no_leak(d)
 
 
+def test_a_chunked_prompt_reports_only_what_its_prefill_found_cached(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A prompt prefilled in chunks caches each chunk as it is computed (SGLang's
+    cache_unfinished_req); those pages were computed, not reused, and the answer says so."""
+    chunk = ("--chunked-prefill-size", str(4 * PAGE))
+    with pd_pair(model_dir, tmp_path, "caching-1", *chunk) as (p, d, boot):
+        ids = prompt_ids(11, 300)
+        pre, dec = pd_generate(p, d, boot, ids)
+        assert pre["meta_info"]["cached_tokens"] == 0 == dec["meta_info"]["cached_tokens"]
+        again = ids[: 12 * PAGE] + prompt_ids(12, 100)  # 12 pages shared, then new
+        pre, dec = pd_generate(p, d, boot, again)
+        assert pre["meta_info"]["cached_tokens"] == 12 * PAGE == dec["meta_info"]["cached_tokens"]
+
+
 def test_modelled_transfer_time_delays_the_decode(model_dir: Path, tmp_path: Path) -> None:
     # A slow modelled link (8 Gb/s, 1 GB/s) so that the wire time dominates a long prompt's
     # prefill; at --time-scale 1 the sender sleeps it between allocation and data.
