@@ -400,7 +400,9 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
 def written_back_text(e: dict[str, Any]) -> str:
     """The written-back share, or n/a where no run of the entry had workers reporting it."""
     share = med(e, "written_back_share")
-    return pct(share) if finite(share) else "n/a"
+    if not finite(share):
+        return "n/a"
+    return f"{share:.1%}" if share < 0.1 else pct(share)  # (short answers: a small share)
 
 
 def movement_row(e: dict[str, Any]) -> dict[str, Any]:
