@@ -292,23 +292,26 @@ async def _try(
 
 
 def read_split(outcome: Outcome, places: Sequence[dict[str, Any]]) -> None:
-    """The tier split and the pulled tokens from the first of `places` that has each:
-    `cached_tokens_details` {device, host} (SGLang's meta_info name), `pulled_tokens` and
-    `written_back_tokens` (ours); OpenAI usage carries them in its prompt_tokens_details."""
+    """The tier split, the pulled and the written-back tokens from the first of `places` that
+    has each: `cached_tokens_details` {device, host} (SGLang's meta_info name),
+    `pulled_tokens` and `written_back_tokens` (ours); OpenAI usage carries them in its
+    prompt_tokens_details."""
     for place in places:
         tiers = place.get("cached_tokens_details")
         if isinstance(tiers, dict):
             outcome.device_tokens = int(tiers.get("device") or 0)
             outcome.host_tokens = int(tiers.get("host") or 0)
             break
+    outcome.pulled_tokens = first_count(places, "pulled_tokens")
+    outcome.written_back_tokens = first_count(places, "written_back_tokens")
+
+
+def first_count(places: Sequence[dict[str, Any]], key: str) -> int | None:
+    """`key` from the first of `places` that has it; None where none does."""
     for place in places:
-        if place.get("pulled_tokens") is not None:
-            outcome.pulled_tokens = int(place["pulled_tokens"])
-            break
-    for place in places:
-        if place.get("written_back_tokens") is not None:
-            outcome.written_back_tokens = int(place["written_back_tokens"])
-            break
+        if place.get(key) is not None:
+            return int(place[key])
+    return None
 
 
 async def run_workload(
