@@ -113,6 +113,9 @@ def derived(run: Run) -> dict[str, Any]:
     return {
         **kv_moved(run),
         "p99_vs_floor": ratio(run.get("ttft_p99_s"), run.get("floor_ttft_p99_s")),
+        "queue_floor_vs_floor": ratio(
+            run.get("queue_floor_ttft_p99_s"), run.get("floor_ttft_p99_s")
+        ),
         "busy_balance": busy_balance(run),
         # client, routers and workers: what the time scale must leave room for on 2 cores
         "cpu_ms_per_request": ratio(cpu * 1e3, run.get("requests")),
@@ -126,6 +129,8 @@ FIGURES = (
     "ttft_p99_s",
     "floor_ttft_p99_s",
     "p99_vs_floor",
+    "queue_floor_ttft_p99_s",
+    "queue_floor_vs_floor",
     "jct_mean_s",
     "jct_p99_s",
     "reuse_ratio",
@@ -341,6 +346,13 @@ def why(
             f"{other['system']}'s: requests {share_text(request_shares(them), roles)}, busy "
             f"{share_text(busy_shares(them), roles)}"
         )
+    if target.figure == "ttft_p99_s" and finite(med(ours, "queue_floor_ttft_p99_s")):
+        parts.append(
+            f"an ideal router's queue (the queued floor) p99 "
+            f"{secs(med(ours, 'queue_floor_ttft_p99_s'))} = "
+            f"{spread_text(ours.get('queue_floor_vs_floor'))} x the floor"
+        )
+        parts.append(reachable(target, mine, theirs))
     if target.figure.startswith("ttft"):
         parts.append(f"ours' slowest 5%: {tail_summary(run, turns=False)}")
         if seed in theirs:
@@ -349,6 +361,28 @@ def why(
         parts.append(f"ours' decisions: {reasons(run)}")
     parts.append(f"GPU busy {pct(run.get('gpu_utilization'))}")
     return "; ".join(parts)
+
+
+def reachable(target: Target, mine: dict[int, Run], theirs: dict[int, Run]) -> str:
+    """Per seed, whether a p99 at the target's limit is possible at all: under the floor's
+    p99 no system gets (every request's TTFT is at least its floor), under the queued
+    floor's no router gets on FIFO engines at that load."""
+    below_floor, below_queue, seeds = 0, 0, 0
+    for seed, run in mine.items():
+        base = run.get("floor_ttft_p99_s") if target.other == FLOOR else None
+        if target.other not in (None, FLOOR) and seed in theirs:
+            base = theirs[seed].get(target.figure)
+        floor, queued = run.get("floor_ttft_p99_s"), run.get("queue_floor_ttft_p99_s")
+        if not (finite(base) and finite(floor) and finite(queued)):
+            continue
+        seeds += 1
+        allowed = target.limit * base
+        below_floor += allowed < floor
+        below_queue += allowed < queued
+    return (
+        f"the limit's p99 is below the floor's on {below_floor} of {seeds} seeds and below "
+        f"the queued floor's on {below_queue} of {seeds}"
+    )
 
 
 # --------------------------------------------------------------------------- Markdown
@@ -385,6 +419,7 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
         "p99": spread_text(e.get("ttft_p99_s"), 3),
         "floor p99": _r(med(e, "floor_ttft_p99_s")),
         "p99/floor": spread_text(e.get("p99_vs_floor")),
+        "queued floor p99": spread_text(e.get("queue_floor_ttft_p99_s"), 3),
         "JCT mean": _r(med(e, "jct_mean_s")),
         "JCT p99": _r(med(e, "jct_p99_s")),
         "hit": pct(med(e, "reuse_ratio")),
@@ -507,7 +542,11 @@ def notes(
         "one, `pulled_tokens`); `recomputed` is the rest. `oracle`: the same requests in "
         "send order into one infinite prefix cache. The floor: each request's TTFT alone "
         "with the oracle's cache (chunked prefill, the latency model, the time scale; it "
-        "leaves out the KV transfer to a PD decode).",
+        "leaves out the KV transfer to a PD decode). The queued floor (`queue_floor.py`): "
+        "the floor plus the wait an ideal router still leaves at the run's load: the run's "
+        "send times into one first-come-first-served queue before the prefill workers, each "
+        "request on the first to free up, for its floor TTFT; a p99 target it misses itself "
+        "cannot be met by routing at that load (— where a run did not record it).",
         f"Written back: {WRITTEN_BACK_TEXT}.",
         f"Peers: {peer_text}; default thresholds. smg runs with --disable-tokenizer-autoload.",
         f"Machine: {os.cpu_count()} cores run the client, the routers and every worker; the "

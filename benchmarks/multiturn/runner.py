@@ -27,6 +27,7 @@ from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import replay
 from benchmarks.multiturn.plan import Plan, Step
+from benchmarks.multiturn.queue_floor import queued_floor_stats
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
@@ -188,7 +189,13 @@ def run_one(
     warmups = [o for o in result.outcomes if workload.requests[o.rid].warmup]
     measured = [o for o in result.outcomes if not workload.requests[o.rid].warmup]
     record.update(summarize(measured, hits, lengths, result.wall_s))
-    record.update(floor.stats(hits, lengths, [o.rid for o in measured if o.ok]))
+    answered = [o.rid for o in measured if o.ok]
+    record.update(floor.stats(hits, lengths, answered))
+    sent: list[float | None] = [None] * len(workload.requests)
+    for o in result.outcomes:
+        sent[o.rid] = o.sent_s
+    servers = cluster.spec.colocated + cluster.spec.prefills
+    record.update(queued_floor_stats(floor, hits, lengths, sent, answered, servers))
     record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
     record["oracle_distinct_tokens"] = oracle.distinct_tokens
     record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
