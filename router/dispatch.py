@@ -215,17 +215,23 @@ class Colocated(Strategy):
         return Attempt(response, outcome, [served], [(tree, worker)])
 
 
-def with_prefix_holders(body: dict[str, Any], raw: bytes, decision: Decision) -> bytes:
-    """The client's body unchanged, unless longer prefixes elsewhere are worth naming (an
-    extra field a real SGLang server ignores; our workers may pull from those holders'
-    MemPool agents)."""
+def prefix_holders_field(decision: Decision) -> dict[str, Any]:
+    """`{"memserve": {"prefix_holders": [...]}}` naming the workers that hold a longer prefix
+    than the chosen one, with their MemPool agents (an extra field a real SGLang server
+    ignores; our workers may pull from those holders); {} when there are none."""
     if not decision.holders:
-        return raw
+        return {}
     named = [
         {"url": w.url, "cached_tokens": n, **(w.agent.hint() if w.agent else {})}
         for w, n in decision.holders
     ]
-    return msgspec.json.encode({**body, "memserve": {"prefix_holders": named}})
+    return {"memserve": {"prefix_holders": named}}
+
+
+def with_prefix_holders(body: dict[str, Any], raw: bytes, decision: Decision) -> bytes:
+    """The client's body unchanged, unless longer prefixes elsewhere are worth naming."""
+    field = prefix_holders_field(decision)
+    return msgspec.json.encode({**body, **field}) if field else raw
 
 
 class Dispatcher:

@@ -54,7 +54,7 @@ class ClusterSpec:
     time_scale: float = 1.0  # the sim's --time-scale: >1 is a slower GPU (more load per rate)
     max_total_tokens: int | None = None  # device KV per worker (None: the plan's, or the sim's)
     hicache_ratio: float = 0.0  # > 0: a host tier of this many times the device KV
-    mempool_pull: bool = False  # workers pull longer prefixes from peers (--enable-mempool-pull)
+    mempool_pull: bool = False  # colocated workers and prefills pull longer prefixes from peers
     kv_events: bool = False  # workers publish KV events (bound ipc sockets) to our routers
 
     @property
@@ -124,7 +124,7 @@ class Cluster:
                     "--hicache-ratio",
                     f"{spec.hicache_ratio:g}",
                 ]
-            if spec.mempool_pull:
+            if spec.mempool_pull and role != "decode":  # a PD decode does not pull
                 args.append("--enable-mempool-pull")
             if events is not None:
                 config = {

@@ -167,7 +167,7 @@ def make_plan(
             label=shape,
             time_scale=preset.time_scale,
             max_total_tokens=kv,
-            mempool_pull=features.pulls and not pd,
+            mempool_pull=features.pulls,
             kv_events=features.kv_events,
         )
         reference = BASELINES[shape][1]
@@ -249,5 +249,8 @@ NOTES = (
     "Device KV per worker: half the hot set (prompt pages that two or more requests share, "
     "the seeds' median), so the hot set does not fit one worker but fits the cluster twice; "
     "no host tier. 4 colocated: --enable-mempool-pull and KV events to our router; 2P2D: "
-    "PD-Caching-1 (SGLang's PD), KV events to our router.",
+    "PD-Caching-1 (SGLang's PD), KV events to our router, and the prefills run "
+    "--enable-mempool-pull (runs from before prefills could pull show no KV pulled); a "
+    "worker pulls only a prefix our router names a holder of, so the peers' requests never "
+    "pull.",
 )

@@ -29,7 +29,7 @@ from connector.pd_caching import Caching
 from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import TokenRatio
 from connector.worker.backend import Backend
-from connector.worker.hooks import RequestHooks
+from connector.worker.hooks import ChainedHooks, RequestHooks
 from connector.worker.kv_cache import KVCache, host_tier_tokens
 from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.pd_hooks import PDHooks
@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-mempool-pull",
         action="store_true",
-        help="colocated: run a MemPool agent that serves this instance's cached prefixes to "
-        "peers, and pull a longer prefix the router names (memserve.prefix_holders) before "
-        "prefill when moving it is expected faster than computing it",
+        help="colocated or prefill: run a MemPool agent that serves this instance's cached "
+        "prefixes to peers (a prefill: its PD agent), and pull a longer prefix the router "
+        "names (memserve.prefix_holders) before prefill when moving it is expected faster "
+        "than computing it",
     )
     p.add_argument(
         "--mempool-pull-timeout-secs",
@@ -286,14 +287,25 @@ def check_tier_args(args: argparse.Namespace) -> None:
         )
 
 
-def check_pull_args(args: argparse.Namespace, mode: PDMode) -> None:
-    """Pulls of remote prefixes: a colocated instance with its radix cache."""
+def check_pull_args(args: argparse.Namespace, mode: PDMode, caching: Caching) -> None:
+    """Pulls of remote prefixes: a colocated instance, or a PD prefill that caches and moves
+    KV over MemPool, with its radix cache."""
     if not args.enable_mempool_pull:
         return
-    if mode is not PDMode.NULL:
+    if mode is PDMode.DECODE:
         raise SystemExit(
-            "--enable-mempool-pull: only a colocated instance pulls (a disaggregated pair "
-            "moves its KV with --pd-caching)"
+            "--enable-mempool-pull: a decode instance does not pull (its KV comes from the "
+            "prefill; a prefill or a colocated instance pulls)"
+        )
+    if mode is PDMode.PREFILL and not caching.prefill_caches:
+        raise SystemExit(
+            "--enable-mempool-pull on a prefill needs a --pd-caching mode in which it caches "
+            "(caching-1, -2 or -3; with basic it keeps nothing a pull could bring)"
+        )
+    if mode is PDMode.PREFILL and args.disaggregation_transfer_backend != "mempool":
+        raise SystemExit(
+            "--enable-mempool-pull on a prefill needs --disaggregation-transfer-backend "
+            "mempool (its pulls use the same MemPool agent)"
         )
     if args.disable_radix_cache:
         raise SystemExit("--enable-mempool-pull needs the radix cache (drop --disable-radix-cache)")
@@ -342,7 +354,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     mode = PDMode(args.disaggregation_mode)
     if args.page_size <= 0:
         raise SystemExit("--page-size must be positive")
-    check_pull_args(args, mode)
+    check_pull_args(args, mode, caching)
     if args.instance_id is None:  # a pair of defaults would both be 0 and refuse each other
         alone = mode is PDMode.NULL and not args.enable_mempool_pull
         args.instance_id = 0 if alone else random.randrange(1, 1 << 16)
@@ -392,7 +404,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         if config.publisher == "zmq":
             events = KVEventPublisher(config, args.page_size)
     kv = KVCache(pool, backend, events)
-    hooks = RequestHooks()
+    hooks: RequestHooks = RequestHooks()
     enable_cache = not args.disable_radix_cache
     if mode is not PDMode.NULL:
         pd_config = PDConfig(
@@ -416,7 +428,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.time_scale,
             on_written_back=kv.note_written_back,
         )
-        hooks = PDHooks(link)
+        hooks = pd_hooks = PDHooks(link)
         if args.disaggregation_transfer_backend == "mempool":
             side = caching.prefill_caches if mode is PDMode.PREFILL else caching.decode_caches
             enable_cache = enable_cache and side
@@ -429,7 +441,11 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             args.cluster_redis,
             args.mempool_pull_timeout_secs,
         )
-        hooks = PullHooks(pull_config, kv, backend, args.time_scale)
+        if mode is PDMode.PREFILL:  # pulls through the PD link's agent, after its hooks
+            pulls = PullHooks(pull_config, kv, backend, args.time_scale, shared=link)
+            hooks = ChainedHooks([pd_hooks, pulls])
+        else:
+            hooks = PullHooks(pull_config, kv, backend, args.time_scale)
     scheduler = Scheduler(
         backend,
         kv,

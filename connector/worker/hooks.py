@@ -60,3 +60,44 @@ class RequestHooks:
         `pull`): this instance neither pulls nor serves pulls."""
         pulls = dict.fromkeys(("pulls", "pulled_tokens", "failures", "refused_slower"), 0)
         return {"memserve": {"kv_pull": False}, "pull": {**pulls, "modelled_s": 0.0}}
+
+
+class ChainedHooks(RequestHooks):
+    """Several deployments' hooks on one instance (a PD prefill that also pulls prefixes):
+    each point asks them in order until one takes the request; they start in order and
+    close in reverse, and what they report is merged (a later one's entries win)."""
+
+    def __init__(self, hooks: list[RequestHooks]) -> None:
+        if not hooks:
+            raise ValueError("chained hooks need at least one")
+        self.hooks = hooks
+
+    def on_submit(self, seq: Sequence, extras: dict[str, Any], engine: Engine) -> bool:
+        return any(h.on_submit(seq, extras, engine) for h in self.hooks)
+
+    def on_finish(self, seq: Sequence, cache: bool, engine: Engine) -> bool:
+        return any(h.on_finish(seq, cache, engine) for h in self.hooks)
+
+    async def start(self) -> None:
+        started: list[RequestHooks] = []
+        try:
+            for hooks in self.hooks:
+                await hooks.start()
+                started.append(hooks)
+        except BaseException:
+            for hooks in reversed(started):
+                await hooks.close()
+            raise
+
+    async def close(self) -> None:
+        for hooks in reversed(self.hooks):
+            await hooks.close()
+
+    def info(self) -> dict[str, Any] | None:
+        return next((i for h in self.hooks if (i := h.info()) is not None), None)
+
+    def server_info(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for hooks in self.hooks:
+            merged.update(hooks.server_info())
+        return merged

@@ -78,6 +78,7 @@ class Arrival:
     prefill_cached: int  # prompt tokens the prefill instance did not compute
     prefill_id: int
     prefill_written_back: int = 0  # of them: from pages a decode had written back there
+    prefill_pulled: int = 0  # prompt tokens the prefill pulled from a peer (not computed)
 
 
 WireModel = Callable[[int], float]  # pages of one transfer -> modelled seconds (unscaled)
@@ -351,6 +352,7 @@ class PDLink:
         first_token: int,
         cached_tokens: int,
         written_back_tokens: int = 0,
+        pulled_tokens: int = 0,
     ) -> None:
         """Push a prefilled prompt's KV (every page, partial last page included) to the
         decode instance that claimed `room`; TransferFailed or TimeoutError if it cannot."""
@@ -375,6 +377,7 @@ class PDLink:
             "first_token": first_token,
             "prefill_cached": cached_tokens,
             "prefill_written_back": written_back_tokens,
+            "prefill_pulled": pulled_tokens,
         }
         try:
             await self._know(peer)
@@ -530,6 +533,7 @@ class PDLink:
             int(private["prefill_cached"]),
             prefill.instance_id,
             int(private.get("prefill_written_back") or 0),
+            int(private.get("prefill_pulled") or 0),
         )
 
     async def _claim_room(self, base: str, room: int) -> PeerInfo:

@@ -109,6 +109,7 @@ class PDHooks(RequestHooks):
         seq.preloaded = n
         seq.reported_cached = arrival.prefill_cached
         seq.written_back_tokens = arrival.prefill_written_back
+        seq.reported_pulled = arrival.prefill_pulled
         seq.prefill_id = arrival.prefill_id
         seq.output_ids.append(arrival.first_token)
 
@@ -182,6 +183,7 @@ class PDHooks(RequestHooks):
                 # earlier chunks are cached (and its cached_tokens grown) as they are computed.
                 seq.report_cached,
                 seq.written_back_tokens,
+                seq.pulled_tokens,
             )
         except asyncio.CancelledError:
             raise

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from connector.worker.backend import Backend
 from connector.worker.hooks import Engine, RequestHooks
@@ -162,8 +162,16 @@ class Plan(NamedTuple):
     limit: int  # prompt tokens offered to the holder: whole pages, the last token left out
 
 
+class AgentOwner(Protocol):
+    """Another part of the instance that runs its MemPool agent (a PD instance's `PDLink`)."""
+
+    agent: TransferAgent | None
+    membership: ClusterManager | None
+
+
 class PullHooks(RequestHooks):
-    """Runs this instance's MemPool agent; pulls named longer prefixes before prefill."""
+    """Runs this instance's MemPool agent (or borrows `shared`'s, a PD prefill's, which it
+    neither starts nor closes); pulls named longer prefixes before prefill."""
 
     def __init__(
         self,
@@ -171,8 +179,10 @@ class PullHooks(RequestHooks):
         kv: KVCache,
         backend: Backend,
         time_scale: float = 1.0,
+        shared: AgentOwner | None = None,
     ) -> None:
         self.config = config
+        self.shared = shared
         self.kv = kv
         self.pool = kv.pool
         self.page = kv.page
@@ -188,7 +198,12 @@ class PullHooks(RequestHooks):
 
     async def start(self) -> None:
         """Start the agent (joining membership when configured); TransferFailed or OSError,
-        everything closed, when that cannot be done."""
+        everything closed, when that cannot be done. A shared agent is started already."""
+        if self.shared is not None:
+            self.agent, self.membership = self.shared.agent, self.shared.membership
+            if self.agent is None:
+                raise RuntimeError("pulls borrow an agent that has not started")
+            return
         config = self.config
         self.agent = await start_agent(
             self.pool, config, config.timeout_s, self._on_received, self.kv.alloc_for_peer
@@ -202,6 +217,8 @@ class PullHooks(RequestHooks):
             await asyncio.gather(*self._tasks, return_exceptions=True)
         agent, membership = self.agent, self.membership
         self.agent = self.membership = None
+        if self.shared is not None:  # its owner closes it
+            return
         if agent is not None:
             await agent.close()
         if membership is not None:

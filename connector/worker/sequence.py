@@ -76,6 +76,7 @@ class Sequence:
     # brought into this instance's cache for this request.
     pulled_from: int = 0
     pulled_to: int = 0
+    reported_pulled: int | None = None  # a decode: what its prefill pulled for the request
     # Retraction (SGLang's): a running request whose KV was given up for memory waits again
     # and prefills its prompt plus the first `fill_outputs` output tokens, reusing what the
     # cache kept; `resume_state` is what the backend keeps across it (a sampling RNG).
@@ -86,6 +87,8 @@ class Sequence:
     @property
     def pulled_tokens(self) -> int:
         """Prompt tokens of the reused prefix whose KV was pulled from a peer for this request."""
+        if self.reported_pulled is not None:
+            return self.reported_pulled
         return max(0, min(self.cached_tokens, self.pulled_to) - self.pulled_from)
 
     @property

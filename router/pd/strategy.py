@@ -12,18 +12,22 @@ prefill.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from connector.pd_caching import Caching
-from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy
+from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
 from router.learning import Served
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, end_stream
 from router.request import RequestError
 from router.workers import WorkerRegistry, WorkerType
+
+# the prefill's decision in sgl_router_load_balancing_events (the decode's keeps its name)
+PREFILL_REASON = "prefill_"
 
 
 @dataclass(slots=True)
@@ -69,13 +73,25 @@ class PrefillDecode(Strategy):
         prefill, decode = p_dec.worker, d_dec.worker
         caching, sender = self.settings.caching, self.sender
         keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
-        payload, _room = bootstrap_payload(call.body, prefill)
+        # the prefill may pull a longer prefix from another prefill's MemPool agent
+        body = {**call.body, **prefix_holders_field(p_dec)}
+        payload, _room = bootstrap_payload(body, prefill)
         sender.metrics.pd_requests.inc()
+        sender.metrics.event(PREFILL_REASON + p_dec.reason).inc()
         # in flight on the prefill from now, not from its task's first step: the next
-        # admission by expected wait must see it (router.admission)
+        # admission by expected wait must see it (router.admission); a prefix it pulls
+        # keeps its source counted as serving a pull as long
+        source = p_dec.pull_from
+        pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
+        pulling.__enter__()
         flight = prefill.request(sender.pending(call.prompt, p_dec), True).__enter__()
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
-        p_task.add_done_callback(lambda _: flight.__exit__(None, None, None))
+
+        def prefill_ended(_: object) -> None:
+            flight.__exit__(None, None, None)
+            pulling.__exit__(None, None, None)
+
+        p_task.add_done_callback(prefill_ended)
         if caching.prefill_caches:
             sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()

@@ -498,7 +498,6 @@ def test_a_worker_without_pulls_says_so_and_ignores_hints(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (("--disaggregation-mode", "prefill"), "--enable-mempool-pull: only a colocated"),
         (("--disable-radix-cache",), "--enable-mempool-pull needs the radix cache"),
         (("--mempool-pull-timeout-secs", "0"), "--mempool-pull-timeout-secs must be positive"),
     ],
