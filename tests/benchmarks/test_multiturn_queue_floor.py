@@ -63,7 +63,7 @@ def test_a_p99_target_says_on_how_many_seeds_its_limit_is_out_of_reach() -> None
     ours, ca, rr = "ours prompt_tree", "sglang-router cache_aware", "sglang-router round_robin"
     # floor p99 1.0 s in every run; cache_aware's p99 1.5 s (seed 1) and 4.0 s (seed 2):
     # 0.6x of those is 0.9 s (under the floor) and 2.4 s (over it, under the queued 3.0 s)
-    runs = [
+    runs: list[dict[str, Any]] = [
         with_queue(paired_run(ours, 1, 1.2, 0.5, [10, 10, 10, 10]), 1.1),
         with_queue(paired_run(ours, 2, 3.5, 0.5, [10, 10, 10, 10]), 3.0),
         with_queue(paired_run(ca, 1, 1.5, 0.5, [10, 10, 10, 10]), 1.1),
@@ -91,8 +91,12 @@ def test_backfill_queues_a_hot_prefix_run_at_its_planned_times(model_dir: Path) 
     builder = HotPrefix(prefixes=4, prefix_min_tokens=512, prefix_max_tokens=1024, requests=12)
     params = {k: getattr(builder, k) for k in HotPrefix.__dataclass_fields__}
     floor_model = {"chunked_prefill_size": 256, "time_scale": 2.0}
-    slow = {"workload": "hot_prefix", "workload_params": params, "floor_model": floor_model}
-    runs = [
+    slow: dict[str, Any] = {
+        "workload": "hot_prefix",
+        "workload_params": params,
+        "floor_model": floor_model,
+    }
+    runs: list[dict[str, Any]] = [
         {**slow, "worker_roles": ["colocated"]},
         {**slow, "worker_roles": ["prefill", "prefill", "decode", "decode"]},
         {"workload": "multi_round_qa"},  # closed loop: only the run knows its send times
