@@ -396,6 +396,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
                 Caching.parse(args.pd_caching),
                 make_policy(args.prefill_policy or name, trees, thresholds, cost, pulls),
                 make_policy(args.decode_policy or name, trees, thresholds, cost, pulls),
+                pulls,
             )
         except ValueError as exc:
             raise SystemExit(str(exc)) from None

@@ -452,7 +452,8 @@ class Router:
             "model_id": w.model_id,
             "bootstrap_port": w.bootstrap_port,
             "processed": w.processed,
-            "kv_pull": w.agent is not None,
+            "kv_pull": w.can_pull,
+            "serves_pulls": w.agent is not None,
             "pulls_served_in_flight": w.pulls_served,
         }
 

@@ -62,12 +62,17 @@ class Agent:
     instance_id: int
     host: str
     port: int
+    pulls: bool = True  # the worker pulls too (a PD decode only serves its cache)
 
     @classmethod
     def from_server_info(cls, info: object) -> Agent | None:
-        """`memserve.agent` of a worker's /get_server_info, when it serves pulls."""
+        """`memserve.agent` of a worker's /get_server_info, when it serves pulls (and
+        whether it pulls: `kv_pull`)."""
         memserve = info.get("memserve") if isinstance(info, dict) else None
-        if not isinstance(memserve, dict) or not memserve.get("kv_pull"):
+        if not isinstance(memserve, dict):
+            return None
+        pulls = bool(memserve.get("kv_pull"))
+        if not (pulls or memserve.get("serves_pulls")):
             return None
         agent = memserve.get("agent")
         if not isinstance(agent, dict):
@@ -75,7 +80,7 @@ class Agent:
         iid, host, port = agent.get("instance_id"), agent.get("host"), agent.get("port")
         if not (isinstance(iid, int) and isinstance(host, str) and isinstance(port, int)):
             return None
-        return cls(iid, host, port)
+        return cls(iid, host, port, pulls)
 
     def hint(self) -> dict[str, object]:
         return {"instance_id": self.instance_id, "host": self.host, "port": self.port}
@@ -159,7 +164,7 @@ class Worker:
     def can_pull(self) -> bool:
         """It pulls a longer prefix from a peer when a request names one (our workers with
         --enable-mempool-pull; a real SGLang server does not)."""
-        return self.agent is not None
+        return self.agent is not None and self.agent.pulls
 
     @contextlib.contextmanager
     def serving_pull(self) -> Iterator[None]:

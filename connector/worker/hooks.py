@@ -58,8 +58,13 @@ class RequestHooks:
     def server_info(self) -> dict[str, Any]:
         """Top-level /get_server_info entries about pulls of remote prefixes (`memserve`,
         `pull`): this instance neither pulls nor serves pulls."""
-        pulls = dict.fromkeys(("pulls", "pulled_tokens", "failures", "refused_slower"), 0)
-        return {"memserve": {"kv_pull": False}, "pull": {**pulls, "modelled_s": 0.0}}
+        return {"memserve": {"kv_pull": False, "serves_pulls": False}, "pull": no_pulls()}
+
+
+def no_pulls() -> dict[str, Any]:
+    """The `pull` entry of an instance that does not pull."""
+    pulls = dict.fromkeys(("pulls", "pulled_tokens", "failures", "refused_slower"), 0)
+    return {**pulls, "modelled_s": 0.0}
 
 
 class ChainedHooks(RequestHooks):

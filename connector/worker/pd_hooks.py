@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
-from connector.worker.hooks import Engine, RequestHooks
+from connector.worker.hooks import Engine, RequestHooks, no_pulls
 from connector.worker.pd import Arrival, Bootstrap, PDLink, PDMode, bootstrap_fields
 from connector.worker.protocol import BadRequest
 from connector.worker.sequence import DONE, Sequence
@@ -48,6 +48,23 @@ class PDHooks(RequestHooks):
 
     def info(self) -> dict[str, Any]:
         return self.link.info()
+
+    def server_info(self) -> dict[str, Any]:
+        """A side that caches serves its cached prefixes to peers' pulls through its PD
+        agent (a decode of PD-Caching-2/3 to the prefills, say); it pulls nothing itself."""
+        agent = self.link.agent
+        side = (
+            self.caching.prefill_caches
+            if self.mode is PDMode.PREFILL
+            else self.caching.decode_caches
+        )
+        if agent is None or self.link.fake or not side:
+            return super().server_info()
+        where = {"instance_id": agent.instance_id, "host": agent.host, "port": agent.port}
+        return {
+            "memserve": {"kv_pull": False, "serves_pulls": True, "agent": where},
+            "pull": {**no_pulls(), "served": agent.receiver.pulls_served},
+        }
 
     # ----------------------------------------------------------------- submit
 

@@ -353,6 +353,7 @@ class PullHooks(RequestHooks):
         return {
             "memserve": {
                 "kv_pull": agent is not None,
+                "serves_pulls": agent is not None,
                 "agent": None
                 if agent is None
                 else {"instance_id": agent.instance_id, "host": agent.host, "port": agent.port},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -24,7 +24,7 @@ from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, m
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, end_stream
 from router.request import RequestError
-from router.workers import WorkerRegistry, WorkerType
+from router.workers import Worker, WorkerRegistry, WorkerType
 
 # the prefill's decision in sgl_router_load_balancing_events (the decode's keeps its name)
 PREFILL_REASON = "prefill_"
@@ -35,6 +35,7 @@ class PDSettings:
     caching: Caching
     prefill_policy: Policy
     decode_policy: Policy
+    pulls: bool = False  # name decodes that cache a longer prefix to a prefill that pulls
 
 
 class PrefillDecode(Strategy):
@@ -73,8 +74,9 @@ class PrefillDecode(Strategy):
         prefill, decode = p_dec.worker, d_dec.worker
         caching, sender = self.settings.caching, self.sender
         keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
-        # the prefill may pull a longer prefix from another prefill's MemPool agent
-        body = {**call.body, **prefix_holders_field(p_dec)}
+        # the prefill may pull a longer prefix from another prefill's or a decode's agent
+        named = replace(p_dec, holders=self.prefill_holders(call.prompt, p_dec))
+        body = {**call.body, **prefix_holders_field(named)}
         payload, _room = bootstrap_payload(body, prefill)
         sender.metrics.pd_requests.inc()
         sender.metrics.event(PREFILL_REASON + p_dec.reason).inc()
@@ -133,6 +135,28 @@ class PrefillDecode(Strategy):
         if caching.writeback:
             holders.append((WorkerType.PREFILL, prefill))
         return Attempt(response, outcome, served, holders)
+
+    def prefill_holders(self, prompt: RouteRequest, decision: Decision) -> list[tuple[Worker, int]]:
+        """The prefill decision's holders of a longer prefix, and with PD-Caching-2/3 (every
+        prompt's KV stays cached on its decode) the decodes that hold one: the decodes' KV is
+        as much again as the prefills', and a prefill that lacks a prefix pulls it from there
+        instead of computing it. Longest first."""
+        holders = list(decision.holders)
+        prefill = decision.worker
+        if not (self.settings.pulls and self.settings.caching.decode_caches and prefill.can_pull):
+            return holders
+        tokens, n = prompt.tokens, prompt.num_tokens
+        if not tokens or n <= 1:
+            return holders
+        trees = self.sender.trees
+        view = trees.match(WorkerType.DECODE, tokens)
+        page = trees.page_size
+        for decode in self.registry.available(WorkerType.DECODE):
+            held = min(view.held.get(decode.url, 0), n - 1) // page * page
+            if decode.agent is not None and held > decision.predicted_cached:
+                holders.append((decode, held))
+        holders.sort(key=lambda h: -h[1])
+        return holders
 
     async def _prefill(
         self, call: Call, payload: bytes, decision: Decision, keep: bool

@@ -36,26 +36,34 @@ from tests.router.test_tiers_and_pulls import reasons
 
 PULLS = ["--enable-mempool-pull", "--mempool-secret", SECRET]
 PULLS += ["--mempool-pull-timeout-secs", str(TIMEOUT)]
-PD = ["--pd-caching", "caching-1", "--disaggregation-timeout-secs", "20"]
+TIMEOUT_ARGS = ["--disaggregation-timeout-secs", "20"]
 
 
-def prefill_args(model_dir: Path, boot: int, time_scale: str) -> list[str]:
+def prefill_args(model_dir: Path, boot: int, time_scale: str, caching: str) -> list[str]:
     role = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)]
-    return sim_args(model_dir, *role, *PD, *PULLS, time_scale=time_scale)
+    pd = ["--pd-caching", caching, *TIMEOUT_ARGS]
+    return sim_args(model_dir, *role, *pd, *PULLS, time_scale=time_scale)
 
 
 Cluster = tuple[Server, int, Server, int, Server]
 
 
 @contextlib.contextmanager
-def two_prefills(model_dir: Path, log_dir: Path, time_scale: str = "0") -> Iterator[Cluster]:
+def two_prefills(
+    model_dir: Path, log_dir: Path, time_scale: str = "0", caching: str = "caching-1"
+) -> Iterator[Cluster]:
     """Prefills A and B (each with its bootstrap port) and one decode; with a time scale of
     0 the modelled time is not slept."""
     boot_a, boot_b = free_port(), free_port()
-    decode = ["--disaggregation-mode", "decode", *PD, "--mempool-secret", SECRET]
+    decode = ["--disaggregation-mode", "decode", "--pd-caching", caching, *TIMEOUT_ARGS]
+    decode += ["--mempool-secret", SECRET]
     with (
-        running("connector.worker", prefill_args(model_dir, boot_a, time_scale), log_dir) as a,
-        running("connector.worker", prefill_args(model_dir, boot_b, time_scale), log_dir) as b,
+        running(
+            "connector.worker", prefill_args(model_dir, boot_a, time_scale, caching), log_dir
+        ) as a,
+        running(
+            "connector.worker", prefill_args(model_dir, boot_b, time_scale, caching), log_dir
+        ) as b,
         running(
             "connector.worker", sim_args(model_dir, *decode, time_scale=time_scale), log_dir
         ) as d,
@@ -101,6 +109,31 @@ def test_a_prefill_pulls_a_prefix_from_another_prefill_and_the_answer_says_so(
         for worker in (a, b, d):
             no_leak(worker)
         assert info(a)["mempool"]["protected_pages"] == 0
+
+
+def test_a_prefill_pulls_a_prefix_a_decode_keeps(model_dir: Path, tmp_path: Path) -> None:
+    """PD-Caching-3: the decode caches every prompt it receives and serves it to pulls (it
+    does not pull itself); prefill B gets A's prompt from the decode."""
+    with two_prefills(model_dir, tmp_path, caching="caching-3") as (a, boot_a, b, boot_b, d):
+        memserve = info(d)["memserve"]
+        assert memserve["serves_pulls"] is True and memserve["kv_pull"] is False
+        assert info(a)["memserve"]["serves_pulls"] is True  # a prefill that pulls serves too
+        history = prompt_ids(6, 1000)
+        pd_generate(a, boot_a, d, history)
+        held = 1000 // 16 * 16
+        named = {"prefix_holders": [{"url": d.url, "cached_tokens": held, **memserve["agent"]}]}
+        turn = history + prompt_ids(7, 50)
+        _, dec = pd_generate(b, boot_b, d, turn, memserve=named)
+        assert dec["meta_info"]["pulled_tokens"] == held, dec["meta_info"]
+        assert pull_stats(b)["pulls"] == 1 and pull_stats(d)["served"] == 1
+        for worker in (a, b, d):
+            wait_for(f"{worker.url} settled", lambda w=worker: not protected_pages(w))
+            no_leak(worker)
+
+
+def protected_pages(worker: Server) -> int:
+    pages: int = info(worker)["mempool"]["protected_pages"]
+    return pages
 
 
 @pytest.mark.parametrize(
