@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -127,13 +127,13 @@ def test_a_prefill_pulls_a_prefix_a_decode_keeps(model_dir: Path, tmp_path: Path
         assert dec["meta_info"]["pulled_tokens"] == held, dec["meta_info"]
         assert pull_stats(b)["pulls"] == 1 and pull_stats(d)["served"] == 1
         for worker in (a, b, d):
-            wait_for(f"{worker.url} settled", lambda w=worker: not protected_pages(w))
+            wait_for(f"{worker.url} settled", settled(worker))
             no_leak(worker)
 
 
-def protected_pages(worker: Server) -> int:
-    pages: int = info(worker)["mempool"]["protected_pages"]
-    return pages
+def settled(worker: Server) -> Callable[[], bool]:
+    """Nothing pinned on it: its transfers and write-backs are over."""
+    return lambda: info(worker)["mempool"]["protected_pages"] == 0
 
 
 @pytest.mark.parametrize(
