@@ -60,10 +60,12 @@ SYSTEMS: dict[str, tuple[RouterSpec, ...]] = {
     COLOCATED: (PROMPT_TREE, COST, CACHE_AWARE, ROUND_ROBIN, SMG_CACHE_AWARE),
     PD_2P2D: (PROMPT_TREE, COST, PD_CACHE_AWARE, PD_ROUND_ROBIN, PD_SMG),
 }
-# ours on a second 2P2D cluster in PD-Caching-3: decodes cache what they receive and serve
-# it to the prefills' pulls (the peers' SGLang-like workers have no such mode)
-CACHING_3 = "caching-3"
-OURS_ON_CACHING_3 = (PROMPT_TREE,)
+# ours on a second 2P2D cluster in PD-Caching-2: decodes cache what they receive (a prefill
+# then sends a decode only the pages it lacks) and serve it to the prefills' pulls; requests
+# are single turns, so -3's write-back of each answer would only churn the prefills' caches.
+# The peers' SGLang-like workers have no such mode.
+DECODES_CACHE = "caching-2"
+OURS_ON_DECODES_CACHE = (PROMPT_TREE,)
 # the systems targets compare ours with, per shape: (cache_aware, round_robin)
 BASELINES = {
     COLOCATED: (CACHE_AWARE, ROUND_ROBIN, None),
@@ -175,10 +177,10 @@ def make_plan(
             kv_events=features.kv_events,
         )
         members = [Member(spec, specs)]
-        ours_c3 = tuple(s for s in OURS_ON_CACHING_3 if systems is None or s.name in systems)
-        if pd and ours_c3:  # ours with MemServe's PD caching: the decodes' KV as a pool too
-            c3 = replace(spec, name="hp-2p2d-c3", caching=CACHING_3)
-            members.append(Member(c3, ours_c3))
+        ours_c2 = tuple(s for s in OURS_ON_DECODES_CACHE if systems is None or s.name in systems)
+        if pd and ours_c2:  # ours with MemServe's PD caching: the decodes' KV as a pool too
+            c2 = replace(spec, name="hp-2p2d-c2", caching=DECODES_CACHE)
+            members.append(Member(c2, ours_c2))
         reference = BASELINES[shape][1]
         labels = {"shape": shape, "instance_kv_tokens": kv, "hot_set_tokens": hot_set}
         configs.append(
@@ -226,7 +228,7 @@ def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
     out = []
     mine_labels = [system_label(ours.name, mode) for ours in (PROMPT_TREE, COST)]
     if shape == PD_2P2D:
-        mine_labels += [system_label(ours.name, CACHING_3) for ours in OURS_ON_CACHING_3]
+        mine_labels += [system_label(o.name, DECODES_CACHE) for o in OURS_ON_DECODES_CACHE]
     for mine in mine_labels:
         out += [
             Target("p99_vs_cache_aware", f"p99 TTFT / {ca}'s", mine, "ttft_p99_s", "<=", 0.6, ca),
@@ -263,7 +265,7 @@ NOTES = (
     "PD-Caching-1 (SGLang's PD), KV events to our router, and the prefills run "
     "--enable-mempool-pull (runs from before prefills could pull show no KV pulled); a "
     "worker pulls only a prefix our router names a holder of, so the peers' requests never "
-    "pull. Ours prompt_tree also runs on a second 2P2D cluster in PD-Caching-3, where the "
-    "decodes cache what they receive and serve it to the prefills' pulls (runs from before "
-    "that have no such row).",
+    "pull. Ours prompt_tree also runs on a second 2P2D cluster in PD-Caching-2, where the "
+    "decodes cache what they receive (a prefill sends a decode only the pages it lacks) and "
+    "serve it to the prefills' pulls (runs from before that have no such row).",
 )

@@ -111,10 +111,13 @@ def test_a_prefill_pulls_a_prefix_from_another_prefill_and_the_answer_says_so(
         assert info(a)["mempool"]["protected_pages"] == 0
 
 
-def test_a_prefill_pulls_a_prefix_a_decode_keeps(model_dir: Path, tmp_path: Path) -> None:
-    """PD-Caching-3: the decode caches every prompt it receives and serves it to pulls (it
+@pytest.mark.parametrize("caching", ["caching-2", "caching-3"])
+def test_a_prefill_pulls_a_prefix_a_decode_keeps(
+    model_dir: Path, tmp_path: Path, caching: str
+) -> None:
+    """PD-Caching-2/3: the decode caches every prompt it receives and serves it to pulls (it
     does not pull itself); prefill B gets A's prompt from the decode."""
-    with two_prefills(model_dir, tmp_path, caching="caching-3") as (a, boot_a, b, boot_b, d):
+    with two_prefills(model_dir, tmp_path, caching=caching) as (a, boot_a, b, boot_b, d):
         memserve = info(d)["memserve"]
         assert memserve["serves_pulls"] is True and memserve["kv_pull"] is False
         assert info(a)["memserve"]["serves_pulls"] is True  # a prefill that pulls serves too
