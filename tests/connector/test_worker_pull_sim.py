@@ -488,7 +488,7 @@ def test_a_worker_without_pulls_says_so_and_ignores_hints(
     plain = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
     with running("connector.worker", plain, tmp_path) as worker:
         described = info(worker)
-        assert described["memserve"] == {"kv_pull": False}
+        assert described["memserve"] == {"kv_pull": False, "serves_pulls": False}
         assert described["pull"]["pulls"] == 0
         ids, held = warm(holder, 50, 200)
         got = generate(worker, ids + [1] * 20, memserve=hint(holder, held))
