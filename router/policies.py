@@ -46,6 +46,12 @@ class RouteRequest:
         return len(self.tokens or ()) + self.rest_tokens
 
 
+def reusable(held: int, n: int, page: int) -> int:
+    """Tokens of an `n`-token prompt an engine holding `held` of it reuses: whole pages only,
+    and never the last prompt token, which it always computes."""
+    return min(held, n - 1) // page * page
+
+
 @dataclass(slots=True)
 class Decision:
     worker: Worker
@@ -261,9 +267,7 @@ class PromptTree(Policy):
         self.heat = PrefixHeat(trees.page_size)
 
     def _predicted(self, held: int, n: int) -> int:
-        # The engine always computes the last prompt token; it reuses whole pages only.
-        page = self.trees.page_size
-        return min(held, n - 1) // page * page
+        return reusable(held, n, self.trees.page_size)
 
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         """What each worker holds, how it would serve the request, and the best holder."""

@@ -22,6 +22,13 @@ from collections.abc import Sequence
 from benchmarks.harness import percentile
 from benchmarks.multiturn.floor import Floor
 
+PREFILL_ROLES = ("colocated", "prefill")
+
+
+def prefill_servers(roles: Sequence[str]) -> int:
+    """The workers a run's prompts queue for: colocated ones, or a PD cluster's prefills."""
+    return sum(role in PREFILL_ROLES for role in roles)
+
 
 def fcfs_waits(arrivals: Sequence[float], services: Sequence[float], servers: int) -> list[float]:
     """Each job's wait in one FIFO queue before `servers` identical servers, in the order of

@@ -17,12 +17,10 @@ from typing import Any
 
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.hot_prefix import HotPrefix
-from benchmarks.multiturn.queue_floor import queued_floor_stats
+from benchmarks.multiturn.queue_floor import prefill_servers, queued_floor_stats
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.working_set import estimate
 from connector.worker.latency_model import LatencyModel
-
-PREFILL_ROLES = ("colocated", "prefill")
 
 
 def backfill(runs: list[dict[str, Any]], vocab: Vocab, encoder: Any) -> int:
@@ -41,7 +39,7 @@ def backfill(runs: list[dict[str, Any]], vocab: Vocab, encoder: Any) -> int:
         workload, planned = built[key]
         model = run["floor_model"]
         floor = Floor(LatencyModel(), int(model["chunked_prefill_size"]), model["time_scale"])
-        servers = sum(role in PREFILL_ROLES for role in run["worker_roles"])
+        servers = prefill_servers(run["worker_roles"])
         sent = [r.at_s for r in workload.requests]
         rids = [r.rid for r in workload.requests if not r.warmup]
         run.update(queued_floor_stats(floor, planned.hits, planned.lengths, sent, rids, servers))

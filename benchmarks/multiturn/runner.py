@@ -27,7 +27,7 @@ from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import replay
 from benchmarks.multiturn.plan import Plan, Step
-from benchmarks.multiturn.queue_floor import queued_floor_stats
+from benchmarks.multiturn.queue_floor import prefill_servers, queued_floor_stats
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
@@ -194,7 +194,7 @@ def run_one(
     sent: list[float | None] = [None] * len(workload.requests)
     for o in result.outcomes:
         sent[o.rid] = o.sent_s
-    servers = cluster.spec.colocated + cluster.spec.prefills
+    servers = prefill_servers([w.role for w in cluster.workers])
     record.update(queued_floor_stats(floor, hits, lengths, sent, answered, servers))
     record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
     record["oracle_distinct_tokens"] = oracle.distinct_tokens

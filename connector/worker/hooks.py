@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from connector.worker.kv_cache import KVCache
 from connector.worker.sequence import Sequence
 from mempool import InsertResult
+from mempool.transfer.agent import TransferAgent
 
 
 class Engine(Protocol):
@@ -59,6 +60,11 @@ class RequestHooks:
         """Top-level /get_server_info entries about pulls of remote prefixes (`memserve`,
         `pull`): this instance neither pulls nor serves pulls."""
         return {"memserve": {"kv_pull": False, "serves_pulls": False}, "pull": no_pulls()}
+
+
+def agent_address(agent: TransferAgent) -> dict[str, Any]:
+    """Where peers reach this instance's MemPool agent (`memserve.agent`)."""
+    return {"instance_id": agent.instance_id, "host": agent.host, "port": agent.port}
 
 
 def no_pulls() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
-from connector.worker.hooks import Engine, RequestHooks, no_pulls
+from connector.worker.hooks import Engine, RequestHooks, agent_address, no_pulls
 from connector.worker.pd import Arrival, Bootstrap, PDLink, PDMode, bootstrap_fields
 from connector.worker.protocol import BadRequest
 from connector.worker.sequence import DONE, Sequence
@@ -60,9 +60,8 @@ class PDHooks(RequestHooks):
         )
         if agent is None or self.link.fake or not side:
             return super().server_info()
-        where = {"instance_id": agent.instance_id, "host": agent.host, "port": agent.port}
         return {
-            "memserve": {"kv_pull": False, "serves_pulls": True, "agent": where},
+            "memserve": {"kv_pull": False, "serves_pulls": True, "agent": agent_address(agent)},
             "pull": {**no_pulls(), "served": agent.receiver.pulls_served},
         }
 

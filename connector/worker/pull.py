@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol
 
 from connector.worker.backend import Backend
-from connector.worker.hooks import Engine, RequestHooks
+from connector.worker.hooks import Engine, RequestHooks, agent_address
 from connector.worker.kv_cache import KVCache
 from connector.worker.pd import WireModel, free_arrival, start_agent
 from connector.worker.protocol import BadRequest
@@ -354,9 +354,7 @@ class PullHooks(RequestHooks):
             "memserve": {
                 "kv_pull": agent is not None,
                 "serves_pulls": agent is not None,
-                "agent": None
-                if agent is None
-                else {"instance_id": agent.instance_id, "host": agent.host, "port": agent.port},
+                "agent": None if agent is None else agent_address(agent),
                 "transport": None if agent is None else agent.transport.name,
                 "membership": self.config.cluster_redis or "in-process (holders from hints)",
                 "pull_timeout_s": self.config.timeout_s,

@@ -21,7 +21,7 @@ from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
 from router.learning import Served
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
-from router.policies import Decision, Policy, RouteRequest
+from router.policies import Decision, Policy, RouteRequest, reusable
 from router.proxy import Outcome, end_stream
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -83,17 +83,12 @@ class PrefillDecode(Strategy):
         # in flight on the prefill from now, not from its task's first step: the next
         # admission by expected wait must see it (router.admission); a prefix it pulls
         # keeps its source counted as serving a pull as long
-        source = p_dec.pull_from
-        pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
-        pulling.__enter__()
-        flight = prefill.request(sender.pending(call.prompt, p_dec), True).__enter__()
+        counted = contextlib.ExitStack()
+        if p_dec.pull_from is not None:
+            counted.enter_context(p_dec.pull_from.serving_pull())
+        counted.enter_context(prefill.request(sender.pending(call.prompt, p_dec), True))
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
-
-        def prefill_ended(_: object) -> None:
-            flight.__exit__(None, None, None)
-            pulling.__exit__(None, None, None)
-
-        p_task.add_done_callback(prefill_ended)
+        p_task.add_done_callback(lambda _: counted.close())
         if caching.prefill_caches:
             sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()
@@ -152,7 +147,7 @@ class PrefillDecode(Strategy):
         view = trees.match(WorkerType.DECODE, tokens)
         page = trees.page_size
         for decode in self.registry.available(WorkerType.DECODE):
-            held = min(view.held.get(decode.url, 0), n - 1) // page * page
+            held = reusable(view.held.get(decode.url, 0), n, page)
             if decode.agent is not None and held > decision.predicted_cached:
                 holders.append((decode, held))
         holders.sort(key=lambda h: -h[1])
