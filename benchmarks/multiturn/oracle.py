@@ -5,11 +5,18 @@ Requests are replayed in the order they were sent. Each one reuses the longest r
 computed, as the workers do), then its prompt and its answer are cached (the answer both as
 the model's tokens and as the next turn's chat template renders it). No eviction and one
 instance: no routing or capacity can do better, so this bounds every system's hit ratio.
+
+The LRU reference (`LruCaches`) replays the same requests into the cluster's caches as they
+are: one per prefill worker, of the run's device KV, evicting the least recently used pages
+as SGLang's radix cache does, each prompt sent where its longest prefix is (perfect
+locality, no load). What it loses to the oracle is lost to cache size and LRU eviction, not
+to routing; what a system loses below it is the price of its routing (or of spreading load).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +44,7 @@ class PrefixOracle:
         self.pages: set[int] = set()
 
     def hit(self, ids: Sequence[int]) -> int:
-        n = 0
-        for key in page_keys(ids, self.page):
-            if key not in self.pages:
-                break
-            n += 1
-        return min(n * self.page, (len(ids) - 1) // self.page * self.page)
+        return _reused(_held_pages(self.pages, page_keys(ids, self.page)), ids, self.page)
 
     def add(self, ids: Sequence[int]) -> None:
         self.pages.update(page_keys(ids, self.page))
@@ -50,6 +52,63 @@ class PrefixOracle:
     @property
     def tokens(self) -> int:
         return len(self.pages) * self.page
+
+
+class LruCaches:
+    """`servers` page caches of `capacity_tokens` each, least recently used pages evicted
+    first (a prefix's pages are touched last to first, so a parent outlives its children,
+    as leaves go first in a radix cache). `serve(ids)` sends a prompt to the cache holding
+    its longest prefix (among equals, the one given a prompt longest ago), returns its hit
+    (page-aligned, last token computed) and caches the prompt there; `add(ids)` caches more
+    of that request (its answer) on the same cache."""
+
+    def __init__(self, servers: int, capacity_tokens: int, page: int = PAGE) -> None:
+        if servers < 1 or capacity_tokens < page:
+            raise ValueError(
+                f"LRU caches need a server and a page of room, got {servers} of "
+                f"{capacity_tokens} tokens"
+            )
+        self.page = page
+        self.capacity_pages = capacity_tokens // page
+        self.caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(servers)]
+        self._last_used = [0] * servers
+        self._clock = 0
+        self._current = 0
+
+    def serve(self, ids: Sequence[int]) -> int:
+        keys = page_keys(ids, self.page)
+        held = [_held_pages(cache, keys) for cache in self.caches]
+        self._current = min(range(len(self.caches)), key=lambda i: (-held[i], self._last_used[i]))
+        self._clock += 1
+        self._last_used[self._current] = self._clock
+        self._insert(keys)
+        return _reused(held[self._current], ids, self.page)
+
+    def add(self, ids: Sequence[int]) -> None:
+        self._insert(page_keys(ids, self.page))
+
+    def _insert(self, keys: list[int]) -> None:
+        cache = self.caches[self._current]
+        for key in reversed(keys):
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > self.capacity_pages:
+            cache.popitem(last=False)
+
+
+def _held_pages(cache: Container[int], keys: list[int]) -> int:
+    """How many of `keys`, from the first, the cache holds."""
+    n = 0
+    for key in keys:
+        if key not in cache:
+            break
+        n += 1
+    return n
+
+
+def _reused(pages: int, ids: Sequence[int], page: int) -> int:
+    """Tokens reused from `pages` held pages: whole pages, never the last prompt token."""
+    return min(pages * page, (len(ids) - 1) // page * page)
 
 
 def prompt_ids(tokenizer: Any, request: Request, outcome: Outcome) -> list[int] | None:
@@ -69,13 +128,21 @@ class Replay:
     hits: list[int | None]
     lengths: list[int | None]
     distinct_tokens: int
+    lru_hits: list[int | None] | None = None  # the LRU reference's, when it was asked for
 
 
-def replay(tokenizer: Any, requests: Sequence[Request], outcomes: Sequence[Outcome]) -> Replay:
-    """The requests replayed in the order they were sent into one infinite cache."""
+def replay(
+    tokenizer: Any,
+    requests: Sequence[Request],
+    outcomes: Sequence[Outcome],
+    lru: LruCaches | None = None,
+) -> Replay:
+    """The requests replayed in the order they were sent into one infinite cache, and into
+    `lru` when given (its hits in `lru_hits`)."""
     oracle = PrefixOracle()
     hits: list[int | None] = [None] * len(requests)
     lengths: list[int | None] = [None] * len(requests)
+    lru_hits: list[int | None] | None = None if lru is None else [None] * len(requests)
     sent = sorted(
         (o.sent_s, o.rid) for o in outcomes if o.sent_s is not None
     )  # replay in send order
@@ -86,9 +153,13 @@ def replay(tokenizer: Any, requests: Sequence[Request], outcomes: Sequence[Outco
             continue
         hits[rid] = oracle.hit(ids)
         lengths[rid] = len(ids)
+        if lru is not None and lru_hits is not None:
+            lru_hits[rid] = lru.serve(ids)
         for seq in _cached_sequences(tokenizer, request, outcome, ids):
             oracle.add(seq)
-    return Replay(hits, lengths, oracle.tokens)
+            if lru is not None and seq is not ids:
+                lru.add(seq)
+    return Replay(hits, lengths, oracle.tokens, lru_hits)
 
 
 def _cached_sequences(

@@ -131,10 +131,12 @@ FIGURES = (
     "p99_vs_floor",
     "queue_floor_ttft_p99_s",
     "queue_floor_vs_floor",
+    "lru_queue_floor_ttft_p99_s",
     "jct_mean_s",
     "jct_p99_s",
     "reuse_ratio",
     "oracle_hit_ratio",
+    "lru_hit_ratio",
     "device_share",
     "host_share",
     "pulled_share",
@@ -352,6 +354,12 @@ def why(
             f"{secs(med(ours, 'queue_floor_ttft_p99_s'))} = "
             f"{spread_text(ours.get('queue_floor_vs_floor'))} x the floor"
         )
+        if finite(med(ours, "lru_queue_floor_ttft_p99_s")):
+            parts.append(
+                f"with the cluster's LRU caches instead of the oracle's (the LRU reference: "
+                f"hit {pct(med(ours, 'lru_hit_ratio'))}), that queue's p99 is "
+                f"{secs(med(ours, 'lru_queue_floor_ttft_p99_s'))}"
+            )
         parts.append(reachable(target, mine, theirs))
     if target.figure.startswith("ttft"):
         parts.append(f"ours' slowest 5%: {tail_summary(run, turns=False)}")
@@ -367,7 +375,7 @@ def reachable(target: Target, mine: dict[int, Run], theirs: dict[int, Run]) -> s
     """Per seed, whether a p99 at the target's limit is possible at all: under the floor's
     p99 no system gets (every request's TTFT is at least its floor), under the queued
     floor's no router gets on FIFO engines at that load."""
-    below_floor, below_queue, seeds = 0, 0, 0
+    below_floor, below_queue, below_lru, lru_seeds, seeds = 0, 0, 0, 0, 0
     for seed, run in mine.items():
         base = run.get("floor_ttft_p99_s") if target.other == FLOOR else None
         if target.other not in (None, FLOOR) and seed in theirs:
@@ -379,10 +387,17 @@ def reachable(target: Target, mine: dict[int, Run], theirs: dict[int, Run]) -> s
         allowed = target.limit * base
         below_floor += allowed < floor
         below_queue += allowed < queued
-    return (
+        lru = run.get("lru_queue_floor_ttft_p99_s")
+        if finite(lru):
+            lru_seeds += 1
+            below_lru += allowed < lru
+    text = (
         f"the limit's p99 is below the floor's on {below_floor} of {seeds} seeds and below "
         f"the queued floor's on {below_queue} of {seeds}"
     )
+    if lru_seeds:
+        text += f" (the LRU reference's queued floor's on {below_lru} of {lru_seeds})"
+    return text
 
 
 # --------------------------------------------------------------------------- Markdown
@@ -420,10 +435,12 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
         "floor p99": _r(med(e, "floor_ttft_p99_s")),
         "p99/floor": spread_text(e.get("p99_vs_floor")),
         "queued floor p99": spread_text(e.get("queue_floor_ttft_p99_s"), 3),
+        "LRU queued p99": spread_text(e.get("lru_queue_floor_ttft_p99_s"), 3),
         "JCT mean": _r(med(e, "jct_mean_s")),
         "JCT p99": _r(med(e, "jct_p99_s")),
         "hit": pct(med(e, "reuse_ratio")),
         "oracle": pct(med(e, "oracle_hit_ratio")),
+        "LRU ref": pct(med(e, "lru_hit_ratio")),
         "device": pct(med(e, "device_share")),
         "host": pct(med(e, "host_share")),
         "pulled": pct(med(e, "pulled_share")),
@@ -546,7 +563,13 @@ def notes(
         "the floor plus the wait an ideal router still leaves at the run's load: the run's "
         "send times into one first-come-first-served queue before the prefill workers, each "
         "request on the first to free up, for its floor TTFT; a p99 target it misses itself "
-        "cannot be met by routing at that load (— where a run did not record it).",
+        "cannot be met by routing at that load (— where a run did not record it). `LRU ref`: "
+        "the same requests in send order into the cluster's prefill caches as they are (one "
+        "per prefill worker, the run's device KV, least recently used pages evicted as "
+        "SGLang's radix cache does), each to the one holding its longest prefix, load "
+        "ignored: below the oracle by what cache size and LRU eviction cost, whoever routes "
+        "(decodes' caches, which PD-Caching-2/-3 pull from, are not counted; no figure with a "
+        "host tier). `LRU queued p99`: the queued floor with those hits.",
         f"Written back: {WRITTEN_BACK_TEXT}.",
         f"Peers: {peer_text}; default thresholds. smg runs with --disable-tokenizer-autoload.",
         f"Machine: {os.cpu_count()} cores run the client, the routers and every worker; the "

@@ -8,6 +8,11 @@ starting on the first worker to free up (late binding, perfect knowledge of ever
 with the oracle's cache on every worker, for the floor's time (its own prefill alone). The
 send times are the run's own, so it is the wait those very arrivals imply.
 
+The same queue with the LRU reference's hits (`oracle.LruCaches`: the cluster's prefill caches
+at their size, evicting as SGLang does, perfect locality) is the queued floor at the
+cluster's caches (`lru_queue_floor_*`): what is left of the wait once the caches' size is
+counted too.
+
 It is a reference, not a proof: an engine that batches a short prompt beside a long one's
 chunk can answer the short one sooner than a FIFO queue would, so a system can beat it on
 some requests; but a p99 well above it is lost to routing, to misses or to the engines, and a
@@ -53,10 +58,11 @@ def queued_floor_stats(
     sent: Sequence[float | None],
     measured: Sequence[int],
     servers: int,
+    name: str = "queue_floor",
 ) -> dict[str, float | None]:
-    """`queue_floor_ttft_mean_s` and `_p99_s` over the requests `measured`: every request
-    sent (warm-ups too: they hold a worker as long) queues, per rid, at `sent[rid]` for its
-    floor TTFT (the oracle's hits `hits`, prompt lengths `lengths`)."""
+    """`{name}_ttft_mean_s` and `_p99_s` over the requests `measured`: every request sent
+    (warm-ups too: they hold a worker as long) queues, per rid, at `sent[rid]` for its floor
+    TTFT (with `hits`, the oracle's or the LRU reference's, prompt lengths `lengths`)."""
     pairs = enumerate(zip(sent, lengths, strict=True))
     rids = [rid for rid, (at, n) in pairs if at is not None and n]
     services = [floor.ttft_s(lengths[rid] or 0, hits[rid] or 0) for rid in rids]
@@ -64,8 +70,27 @@ def queued_floor_stats(
     ttft = {rid: wait + service for rid, wait, service in zip(rids, waits, services, strict=True)}
     mine = [ttft[rid] for rid in measured if rid in ttft]
     if not mine:
-        return {"queue_floor_ttft_mean_s": None, "queue_floor_ttft_p99_s": None}
+        return {f"{name}_ttft_mean_s": None, f"{name}_ttft_p99_s": None}
     return {
-        "queue_floor_ttft_mean_s": sum(mine) / len(mine),
-        "queue_floor_ttft_p99_s": percentile(mine, 0.99),
+        f"{name}_ttft_mean_s": sum(mine) / len(mine),
+        f"{name}_ttft_p99_s": percentile(mine, 0.99),
     }
+
+
+def lru_reference(
+    floor: Floor,
+    lru_hits: Sequence[int | None],
+    lengths: Sequence[int | None],
+    sent: Sequence[float | None],
+    measured: Sequence[int],
+    servers: int,
+) -> dict[str, float | None]:
+    """The LRU reference's hit ratio over `measured` (`lru_hit_ratio`) and the queued floor
+    with its hits (`lru_queue_floor_ttft_mean_s` / `_p99_s`)."""
+    prompt = sum(lengths[rid] or 0 for rid in measured)
+    reused = sum(lru_hits[rid] or 0 for rid in measured)
+    out: dict[str, float | None] = {"lru_hit_ratio": reused / prompt if prompt else None}
+    out.update(
+        queued_floor_stats(floor, lru_hits, lengths, sent, measured, servers, "lru_queue_floor")
+    )
+    return out

@@ -25,9 +25,9 @@ from benchmarks.multiturn.cluster import (
 )
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
-from benchmarks.multiturn.oracle import replay
+from benchmarks.multiturn.oracle import LruCaches, replay
 from benchmarks.multiturn.plan import Plan, Step
-from benchmarks.multiturn.queue_floor import prefill_servers, queued_floor_stats
+from benchmarks.multiturn.queue_floor import lru_reference, prefill_servers, queued_floor_stats
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
@@ -104,6 +104,7 @@ def base_record(
         "instances": cluster.spec.instances,
         "pd_caching": cluster.spec.caching,
         "radix_cache": cluster.spec.radix_cache,
+        "hicache_ratio": cluster.spec.hicache_ratio,
         "time_scale": cluster.spec.time_scale,
         "workload": workload.name,
         "workload_title": workload.title,
@@ -184,7 +185,13 @@ def run_one(
     busy = [b - a for a, b in zip(busy_before, cluster.busy_seconds(), strict=True)]
     ctx.progress.remove_task(task)
     ctx.progress.refresh()
-    oracle = replay(ctx.encoder, workload.requests, result.outcomes)
+    servers = prefill_servers([w.role for w in cluster.workers])
+    capacity = cluster.server_info()[0].get("max_total_num_tokens")
+    # the LRU reference models device caches alone: none where a host tier holds more
+    lru = None
+    if capacity and not cluster.spec.hicache_ratio:
+        lru = LruCaches(servers, int(capacity))
+    oracle = replay(ctx.encoder, workload.requests, result.outcomes, lru)
     hits, lengths = oracle.hits, oracle.lengths
     warmups = [o for o in result.outcomes if workload.requests[o.rid].warmup]
     measured = [o for o in result.outcomes if not workload.requests[o.rid].warmup]
@@ -194,8 +201,9 @@ def run_one(
     sent: list[float | None] = [None] * len(workload.requests)
     for o in result.outcomes:
         sent[o.rid] = o.sent_s
-    servers = prefill_servers([w.role for w in cluster.workers])
     record.update(queued_floor_stats(floor, hits, lengths, sent, answered, servers))
+    if oracle.lru_hits is not None:
+        record.update(lru_reference(floor, oracle.lru_hits, lengths, sent, answered, servers))
     record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
     record["oracle_distinct_tokens"] = oracle.distinct_tokens
     record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}

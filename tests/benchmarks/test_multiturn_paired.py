@@ -83,7 +83,14 @@ def check_report(out: Path, figures: dict[str, Any]) -> None:
     md = (out / "results.md").read_text()
     for heading in ("## Targets", "## Sustained rate", "## Notes", "## Machine"):
         assert heading in md, heading
-    for text in ("floor p99", "written back", "busy per worker", "prefill", "µs/token"):
+    for text in (
+        "floor p99",
+        "LRU queued p99",
+        "written back",
+        "busy per worker",
+        "prefill",
+        "µs/token",
+    ):
         assert text in md, text
     assert "/work/" not in md and figures["command"].startswith("python -m benchmarks.multiturn")
     for name in ("ttft_cdf.png", "worker_busy.png"):
@@ -103,6 +110,10 @@ def test_hot_prefix_quick(hot_dir: Path) -> None:
     for run in runs:
         assert run["workload"] == "hot_prefix" and run["api"] == "openai"
         assert run["load"] == 0.85 and run["worker_roles"] == ["colocated"] * 4
+        # the LRU reference: the workers' own caches, so no more than the oracle reuses,
+        # and its queue waits at least as long as the oracle's
+        assert 0 < run["lru_hit_ratio"] <= run["oracle_hit_ratio"] + 1e-9
+        assert run["lru_queue_floor_ttft_p99_s"] >= run["queue_floor_ttft_p99_s"] - 1e-9
     setup = next(iter(figures["setup"].values()))
     assert setup["instance_kv_tokens"] <= setup["hot_set_tokens"] / 2  # the hot set: 2 workers
     names = set(figures["targets"])

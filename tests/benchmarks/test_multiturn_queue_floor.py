@@ -1,5 +1,6 @@
-"""The queued floor: an ideal router's FIFO queue before the prefill workers, and the
-report's per-seed reachability of a p99 target."""
+"""The queued floor: an ideal router's FIFO queue before the prefill workers, the LRU
+reference (the cluster's caches as they are, perfect locality), and the report's per-seed
+reachability of a p99 target."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 import pytest
 
 from benchmarks.multiturn.floor import Floor
-from benchmarks.multiturn.queue_floor import fcfs_waits, queued_floor_stats
+from benchmarks.multiturn.oracle import LruCaches, PrefixOracle
+from benchmarks.multiturn.queue_floor import fcfs_waits, lru_reference, queued_floor_stats
 from connector.worker.latency_model import LatencyModel
 from tests.benchmarks.test_multiturn_paired import paired_run
 
@@ -52,8 +54,73 @@ def test_warm_ups_hold_a_worker_but_only_measured_requests_are_counted() -> None
     }
 
 
-def with_queue(run: dict[str, Any], queued: float) -> dict[str, Any]:
-    return {**run, "queue_floor_ttft_p99_s": queued}
+def prompt(prefix: int, n: int, suffix: int = 0) -> list[int]:
+    """`n` tokens: prefix `prefix`'s ids, then a unique tail of `suffix` tokens."""
+    return [prefix * 100_000 + i for i in range(n - suffix)] + [-(i + 1) for i in range(suffix)]
+
+
+def test_lru_caches_send_a_prompt_to_its_holder_and_evict_the_least_recent() -> None:
+    lru = LruCaches(servers=2, capacity_tokens=64, page=16)  # 4 pages a cache
+    assert lru.serve(prompt(1, 48)) == 0  # cache 0 (both empty, neither used yet)
+    assert lru.serve(prompt(2, 48)) == 0  # cache 1: given a prompt longer ago than 0
+    assert lru.serve(prompt(1, 48)) == 32  # its holder: whole pages, last token computed
+    assert lru.serve(prompt(2, 49)) == 48
+    # a third prefix lands on cache 0 (least recently given one) and, 4 pages a cache,
+    # evicts 2 of the 3 older pages there, children first; cache 1 is untouched
+    assert lru.serve(prompt(3, 48)) == 0
+    assert lru.serve(prompt(1, 48)) == 16
+    assert lru.serve(prompt(2, 49)) == 48
+
+
+def test_lru_caches_keep_a_prefix_before_its_tails() -> None:
+    lru = LruCaches(servers=1, capacity_tokens=64, page=16)  # 4 pages
+    lru.serve(prompt(1, 64, suffix=32))  # 2 pages of a prefix, 2 of its tail: full
+    # a new prompt's page evicts the tail's last page (touched as recently as the prefix,
+    # but a leaf), never the prefix's first
+    lru.serve(prompt(9, 17))
+    assert lru.serve(prompt(1, 40, suffix=8)) == 32
+
+
+def test_with_room_for_everything_the_lru_reference_is_the_oracle() -> None:
+    prompts = [prompt(p % 3, 200, suffix=40) for p in range(12)]
+    oracle, lru = PrefixOracle(), LruCaches(servers=3, capacity_tokens=10_000)
+    for ids in prompts:
+        assert lru.serve(ids) == oracle.hit(ids)
+        oracle.add(ids)
+
+
+@pytest.mark.parametrize(("servers", "capacity"), [(0, 64), (1, 8)])
+def test_lru_caches_without_a_server_or_a_page_of_room_are_refused(
+    servers: int, capacity: int
+) -> None:
+    with pytest.raises(ValueError, match="need a server and a page of room"):
+        LruCaches(servers, capacity, page=16)
+
+
+def test_the_lru_reference_reports_its_hit_ratio_and_its_queue() -> None:
+    floor = Floor(LatencyModel(), chunk=0, time_scale=1.0)
+    lengths: list[int | None] = [4096, 4096, 4096]
+    sent: list[float | None] = [0.0, 0.0, 0.0]
+    oracle_hits: list[int | None] = [0, 4080, 4080]
+    lru_hits: list[int | None] = [0, 4080, 0]  # the third was evicted
+    got = lru_reference(floor, lru_hits, lengths, sent, [1, 2], servers=1)
+    assert got["lru_hit_ratio"] == pytest.approx(4080 / 8192)
+    ideal = queued_floor_stats(floor, oracle_hits, lengths, sent, [1, 2], servers=1)
+    mean = got["lru_queue_floor_ttft_mean_s"]
+    assert mean is not None and ideal["queue_floor_ttft_mean_s"] is not None
+    assert mean > ideal["queue_floor_ttft_mean_s"]  # the miss computes 4K tokens more
+    assert lru_reference(floor, lru_hits, lengths, sent, [], servers=1) == {
+        "lru_hit_ratio": None,
+        "lru_queue_floor_ttft_mean_s": None,
+        "lru_queue_floor_ttft_p99_s": None,
+    }
+
+
+def with_queue(run: dict[str, Any], queued: float, lru: float | None = None) -> dict[str, Any]:
+    out = {**run, "queue_floor_ttft_p99_s": queued}
+    if lru is not None:
+        out.update(lru_queue_floor_ttft_p99_s=lru, lru_hit_ratio=0.4)
+    return out
 
 
 def test_a_p99_target_says_on_how_many_seeds_its_limit_is_out_of_reach() -> None:
@@ -64,8 +131,8 @@ def test_a_p99_target_says_on_how_many_seeds_its_limit_is_out_of_reach() -> None
     # floor p99 1.0 s in every run; cache_aware's p99 1.5 s (seed 1) and 4.0 s (seed 2):
     # 0.6x of those is 0.9 s (under the floor) and 2.4 s (over it, under the queued 3.0 s)
     runs: list[dict[str, Any]] = [
-        with_queue(paired_run(ours, 1, 1.2, 0.5, [10, 10, 10, 10]), 1.1),
-        with_queue(paired_run(ours, 2, 3.5, 0.5, [10, 10, 10, 10]), 3.0),
+        with_queue(paired_run(ours, 1, 1.2, 0.5, [10, 10, 10, 10]), 1.1, 1.4),
+        with_queue(paired_run(ours, 2, 3.5, 0.5, [10, 10, 10, 10]), 3.0, 3.2),
         with_queue(paired_run(ca, 1, 1.5, 0.5, [10, 10, 10, 10]), 1.1),
         with_queue(paired_run(ca, 2, 4.0, 0.5, [10, 10, 10, 10]), 3.0),
         with_queue(paired_run(rr, 1, 2.0, 1.0, [10, 10, 10, 10]), 1.1),
@@ -76,8 +143,12 @@ def test_a_p99_target_says_on_how_many_seeds_its_limit_is_out_of_reach() -> None
     why = targets[prefix + "p99_vs_cache_aware"]["why"]
     assert "below the floor's on 1 of 2 seeds and below the queued floor's on 2 of 2" in why
     assert "queued floor) p99 2.050 s" in why  # the median over the two seeds
+    assert "LRU reference: hit 40%), that queue's p99 is 2.300 s" in why
+    assert "(the LRU reference's queued floor's on 2 of 2)" in why
     floor_why = targets[prefix + "p99_vs_floor"]["why"]  # 1.5x the floor: 1.5 s
     assert "below the floor's on 0 of 2 seeds and below the queued floor's on 1 of 2" in floor_why
+    # 1.5 s: above seed 1's queued floor (1.1 s) but below its LRU reference's (1.4 s)
+    assert "(the LRU reference's queued floor's on 1 of 2)" in floor_why
 
 
 def test_backfill_queues_a_hot_prefix_run_at_its_planned_times(model_dir: Path) -> None:
@@ -99,10 +170,20 @@ def test_backfill_queues_a_hot_prefix_run_at_its_planned_times(model_dir: Path) 
     runs: list[dict[str, Any]] = [
         {**slow, "worker_roles": ["colocated"]},
         {**slow, "worker_roles": ["prefill", "prefill", "decode", "decode"]},
+        # KV for about one prefix a worker: the LRU reference evicts
+        {**slow, "worker_roles": ["prefill", "prefill"], "instance_kv_tokens": 1200},
+        {**slow, "worker_roles": ["prefill", "prefill"], "instance_kv_tokens": 1 << 20},
+        {**slow, "worker_roles": ["colocated"], "instance_kv_tokens": 1200, "hicache_ratio": 2},
         {"workload": "multi_round_qa"},  # closed loop: only the run knows its send times
     ]
-    assert backfill(runs, Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)) == 2
+    assert backfill(runs, Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)) == 5
     one, two = runs[0]["queue_floor_ttft_p99_s"], runs[1]["queue_floor_ttft_p99_s"]
     assert one is not None and two is not None and one >= two > 0
-    assert "queue_floor_ttft_p99_s" not in runs[2]
+    assert "queue_floor_ttft_p99_s" not in runs[5]
+    # the LRU reference only where the device KV is known and no host tier holds more
+    assert [("lru_hit_ratio" in run) for run in runs] == [False, False, True, True, False, False]
+    small, ample = runs[2], runs[3]
+    assert small["lru_hit_ratio"] < ample["lru_hit_ratio"]
+    assert ample["lru_queue_floor_ttft_p99_s"] == pytest.approx(ample["queue_floor_ttft_p99_s"])
+    assert small["lru_queue_floor_ttft_p99_s"] >= ample["lru_queue_floor_ttft_p99_s"]
     assert backfill(runs, Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)) == 0
