@@ -121,10 +121,18 @@ class CostModel:
         and the rate it serves them at (requests waiting for memory or a batch slot); then
         `host` tokens of the request's own prefix to load from its host tier. With `host=0`
         it is the worker's expected wait, the same for any request (admission by expected
-        wait uses it: router.admission)."""
+        wait uses it: router.admission).
+
+        A PD prefill's is the model alone: every request sent there is counted, with the
+        tokens it computes, until the prefill answers at the end of its prefill, so the model
+        sees the whole queue and each request's size; the measurement would count the running
+        prefill as waiting and weigh a 100-token suffix as much as a cold 10K-token prompt
+        (docs/benchmarks/hot-prefix.md: what dropping it changed on 2P2D)."""
         modelled = worker.queued_tokens * self.prefill_s_per_token
         modelled += worker.load * self.busy_s_per_request
-        return max(modelled, worker.measured_wait_s()) + host * self.host_load_s_per_token
+        if worker.type is not WorkerType.PREFILL:
+            modelled = max(modelled, worker.measured_wait_s())
+        return modelled + host * self.host_load_s_per_token
 
     def plan(
         self,

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from router.policies import CostModel
-from router.workers import Worker
+from router.workers import Worker, WorkerType
 
 
 def finish(worker: Worker, times: list[float]) -> None:
@@ -50,3 +50,22 @@ def test_the_measured_wait_is_waiting_requests_over_the_service_rate() -> None:
     assert cost.queue_s(worker) == pytest.approx(3.0, rel=0.01)
     worker.reported_waiting = 0
     assert cost.queue_s(worker) == pytest.approx(0.0)
+
+
+def test_a_pd_prefills_expected_wait_is_the_work_sent_there() -> None:
+    """A prefill answers when its prefill ends, so the router counts each request it sent
+    there as not begun until then: measured as a count over the rate, two small hot-prefix
+    suffixes would look like two cold prompts. Its queue is the modelled work alone."""
+    cost = CostModel()
+    now = time.monotonic()
+    prefill = Worker("http://127.0.0.1:1", WorkerType.PREFILL)
+    colocated = Worker("http://127.0.0.1:2")
+    for worker in (prefill, colocated):
+        finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
+    with prefill.request(100, True), prefill.request(100, True):
+        assert prefill.waiting == 2 and prefill.measured_wait_s() == pytest.approx(1.0)
+        modelled = 200 * cost.prefill_s_per_token + 2 * cost.busy_s_per_request
+        assert cost.queue_s(prefill) == pytest.approx(modelled)
+        assert cost.queue_s(prefill) < 0.1
+    with colocated.request(100, True), colocated.request(100, True):
+        assert cost.queue_s(colocated) == pytest.approx(1.0)  # the longer: the measurement
