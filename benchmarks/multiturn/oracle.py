@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.multiturn.client import Outcome
 from benchmarks.multiturn.workloads import CHAT, Request
+from router.policies import reusable
 
 PAGE = 16
 
@@ -44,7 +45,8 @@ class PrefixOracle:
         self.pages: set[int] = set()
 
     def hit(self, ids: Sequence[int]) -> int:
-        return _reused(_held_pages(self.pages, page_keys(ids, self.page)), ids, self.page)
+        held = _held_pages(self.pages, page_keys(ids, self.page))
+        return reusable(held * self.page, len(ids), self.page)
 
     def add(self, ids: Sequence[int]) -> None:
         self.pages.update(page_keys(ids, self.page))
@@ -82,7 +84,7 @@ class LruCaches:
         self._clock += 1
         self._last_used[self._current] = self._clock
         self._insert(keys)
-        return _reused(held[self._current], ids, self.page)
+        return reusable(held[self._current] * self.page, len(ids), self.page)
 
     def add(self, ids: Sequence[int]) -> None:
         self._insert(page_keys(ids, self.page))
@@ -104,11 +106,6 @@ def _held_pages(cache: Container[int], keys: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def _reused(pages: int, ids: Sequence[int], page: int) -> int:
-    """Tokens reused from `pages` held pages: whole pages, never the last prompt token."""
-    return min(pages * page, (len(ids) - 1) // page * page)
 
 
 def prompt_ids(tokenizer: Any, request: Request, outcome: Outcome) -> list[int] | None:

@@ -84,7 +84,6 @@ def execute(ctx: Context, prepare: Prepare | None = None) -> list[dict[str, Any]
                 rotation += 1
                 for system in systems[k:] + systems[:k]:
                     record = run_one(ctx, cluster, step, system, workload, model, floor)
-                    record["worker_capacity_tokens"] = info.get("max_total_num_tokens")
                     records.append(record)
                     advance(ctx.progress, overall)
         finally:
@@ -186,7 +185,10 @@ def run_one(
     ctx.progress.remove_task(task)
     ctx.progress.refresh()
     servers = prefill_servers([w.role for w in cluster.workers])
-    capacity = cluster.server_info()[0].get("max_total_num_tokens")
+    # the workers' device KV: the record's, and the LRU reference's capacity
+    capacity = record["worker_capacity_tokens"] = cluster.server_info()[0].get(
+        "max_total_num_tokens"
+    )
     # the LRU reference models device caches alone: none where a host tier holds more
     lru = None
     if capacity and not cluster.spec.hicache_ratio:
