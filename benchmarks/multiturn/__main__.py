@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--systems",
         nargs="+",
         default=None,
-        help="only these systems, e.g. 'ours prompt_tree' 'sglang-router cache_aware'",
+        help="only these systems, e.g. 'ours prompt_tree' 'sglang-router cache_aware' (on a PD "
+        "preset, a label with its caching mode, 'ours prompt_tree [PD-Caching-3]', runs that "
+        "mode's cluster only)",
     )
     parser.add_argument("--no-pd", action="store_true", help="skip the PD clusters")
     parser.add_argument(

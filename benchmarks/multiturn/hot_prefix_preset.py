@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
-from benchmarks.multiturn.paired import Config, Member, PairedPlan, system_label
+from benchmarks.multiturn.paired import Config, Member, PairedPlan, selected, system_label
 from benchmarks.multiturn.paired_report import FLOOR, Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
@@ -160,7 +160,8 @@ def make_plan(
     name = built[preset.seeds[0]].name
     configs = []
     for shape in preset.shapes:
-        specs = tuple(s for s in preset.systems[shape] if systems is None or s.name in systems)
+        caching = "caching-1" if shape == PD_2P2D else None
+        specs = tuple(s for s in preset.systems[shape] if selected(systems, s.name, caching))
         if not specs:
             continue
         pd = shape == PD_2P2D
@@ -169,7 +170,7 @@ def make_plan(
             colocated=0 if pd else INSTANCES,
             prefills=2 if pd else 0,
             decodes=2 if pd else 0,
-            caching="caching-1" if pd else None,
+            caching=caching,
             label=shape,
             time_scale=preset.time_scale,
             max_total_tokens=kv,
@@ -177,7 +178,9 @@ def make_plan(
             kv_events=features.kv_events,
         )
         members = [Member(spec, specs)]
-        ours_c2 = tuple(s for s in OURS_ON_DECODES_CACHE if systems is None or s.name in systems)
+        ours_c2 = tuple(
+            s for s in OURS_ON_DECODES_CACHE if selected(systems, s.name, DECODES_CACHE)
+        )
         if pd and ours_c2:  # ours with MemServe's PD caching: the decodes' KV as a pool too
             c2 = replace(spec, name="hp-2p2d-c2", caching=DECODES_CACHE)
             members.append(Member(c2, ours_c2))

@@ -44,6 +44,12 @@ def system_label(system: str, pd_caching: str | None) -> str:
     return f"{system} [{mode}]" if mode else system
 
 
+def selected(systems: set[str] | None, system: str, pd_caching: str | None) -> bool:
+    """Whether `--systems` asks for this system on this caching mode's cluster: by its name
+    (every mode) or by its label ('ours prompt_tree [PD-Caching-3]': that mode only)."""
+    return systems is None or system in systems or system_label(system, pd_caching) in systems
+
+
 @dataclass(frozen=True)
 class Member:
     """One cluster of a config and the systems compared on it."""

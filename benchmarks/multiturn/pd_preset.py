@@ -27,7 +27,14 @@ from benchmarks.multiturn.capacity import CapacityPreset, Features, size_workloa
 from benchmarks.multiturn.capacity import full_preset as capacity_full
 from benchmarks.multiturn.capacity import quick_preset as capacity_quick
 from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
-from benchmarks.multiturn.paired import MODE_LABELS, Config, Member, PairedPlan, system_label
+from benchmarks.multiturn.paired import (
+    MODE_LABELS,
+    Config,
+    Member,
+    PairedPlan,
+    selected,
+    system_label,
+)
 from benchmarks.multiturn.paired_report import Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
@@ -81,6 +88,8 @@ class PDPreset:
     time_scale: float
     search: Search = field(default_factory=Search)
     load: float = LOAD
+    # prefills pull a longer prefix our router names a holder of (modes that cache only)
+    pulls: bool = False
 
 
 def full_preset(trace: Path | None = None) -> PDPreset:
@@ -148,7 +157,7 @@ def make_plan(
                     specs = tuple(
                         for_shape(s, decodes)
                         for s in mode_systems
-                        if systems is None or s.name in systems
+                        if selected(systems, s.name, mode)
                     )
                     if not specs:
                         continue
@@ -161,6 +170,7 @@ def make_plan(
                         time_scale=preset.time_scale,
                         max_total_tokens=sizing.instance_tokens,
                         kv_events=features.kv_events,
+                        mempool_pull=preset.pulls and features.pulls and mode != "basic",
                     )
                     members.append(Member(spec, specs))
                 if not members:

@@ -388,3 +388,36 @@ def test_shapes_narrow_a_paired_preset() -> None:
     assert with_shapes(hot, ["2P2D", "4 colocated"]).shapes == ("4 colocated", "2P2D")
     with pytest.raises(ValueError, match="this preset has"):
         with_shapes(hot, ["3P1D"])
+
+
+def test_systems_pick_a_caching_mode_and_pd_prefills_pull(model_dir: Path) -> None:
+    """`--systems` with a label runs that caching mode's cluster only, the name every mode's;
+    a PD preset with pulls starts its caching prefills with them, never a PD-Basic one."""
+    from dataclasses import replace
+
+    from benchmarks.multiturn import pd_preset
+    from benchmarks.multiturn.capacity import Features
+    from benchmarks.multiturn.text import Vocab
+    from connector.token_cache import CachedEncoder
+    from connector.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(model_dir)
+    vocab, encoder = Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)
+    features = Features(host_tier=True, pulls=True, no_pull_router=True, kv_events=True)
+
+    def clusters(systems: set[str] | None, pulls: bool) -> dict[str, tuple[bool, list[str]]]:
+        preset = replace(pd_preset.quick_preset(), modes=pd_preset.MODES, pulls=pulls)
+        plan = pd_preset.make_plan(preset, vocab, encoder, features, None, systems)
+        members = [m for config in plan.configs for m in config.members]
+        return {
+            m.spec.caching or "": (m.spec.mempool_pull, [s.name for s in m.systems])
+            for m in members
+        }
+
+    every = clusters({"ours prompt_tree"}, pulls=True)
+    assert set(every) == {"caching-1", "caching-3", "basic"}
+    assert every["caching-3"][0] and every["caching-1"][0] and not every["basic"][0]
+    assert clusters({"ours prompt_tree [PD-Caching-3]"}, pulls=True) == {
+        "caching-3": (True, ["ours prompt_tree"])
+    }
+    assert not any(pull for pull, _ in clusters(None, pulls=False).values())
