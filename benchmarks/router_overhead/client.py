@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -56,10 +57,16 @@ async def flush_workers(session: aiohttp.ClientSession, workers: list[Server]) -
 
 
 async def max_rps(
-    urls: list[str], payloads: list[bytes], concurrency: int, warmup_s: float, duration_s: float
-) -> tuple[list[float], int]:
-    """(latencies of the requests completed in the window, errors) from `concurrency`
-    clients over `warmup_s` uncounted then `duration_s` counted seconds."""
+    urls: list[str],
+    payloads: list[bytes],
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+    cpu_s: Callable[[], float] | None = None,
+) -> tuple[list[float], int, float | None]:
+    """(latencies of the requests completed in the window, errors, the CPU seconds `cpu_s`
+    counted over the window) from `concurrency` clients over `warmup_s` uncounted then
+    `duration_s` counted seconds."""
     timeout = aiohttp.ClientTimeout(total=60)
     connector = aiohttp.TCPConnector(limit=0)
     counter = itertools.count()
@@ -91,5 +98,13 @@ async def max_rps(
                     else:
                         errors += 1
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-    return done, errors
+        async def cpu_in_window() -> float | None:
+            if cpu_s is None:
+                return None
+            await asyncio.sleep(start - time.perf_counter())
+            before = cpu_s()
+            await asyncio.sleep(end - time.perf_counter())
+            return cpu_s() - before
+
+        used, *_ = await asyncio.gather(cpu_in_window(), *(client() for _ in range(concurrency)))
+    return done, errors, used

@@ -135,3 +135,32 @@ def scaling(fig: dict[str, Any]) -> list[dict[str, Any]]:
         row[f"scaling {lo}c -> {hi}c"] = high / low if hi != lo and high and low else None
         rows.append(row)
     return rows
+
+
+def router_cpu_us(s: dict[str, Any] | None) -> float | None:
+    """The router's own CPU per request completed in its max-rps windows (µs)."""
+    value = ((s or {}).get("rps") or {}).get("router_cpu_us_per_request")
+    return float(value) if value else None
+
+
+def cpu_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per router: its own CPU per request at max rps, the cores it kept busy, and both
+    against sglang-router cache_aware's on the same set. The client and the workers share
+    the machine, so max rps is the whole box's; CPU per request is the router's alone."""
+    rows = []
+    for s in fig["systems"]:
+        mine = router_cpu_us(s)
+        if s["kind"] == "baseline" or not s["available"] or mine is None:
+            continue
+        peer = router_cpu_us(peer_on(fig, "sglang-router", "cache_aware", s["cores"]))
+        rps = s["rps"]
+        rows.append(
+            {
+                "system": s["name"],
+                "router CPU us/request": mine,
+                "router cores busy": rps["router_cpu_s"] / rps["duration_s"],
+                "x sglang-router cache_aware's": mine / peer if peer else None,
+                "rps one core would serve": 1e6 / mine,
+            }
+        )
+    return rows

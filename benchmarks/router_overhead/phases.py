@@ -3,11 +3,14 @@ interleaved request by request) and maximum requests/s (N clients, slices interl
 
 from __future__ import annotations
 
+import functools
+
 import aiohttp
 from rich.progress import Progress
 
 from benchmarks.harness import step
 from benchmarks.router_overhead.client import flush_workers, max_rps, timed_chat, timed_post
+from benchmarks.router_overhead.cpu import tree_cpu_s
 from benchmarks.router_overhead.figures import p50_p99
 from benchmarks.router_overhead.settings import CHAT, SMALL_MAX_TOKENS, Settings
 from benchmarks.router_overhead.systems import System
@@ -80,17 +83,23 @@ async def rps_phase(
     latencies: dict[str, list[float]] = {s.name: [] for s in live}
     errors = dict.fromkeys(latencies, 0)
     per: dict[str, list[float]] = {s.name: [] for s in live}
+    cpu: dict[str, float | None] = dict.fromkeys(latencies, 0.0)
     for k in range(slices):
         for s in live[k % len(live) :] + live[: k % len(live)]:
-            done, failed = await max_rps(
-                s.rps_urls, small, settings.concurrency, settings.rps_warmup_s, per_slice
+            server = s.server
+            probe = functools.partial(tree_cpu_s, server.proc.pid) if server else None
+            done, failed, used = await max_rps(
+                s.rps_urls, small, settings.concurrency, settings.rps_warmup_s, per_slice, probe
             )
             latencies[s.name] += done
             errors[s.name] += failed
             per[s.name].append(len(done) / per_slice)
+            so_far = cpu[s.name]
+            cpu[s.name] = None if used is None or so_far is None else so_far + used
             step(progress, task)
     for s in live:
         done = latencies[s.name]
+        used = cpu[s.name]
         s.rps = {
             "rps": len(done) / settings.rps_duration_s,
             "requests": len(done),
@@ -99,4 +108,7 @@ async def rps_phase(
             "duration_s": settings.rps_duration_s,
             "slices_rps": per[s.name],
             "latency_ms": p50_p99(done, 1e3),
+            # the router's own CPU (its processes) in the counted windows, per completion
+            "router_cpu_s": used,
+            "router_cpu_us_per_request": used / len(done) * 1e6 if used and done else None,
         }

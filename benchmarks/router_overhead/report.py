@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite, table_section, write_results
+from benchmarks.router_overhead.figures import cpu_rows
 from benchmarks.router_overhead.settings import (
     NAME,
     RPS_MAX_TOKENS,
@@ -151,6 +152,10 @@ def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
             *table_section("Targets (reported, not asserted)", target_rows(fig)),
             *table_section("max rps ratios (the same CPU set)", ratios),
             *table_section("Max rps per core, and from 1 core to more", scaling_rows(fig)),
+            *table_section(
+                "The router's own CPU per request, in the max rps windows",
+                [{k: ms(v) for k, v in row.items()} for row in cpu_rows(fig)],
+            ),
         ],
     )
 
@@ -205,6 +210,16 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         f"set) share this machine's {os.cpu_count()} cores: on the smallest set the router "
         "has one core at most, on the largest it competes with the client and the workers "
         "for every core, so that figure is the throughput of the whole box.",
+        "Router CPU per request: user + system time of the router's processes (all of "
+        "them: ours with --processes N, a peer's runtime threads), read from /proc at the "
+        "start and end of each counted window, over the requests completed in it. It is the "
+        "router's own cost, which the client and workers sharing the box do not move; "
+        "1e6 / it is what one core of the router would serve if nothing else ran there. "
+        "`python floor` (benchmarks/router_overhead/floor_proxy.py) is a reference, not a "
+        "router: it parses each request with httptools, sends the body to the next worker "
+        "over the router's own pooled connections and writes the answer back, nothing else "
+        "(no JSON, tokenizer, tree, metrics or retries): what any Python router spends at "
+        "least.",
         f"Decision time: in process, PromptTree.select over PromptTrees holding "
         f"{fig['decision']['tree_conversations']} 8K chats (turn 1 + reply) spread over "
         f"{fig['decision']['tree_workers']} workers ({fig['decision']['tree_pages']:,} pages); "

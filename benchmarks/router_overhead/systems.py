@@ -4,8 +4,9 @@ every one on a free loopback port.
 Each router runs on a CPU set (taskset) of 1 and of 2 cores (as many as this machine lets
 the benchmark use): ours with one process and with a process per core (`--processes`),
 sglang-router and smg with cache_aware (their runtimes use every core they may); on the
-largest set also ours and sglang-router with round_robin, the bare proxy hop. The workers
-and the client are not pinned.
+largest set also ours and sglang-router with round_robin, the bare proxy hop. On each set
+also the Python floor (`floor_proxy`): the least a Python router can do per request, a
+reference for what no work on ours can go below. The workers and the client are not pinned.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from benchmarks.router_overhead.settings import CHAT, CORE_COUNTS
 from router.procs import Launch, Server, free_port, http_ok, module_command, stop_all, wait_until
 
 WORKERS = 2
+FLOOR = "python floor"
+FLOOR_MODULE = "benchmarks.router_overhead.floor_proxy"
 WORKER_ARGS = ["--backend", "sim", "--time-scale", "0", "--tokenizer-cache"]
 
 
@@ -47,8 +50,8 @@ class System:
     """One way of reaching the workers: straight to one, or through a router."""
 
     name: str
-    kind: str  # baseline | ours | peer
-    router: str  # memserve-router | sglang-router | smg | none
+    kind: str  # baseline | ours | peer | reference
+    router: str  # memserve-router | sglang-router | smg | python floor | none
     policy: str
     cores: int | None = None  # the CPU set's size (taskset); None: not pinned
     processes: int = 1  # ours: --processes
@@ -97,9 +100,9 @@ def make_systems(
     worker_urls: list[str], log_dir: Path, peers: dict[str, PeerStatus]
 ) -> list[System]:
     """Direct (the baseline), then on each CPU set: ours prompt_tree with one process and
-    with one per core, sglang-router and smg cache_aware; on the largest set also ours and
-    sglang-router round_robin (a peer that cannot be imported is listed, unavailable, with
-    the reason)."""
+    with one per core, sglang-router and smg cache_aware, the Python floor; on the largest
+    set also ours and sglang-router round_robin (a peer that cannot be imported is listed,
+    unavailable, with the reason)."""
     urls = worker_urls
     systems = [System("direct", "baseline", "none", "-", url=urls[0], rps_urls=urls)]
     sets = cpu_sets()
@@ -110,6 +113,7 @@ def make_systems(
         if n > 1:
             runs.append(("ours", "prompt_tree", n))
         runs += [(SGLANG_ROUTER, "cache_aware", None), (SMG, "cache_aware", None)]
+        runs.append((FLOOR, "round_robin", None))
         if cpus is sets[-1]:
             runs += [("ours", "round_robin", 1), (SGLANG_ROUTER, "round_robin", None)]
         for router, policy, procs in runs:
@@ -121,6 +125,10 @@ def make_systems(
                 command = module_command("router", port, [*args, "--processes", str(procs)])
                 proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
                 system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
+            elif router == FLOOR:
+                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls])
+                proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
+                system = System(name, "reference", FLOOR, policy, n, launch=proc)
             else:
                 system = System(name, "peer", router, policy, n)
                 if peers[router].importable:

@@ -30,6 +30,7 @@ SGLANG = (
 )
 SMG = tuple(f"smg cache_aware @{c}c" for c in CORES)
 PEERS = (*SGLANG, *SMG)
+FLOORS = tuple(f"python floor round_robin @{c}c" for c in CORES)
 HEADLINE = f"ours prompt_tree {TOP}p @{TOP}c"
 TARGETS = ("decision_p50_us", "multi_turn_added_p50_ms", "cold_8k_added_p50_ms", "rps_ratio")
 
@@ -75,8 +76,11 @@ def test_top_level_keys(figures: dict[str, Any]) -> None:
 
 
 def test_every_system_is_listed(systems: dict[str, dict[str, Any]]) -> None:
-    assert set(systems) == {"direct", *OURS, *PEERS}
+    assert set(systems) == {"direct", *OURS, *PEERS, *FLOORS}
     assert systems["direct"]["kind"] == "baseline"
+    for name in FLOORS:
+        assert systems[name]["kind"] == "reference"
+        assert systems[name]["available"] is True, systems[name]["reason"]
     for name in OURS:
         assert systems[name]["kind"] == "ours"
         assert systems[name]["available"] is True, systems[name]["reason"]
@@ -191,8 +195,19 @@ def test_markdown_has_the_tables(out_dir: Path) -> None:
     ):
         assert heading in text, heading
     lines = text.splitlines()
-    for name in ("direct", *OURS, *PEERS):
+    for name in ("direct", *OURS, *PEERS, *FLOORS):
         assert any(line.startswith(f"| {name} |") for line in lines), name
+    assert "## The router's own CPU per request, in the max rps windows" in text
+
+
+@pytest.mark.parametrize("name", [*OURS, *FLOORS])
+def test_router_cpu_per_request_is_measured(systems: dict[str, dict[str, Any]], name: str) -> None:
+    """Read from the router's processes over the counted windows: positive, and within what
+    the windows could hold (no more CPU than its cores for the window's length)."""
+    rps = systems[name]["rps"]
+    assert positive(rps["router_cpu_s"]) and positive(rps["router_cpu_us_per_request"]), rps
+    assert rps["router_cpu_s"] <= systems[name]["cores"] * rps["duration_s"] * 1.2, rps
+    assert systems["direct"]["rps"]["router_cpu_us_per_request"] is None
 
 
 def test_plot_is_a_png(out_dir: Path) -> None:

@@ -1,0 +1,59 @@
+"""The router-overhead benchmark's parts on their own: the router CPU it reads from /proc,
+and the Python floor it measures beside the routers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.router_overhead.cpu import tree_cpu_s
+from tests.http_client import call
+from tests.procs import free_port, running
+
+SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+
+
+def test_router_cpu_counts_the_processes_it_started() -> None:
+    """A router with --processes N spends its CPU in children: the parent alone would read
+    near zero. A process that is gone reads 0, not an error."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {SPIN!r}])",
+        ],
+        start_new_session=True,
+    )
+    try:
+        time.sleep(1.5)
+        first = tree_cpu_s(parent.pid)
+        time.sleep(1.0)
+        assert tree_cpu_s(parent.pid) - first > 0.5  # the child's spinning, a core's worth
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and its spinning child
+        parent.wait()
+    assert tree_cpu_s(parent.pid) == 0.0
+
+
+def test_the_python_floor_forwards_and_says_what_fails(model_dir: Path, tmp_path: Path) -> None:
+    worker_args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    module = "benchmarks.router_overhead.floor_proxy"
+    worker_port = free_port()
+    worker_url = f"http://127.0.0.1:{worker_port}"
+    with (
+        running("connector.worker", worker_args, tmp_path, port=worker_port),
+        running(module, ["--worker-urls", worker_url], tmp_path) as floor,
+    ):
+        status, answer = call(floor.url + "/v1/chat/completions", chat)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+        status, answer = call(floor.url + "/v1/models", method="GET")
+        assert status == 405 and "POST requests only" in answer["error"]["message"]
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with running(module, ["--worker-urls", nobody], tmp_path) as floor:
+        status, answer = call(floor.url + "/v1/chat/completions", chat)
+        assert status == 502 and answer["error"]["message"] == "worker unreachable"
