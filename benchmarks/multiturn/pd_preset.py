@@ -4,7 +4,8 @@ the same shape and KV, at 80 % of what the cluster sustains.
 Workloads as `--capacity` builds them: production-stack's multi-round QA and whole sessions
 of the Mooncake conversation trace, sent to SGLang's /generate (the answers' meta_info split
 the cached tokens). Each instance's device KV is sized so the workload's working set is 2x
-and 4x the cluster's (all four instances' KV; `working_set`).
+and 4x the cluster's (all four instances' KV; `working_set`). The prefills of the modes that
+cache pull a longer prefix from a holder our router names (MemPool), as a hot-prefix run's do.
 
 Systems: ours `prompt_tree` on PD-Caching-3 (workers `--pd-caching caching-3`: the decode
 writes its KV back to the prefill), on PD-Caching-1 and on PD-Basic; sglang-router and smg
@@ -89,7 +90,7 @@ class PDPreset:
     search: Search = field(default_factory=Search)
     load: float = LOAD
     # prefills pull a longer prefix our router names a holder of (modes that cache only)
-    pulls: bool = False
+    pulls: bool = True
 
 
 def full_preset(trace: Path | None = None) -> PDPreset:
@@ -259,7 +260,10 @@ NOTES = (
     "the previous answer), so their offered rate is the arrival schedule's.",
     "Device KV per instance: the working set (distinct prompt and answer tokens, estimated "
     "per seed by replaying the plan into the oracle; median) / (multiple x 4 instances), "
-    "prefills and decodes alike; no host tier, no pulls; KV events to our router.",
+    "prefills and decodes alike; no host tier; KV events to our router. Prefills of the "
+    "modes that cache (PD-Caching-1/-3) run --enable-mempool-pull: one pulls a longer "
+    "prefix our router names a holder of, so the peers' requests never pull (runs from "
+    "before that show no KV pulled).",
     "The peers' workers run PD-Caching-1, as SGLang 0.5.23 does: each prefill caches its "
     "own prompts, the decode neither caches nor writes back. On 3P1D the peers' decode "
     "policy is round_robin: they refuse power_of_two over a single decode, where every "
