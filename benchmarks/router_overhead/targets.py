@@ -116,5 +116,5 @@ def cpu_why(ours: dict[str, Any], peer: dict[str, Any], floor: dict[str, Any] | 
         f"spends {least:.0f} us"
     )
     if least > theirs:
-        text += ", more than sglang-router: no Python router reaches its rps on equal cores"
-    return text
+        return text + ", more than sglang-router: no Python router reaches its rps on equal cores"
+    return text + f", less than sglang-router: ours spends {mine / least:.1f}x that floor"
