@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.router_overhead.cpu import tree_cpu_s
+from router.procs import LOOPBACK
 from tests.http_client import call
 from tests.procs import free_port, running
 
@@ -43,17 +44,15 @@ def test_the_python_floor_forwards_and_says_what_fails(model_dir: Path, tmp_path
     worker_args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     module = "benchmarks.router_overhead.floor_proxy"
-    worker_port = free_port()
-    worker_url = f"http://127.0.0.1:{worker_port}"
     with (
-        running("connector.worker", worker_args, tmp_path, port=worker_port),
-        running(module, ["--worker-urls", worker_url], tmp_path) as floor,
+        running("connector.worker", worker_args, tmp_path) as worker,
+        running(module, ["--worker-urls", worker.url], tmp_path) as floor,
     ):
         status, answer = call(floor.url + "/v1/chat/completions", chat)
         assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
         status, answer = call(floor.url + "/v1/models", method="GET")
         assert status == 405 and "POST requests only" in answer["error"]["message"]
-    nobody = f"http://127.0.0.1:{free_port()}"
+    nobody = f"http://{LOOPBACK}:{free_port()}"
     with running(module, ["--worker-urls", nobody], tmp_path) as floor:
         status, answer = call(floor.url + "/v1/chat/completions", chat)
         assert status == 502 and answer["error"]["message"] == "worker unreachable"
