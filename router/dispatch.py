@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from abc import ABC, abstractmethod
 from array import array
@@ -31,6 +32,8 @@ from router.request import RequestError, when_encoded
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
+
+log = logging.getLogger(__name__)
 
 LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
 
@@ -262,6 +265,14 @@ class Dispatcher:
                 sent = await self.strategy.attempt(call, tried)
             except AttemptFailed as exc:
                 last_error = str(exc)
+                log.warning(
+                    "%s %s failed (attempt %d of %d): %s",
+                    exc.side or "worker",
+                    exc.worker.url,
+                    attempt + 1,
+                    attempts,
+                    exc,
+                )
                 tried.add(exc.worker.url)
                 self.registry.record_failure(exc.worker)
                 if exc.status == 502:

@@ -28,6 +28,7 @@ def fail_handoff(seq: Sequence, why: str) -> None:
     """The request's KV could not move between the instances: it ends with `why`."""
     seq.handoff_error = why
     seq.finish_reason = {"type": "abort", "message": why}
+    log.warning("request %s (bootstrap_room %s): KV hand-off failed: %s", seq.rid, seq.room, why)
 
 
 class PDHooks(RequestHooks):

@@ -148,8 +148,10 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
             self.stats.aborted += 1
+            log.info("request %s aborted while waiting: the client disconnected", seq.rid)
         elif seq.finish_reason is None:
             seq.finish_reason = {"type": "abort", "message": "client disconnected"}
+            log.info("request %s aborted while running: the client disconnected", seq.rid)
 
     def flush_cache(self) -> bool:
         """Drop all historical KV; refused (False) while requests wait or run, as in SGLang,
@@ -292,6 +294,9 @@ class Scheduler:
                 chunked, self.chunked = self.chunked, None
                 self._retract(chunked)
                 retracted.append(chunked)
+            elif self._fits_alone(keep[-1]):  # pinned by transfers or pulls: wait for them
+                retracted.append(keep.pop())
+                self._retract(retracted[-1])
             else:
                 self._abort_alone(keep.pop())
         self.stats.last_retracted = len(retracted)
@@ -339,6 +344,13 @@ class Scheduler:
         seq.extend_from = seq.extend_len = 0
         seq.prefilled = False
 
+    def _fits_alone(self, seq: Sequence) -> bool:
+        """`seq` with its next token fits the request tier once nothing else holds it: the
+        pages that block it now are pinned for a while (a PD push or write-back in flight, a
+        KV arrival not yet joined, a peer's pull), so it waits rather than ends."""
+        need = -(-(seq.num_computed + 1) // self.page) * self.kv.bpp
+        return need <= self.kv.request_capacity_blocks
+
     def _abort_alone(self, seq: Sequence) -> None:
         """Every other request is retracted and `seq` still has no block for its next token."""
         self.running.remove(seq)
@@ -350,6 +362,7 @@ class Scheduler:
             f"({self.kv.pinned_pages * self.page} of them pinned by transfers), with every "
             "other request retracted",
         }
+        log.warning("request %s aborted: %s", seq.rid, seq.finish_reason["message"])
         self._finish(seq, cache=self.config.enable_cache)
 
     def _admit(self) -> list[Sequence]:
@@ -369,6 +382,7 @@ class Scheduler:
                 f"({self.kv.pinned_pages * self.page} of them pinned by transfers)",
             }
             self.stats.aborted += 1
+            log.warning("request %s refused: %s", seq.rid, seq.finish_reason["message"])
             seq.events.put_nowait(DONE)
         for seq in step.new:
             if not seq.resumed:

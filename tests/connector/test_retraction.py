@@ -19,7 +19,7 @@ from connector.worker.kv_cache import KVCache
 from connector.worker.protocol import GenerateInput
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.sequence import DONE, SamplingParams, Sequence
-from mempool import MemPool
+from mempool import InsertFlags, MemPool
 
 PAGE = 16
 
@@ -185,6 +185,42 @@ def test_a_request_that_cannot_fit_alone_is_aborted_with_what_it_needs(
     assert len(seqs[0].output_ids) >= 2 * PAGE - 1  # it ran until memory ended
     assert seqs[1].finish_reason == {"type": "length", "length": 4}
     assert scheduler.stats.aborted == 1
+    balanced(kv)
+
+
+def test_the_last_request_waits_for_pages_a_transfer_pinned_and_finishes_whole(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """A PD decode's memory pinned by KV in flight (a push, a write-back, a peer's pull) is
+    only lent: the one request left that cannot grow is retracted to wait for it, never
+    aborted, and its answer is the one it gives alone."""
+    kv = sim_kv(tokenizer, pages=6)
+    scheduler = scheduler_for(kv, tokenizer, ratio=TokenRatio(0.0, 0.0, 0.0))
+    blocks = kv.alloc(3 * kv.bpp) or []
+    in_flight = kv.pool.insert(ids(40, 3 * PAGE), blocks, InsertFlags.LOCK)
+    prompt = ids(41, PAGE)  # 4 pages by its end, 3 free while the transfer holds 3
+
+    async def main() -> Sequence:
+        await scheduler.start()
+        seq = scheduler.submit(gen(prompt, 3 * PAGE, "r"))
+        for _ in range(1000):
+            if scheduler.stats.retracted or seq.finish_reason is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert seq.finish_reason is None and scheduler.stats.retracted > 0
+        await asyncio.sleep(0.05)  # it waits, rather than ends, while the pages stay pinned
+        assert seq.finish_reason is None and seq in scheduler.waiting
+        kv.release(in_flight)
+        while await seq.events.get() != DONE:
+            pass
+        await scheduler.stop()
+        return seq
+
+    seq = asyncio.run(main())
+    assert seq.finish_reason == {"type": "length", "length": 3 * PAGE}
+    alone = run(scheduler_for(sim_kv(tokenizer, 64), tokenizer), [gen(prompt, 3 * PAGE, "a")])
+    assert seq.output_ids == alone[0].output_ids
+    assert scheduler.stats.aborted == 0
     balanced(kv)
 
 
