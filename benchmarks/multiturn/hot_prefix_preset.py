@@ -162,9 +162,12 @@ def make_plan(
     for shape in preset.shapes:
         caching = "caching-1" if shape == PD_2P2D else None
         specs = tuple(s for s in preset.systems[shape] if selected(systems, s.name, caching))
-        if not specs:
-            continue
         pd = shape == PD_2P2D
+        ours_c2 = tuple(
+            s for s in OURS_ON_DECODES_CACHE if pd and selected(systems, s.name, DECODES_CACHE)
+        )
+        if not specs and not ours_c2:
+            continue
         spec = ClusterSpec(
             f"hp-{'2p2d' if pd else 'c4'}",
             colocated=0 if pd else INSTANCES,
@@ -177,11 +180,8 @@ def make_plan(
             mempool_pull=features.pulls,
             kv_events=features.kv_events,
         )
-        members = [Member(spec, specs)]
-        ours_c2 = tuple(
-            s for s in OURS_ON_DECODES_CACHE if selected(systems, s.name, DECODES_CACHE)
-        )
-        if pd and ours_c2:  # ours with MemServe's PD caching: the decodes' KV as a pool too
+        members = [Member(spec, specs)] if specs else []
+        if ours_c2:  # ours with MemServe's PD caching: the decodes' KV as a pool too
             c2 = replace(spec, name="hp-2p2d-c2", caching=DECODES_CACHE)
             members.append(Member(c2, ours_c2))
         reference = BASELINES[shape][1]

@@ -421,3 +421,31 @@ def test_systems_pick_a_caching_mode_and_pd_prefills_pull(model_dir: Path) -> No
         "caching-3": (True, ["ours prompt_tree"])
     }
     assert not any(pull for pull, _ in clusters(None, pulls=False).values())
+
+
+def test_systems_pick_the_hot_prefix_presets_decodes_cache_cluster_alone(model_dir: Path) -> None:
+    """`--systems 'ours prompt_tree [PD-Caching-2]'` on the hot-prefix preset runs that
+    cluster alone (it was refused as naming no system of the preset)."""
+    from dataclasses import replace
+
+    from benchmarks.multiturn import hot_prefix_preset as hp
+    from benchmarks.multiturn.capacity import Features
+    from benchmarks.multiturn.text import Vocab
+    from connector.tokenizer import ChatTokenizer
+
+    vocab = Vocab.from_tokenizer(ChatTokenizer(model_dir))
+    features = Features(host_tier=False, pulls=True, no_pull_router=False, kv_events=True)
+    preset = replace(hp.quick_preset(), shapes=(hp.PD_2P2D,), systems=hp.SYSTEMS)
+
+    def clusters(systems: set[str]) -> dict[str, list[str]]:
+        plan = hp.make_plan(preset, vocab, features, systems)
+        members = [m for config in plan.configs for m in config.members]
+        return {m.spec.caching or "": [s.name for s in m.systems] for m in members}
+
+    assert clusters({"ours prompt_tree [PD-Caching-2]"}) == {"caching-2": ["ours prompt_tree"]}
+    assert clusters({"ours prompt_tree"}) == {
+        "caching-1": ["ours prompt_tree"],
+        "caching-2": ["ours prompt_tree"],
+    }
+    with pytest.raises(ValueError, match="nothing"):
+        clusters({"ours cost [PD-Caching-2]"})
