@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="DIR",
-        help="--hot-prefix/--pd: take each cluster's sustained rate from DIR/results.json "
-        "instead of measuring it (say, to split the seeds over several invocations)",
+        help="--hot-prefix/--pd: take each cluster's sustained rate and KV sizing from "
+        "DIR/results.json instead of measuring them (say, to split the seeds over several "
+        "invocations: each then runs on the KV the whole preset would)",
     )
     parser.add_argument(
         "--seeds",

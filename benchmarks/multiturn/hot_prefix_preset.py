@@ -29,7 +29,14 @@ from typing import Any
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
-from benchmarks.multiturn.paired import Config, Member, PairedPlan, selected, system_label
+from benchmarks.multiturn.paired import (
+    Config,
+    Member,
+    PairedPlan,
+    earlier_sizing,
+    selected,
+    system_label,
+)
 from benchmarks.multiturn.paired_report import FLOOR, Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
@@ -140,15 +147,19 @@ def make_plan(
     features: Features,
     systems: set[str] | None = None,
     on_seed: Callable[[], None] = lambda: None,
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> PairedPlan:
-    """Build every seed's workload, size the KV from their hot sets, one config per shape.
-    ValueError when nothing is left to run or a request does not fit a worker."""
+    """Build every seed's workload, size the KV from their hot sets (or as `known`, an
+    earlier run's setup, sized it), one config per shape. ValueError when nothing is left to
+    run or a request does not fit a worker."""
     built: dict[int, Workload] = {}
     for seed in preset.seeds:
         built[seed] = preset.workload(seed).build(vocab)
         on_seed()
+    name = built[preset.seeds[0]].name
     hot = {seed: hot_set_tokens(w) for seed, w in built.items()}
-    hot_set = int(statistics.median(hot.values()))
+    earlier = earlier_sizing(known, name, "hot_set_tokens")
+    hot_set = earlier or int(statistics.median(hot.values()))
     # Sizing's instance KV is working set / (multiple x instances): this multiple gives a
     # worker KV_SHARE of the hot set.
     sizing = Sizing(hot_set, 1 / (KV_SHARE * INSTANCES), INSTANCES)
@@ -157,7 +168,6 @@ def make_plan(
     )
     sizing.check_fits(largest)
     kv = sizing.instance_tokens
-    name = built[preset.seeds[0]].name
     configs = []
     for shape in preset.shapes:
         caching = "caching-1" if shape == PD_2P2D else None
@@ -211,7 +221,8 @@ def make_plan(
             "text": (
                 f"{c.members[0].spec.label} sim workers, time scale {preset.time_scale:g}; "
                 f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
-                f"{hot_set:,} tokens (prompt pages two or more requests share; median of "
+                f"{hot_set:,} tokens (prompt pages two or more requests share; "
+                f"{'as the run the rates came from sized it; ' if earlier else ''}median of "
                 f"seeds {', '.join(f'{s}: {v:,}' for s, v in hot.items())}); offered at "
                 f"{preset.load:.0%} of the sustained rate."
             ),

@@ -206,6 +206,26 @@ def run_paired(ctx: Context, paired: PairedPlan) -> tuple[list[dict[str, Any]], 
     return execute(ctx, rater), rater
 
 
+def known_setup(source: Path) -> dict[str, dict[str, Any]]:
+    """Each config's setup (its KV sizing) from an earlier run's results.json: a run of some
+    of its seeds (`--calibration-from`, to split the seeds over several invocations) sizes
+    the KV as that run did, not by the median of its own seeds."""
+    figures = json.loads((source / "results.json").read_text())
+    setup = figures.get("setup") or {}
+    return {k: v for k, v in setup.items() if isinstance(v, dict)}
+
+
+def earlier_sizing(
+    known: dict[str, dict[str, Any]] | None, workload: str, field: str
+) -> int | None:
+    """`field` of the earlier run's configs of `workload` (keys '<workload>, ...'), if any."""
+    for key, setup in (known or {}).items():
+        value = setup.get(field)
+        if key.split(", ")[0] == workload and isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def known_rates(source: Path) -> dict[str, float]:
     """Sustained rates per config from an earlier run's results.json (`calibration`)."""
     figures = json.loads((source / "results.json").read_text())

@@ -33,6 +33,7 @@ from benchmarks.multiturn.paired import (
     Config,
     Member,
     PairedPlan,
+    earlier_sizing,
     selected,
     system_label,
 )
@@ -133,10 +134,11 @@ def make_plan(
     workloads: set[str] | None = None,
     systems: set[str] | None = None,
     on_seed: Callable[[], None] = lambda: None,
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> PairedPlan:
-    """Build and size every workload's seeds, then one config per (workload, shape,
-    multiple) with one member cluster per caching mode. ValueError when nothing is left to
-    run or a request does not fit an instance."""
+    """Build and size every workload's seeds (or as `known`, an earlier run's setup, sized
+    it), then one config per (workload, shape, multiple) with one member cluster per caching
+    mode. ValueError when nothing is left to run or a request does not fit an instance."""
     names = [n for n in preset.workloads if workloads is None or n in workloads]
     sizing_preset = CapacityPreset(
         preset.name, preset.workloads, seeds=preset.seeds, time_scale=preset.time_scale
@@ -145,13 +147,15 @@ def make_plan(
     setup: dict[str, Any] = {}
     for name in names:
         sized = size_workload(name, sizing_preset, vocab, encoder, on_seed)
+        earlier = earlier_sizing(known, name, "working_set_sizing")
+        working_set = earlier or sized.working_set
         calibration = replace(
             preset.workloads[name](CALIBRATION_SEED), **preset.calibration.get(name, {})
         )
         for shape in preset.shapes:
             prefills, decodes = SHAPES[shape]
             for multiple in preset.multiples:
-                sizing = Sizing(sized.working_set, multiple, INSTANCES)
+                sizing = Sizing(working_set, multiple, INSTANCES)
                 sizing.check_fits(sized.largest)
                 members = []
                 for mode, mode_systems in preset.modes.items():
@@ -182,7 +186,7 @@ def make_plan(
                     "multiple": multiple,
                     "instance_kv_tokens": sizing.instance_tokens,
                     "cluster_kv_tokens": sizing.cluster_tokens,
-                    "working_set_sizing": sized.working_set,
+                    "working_set_sizing": working_set,
                 }
                 configs.append(
                     Config(
@@ -199,7 +203,7 @@ def make_plan(
                 )
                 setup[key] = {
                     "working_set_estimates": {str(k): v for k, v in sized.estimates.items()},
-                    "working_set_sizing": sized.working_set,
+                    "working_set_sizing": working_set,
                     "largest_request_tokens": sized.largest,
                     "instance_kv_tokens": sizing.instance_tokens,
                     "time_scale": preset.time_scale,
@@ -208,8 +212,9 @@ def make_plan(
                         f"caching mode ({', '.join(m.spec.caching or '' for m in members)}), "
                         f"time scale {preset.time_scale:g}; device KV {sizing.instance_tokens:,} "
                         f"tokens an instance, {sizing.cluster_tokens:,} in the cluster, for a "
-                        f"working set of {sized.working_set:,} (estimated, median of the "
-                        f"seeds): {multiple:g}x; offered at {preset.load:.0%} of the rate "
+                        f"working set of {working_set:,} (estimated, median of the seeds"
+                        f"{' of the run the rates came from' if earlier else ''}): "
+                        f"{multiple:g}x; offered at {preset.load:.0%} of the rate "
                         "sglang-router PD sustains on the PD-Caching-1 cluster."
                     ),
                 }

@@ -449,3 +449,49 @@ def test_systems_pick_the_hot_prefix_presets_decodes_cache_cluster_alone(model_d
     }
     with pytest.raises(ValueError, match="nothing"):
         clusters({"ours cost [PD-Caching-2]"})
+
+
+def test_a_run_of_some_seeds_sizes_the_kv_as_the_run_its_rates_came_from(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`--calibration-from DIR` takes DIR's KV sizing too: a preset's seeds split over
+    several invocations run on the KV the whole preset would, not one sized by each
+    invocation's own seeds."""
+    import json
+    from dataclasses import replace
+
+    from benchmarks.multiturn import hot_prefix_preset as hp
+    from benchmarks.multiturn import pd_preset
+    from benchmarks.multiturn.capacity import Features
+    from benchmarks.multiturn.paired import known_setup
+    from benchmarks.multiturn.text import Vocab
+    from connector.token_cache import CachedEncoder
+    from connector.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(model_dir)
+    vocab, encoder = Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)
+    features = Features(host_tier=False, pulls=True, no_pull_router=False, kv_events=True)
+
+    hot = replace(hp.quick_preset(), shapes=(hp.PD_2P2D,), systems=hp.SYSTEMS)
+    own = hp.make_plan(hot, vocab, features)
+    key = own.configs[0].key
+    mine = own.setup[key]
+    source = tmp_path / "earlier"
+    source.mkdir()
+    earlier = {key: {**mine, "hot_set_tokens": 2 * mine["hot_set_tokens"]}, "bad": 3}
+    (source / "results.json").write_text(json.dumps({"setup": earlier}))
+    known = known_setup(source)
+    assert set(known) == {key}
+    split = hp.make_plan(hot, vocab, features, known=known).setup[key]
+    assert split["hot_set_tokens"] == 2 * mine["hot_set_tokens"]
+    assert split["instance_kv_tokens"] > 1.9 * mine["instance_kv_tokens"]
+    assert "as the run the rates came from sized it" in split["text"]
+
+    pd = pd_preset.quick_preset()
+    own = pd_preset.make_plan(pd, vocab, encoder, features)
+    key = own.configs[0].key
+    working_set = own.setup[key]["working_set_sizing"]
+    known = {key: {"working_set_sizing": 3 * working_set}}
+    split = pd_preset.make_plan(pd, vocab, encoder, features, known=known).setup[key]
+    assert split["working_set_sizing"] == 3 * working_set
+    assert split["instance_kv_tokens"] > 2.9 * own.setup[key]["instance_kv_tokens"]
