@@ -348,13 +348,16 @@ class Scheduler:
         """`seq` with its next token fits the request tier once nothing else holds it: the
         pages that block it now are pinned for a while (a PD push or write-back in flight, a
         KV arrival not yet joined, a peer's pull), so it waits rather than ends."""
-        need = -(-(seq.num_computed + 1) // self.page) * self.kv.bpp
-        return need <= self.kv.request_capacity_blocks
+        return self._tokens_needed(seq) <= self.kv.capacity_tokens
+
+    def _tokens_needed(self, seq: Sequence) -> int:
+        """The KV, in whole pages' tokens, of `seq`'s computed tokens and its next one."""
+        return -(-(seq.num_computed + 1) // self.page) * self.page
 
     def _abort_alone(self, seq: Sequence) -> None:
         """Every other request is retracted and `seq` still has no block for its next token."""
         self.running.remove(seq)
-        need = -(-(seq.num_computed + 1) // self.page) * self.page
+        need = self._tokens_needed(seq)
         seq.finish_reason = {
             "type": "abort",
             "message": f"out of KV cache memory: this request needs {need} tokens of KV and "
