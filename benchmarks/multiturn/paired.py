@@ -206,15 +206,6 @@ def run_paired(ctx: Context, paired: PairedPlan) -> tuple[list[dict[str, Any]], 
     return execute(ctx, rater), rater
 
 
-def known_setup(source: Path) -> dict[str, dict[str, Any]]:
-    """Each config's setup (its KV sizing) from an earlier run's results.json: a run of some
-    of its seeds (`--calibration-from`, to split the seeds over several invocations) sizes
-    the KV as that run did, not by the median of its own seeds."""
-    figures = json.loads((source / "results.json").read_text())
-    setup = figures.get("setup") or {}
-    return {k: v for k, v in setup.items() if isinstance(v, dict)}
-
-
 def earlier_sizing(
     known: dict[str, dict[str, Any]] | None, workload: str, field: str
 ) -> int | None:
@@ -226,13 +217,17 @@ def earlier_sizing(
     return None
 
 
-def known_rates(source: Path) -> dict[str, float]:
-    """Sustained rates per config from an earlier run's results.json (`calibration`)."""
+def known_from(source: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """An earlier run's sustained rates per config (`calibration`) and each config's setup
+    (its KV sizing), from its results.json: a run of some of its seeds (`--calibration-from`,
+    to split the seeds over several invocations) is offered those rates and sizes the KV as
+    that run did, not by the median of its own seeds. ValueError without measured rates."""
     figures = json.loads((source / "results.json").read_text())
-    out = {}
+    rates = {}
     for key, entry in (figures.get("calibration") or {}).items():
         if entry.get("sustained_rps"):
-            out[key] = float(entry["sustained_rps"])
-    if not out:
+            rates[key] = float(entry["sustained_rps"])
+    if not rates:
         raise ValueError(f"{source / 'results.json'} has no measured sustained rates")
-    return out
+    setup = figures.get("setup") or {}
+    return rates, {k: v for k, v in setup.items() if isinstance(v, dict)}

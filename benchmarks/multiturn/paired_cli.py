@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from benchmarks.multiturn import hot_prefix_preset, pd_preset
 from benchmarks.multiturn.capacity import Features, narrowed
-from benchmarks.multiturn.paired import PairedPlan, known_rates, known_setup, run_paired
+from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
 from benchmarks.multiturn.paired_report import TargetsFor, write_paired
 from benchmarks.peers import PeerStatus
 
@@ -67,7 +67,7 @@ def make_plan(
     """The preset with the command line's narrowing; ValueError when it cannot run."""
     features = Features.detect()
     systems = set(args.systems) if args.systems else None
-    known = known_setup(args.calibration_from) if args.calibration_from else None
+    rates, known = known_from(args.calibration_from) if args.calibration_from else ({}, None)
     plan: PairedPlan
     if kind is HOT_PREFIX:
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
@@ -80,8 +80,7 @@ def make_plan(
         pd = with_shapes(narrowed(pd, args.seeds, args.multiples), args.shapes)
         workloads = set(args.workloads) if args.workloads else None
         plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed, known)
-    if args.calibration_from:
-        plan.known = known_rates(args.calibration_from)
+    plan.known = rates
     return plan
 
 

@@ -463,7 +463,7 @@ def test_a_run_of_some_seeds_sizes_the_kv_as_the_run_its_rates_came_from(
     from benchmarks.multiturn import hot_prefix_preset as hp
     from benchmarks.multiturn import pd_preset
     from benchmarks.multiturn.capacity import Features
-    from benchmarks.multiturn.paired import known_setup
+    from benchmarks.multiturn.paired import known_from
     from benchmarks.multiturn.text import Vocab
     from connector.token_cache import CachedEncoder
     from connector.tokenizer import ChatTokenizer
@@ -479,9 +479,10 @@ def test_a_run_of_some_seeds_sizes_the_kv_as_the_run_its_rates_came_from(
     source = tmp_path / "earlier"
     source.mkdir()
     earlier = {key: {**mine, "hot_set_tokens": 2 * mine["hot_set_tokens"]}, "bad": 3}
-    (source / "results.json").write_text(json.dumps({"setup": earlier}))
-    known = known_setup(source)
-    assert set(known) == {key}
+    calibration = {key: {"sustained_rps": 1.5, "stopped": "the cluster fell behind"}}
+    (source / "results.json").write_text(json.dumps({"setup": earlier, "calibration": calibration}))
+    rates, known = known_from(source)
+    assert rates == {key: 1.5} and set(known) == {key}
     split = hp.make_plan(hot, vocab, features, known=known).setup[key]
     assert split["hot_set_tokens"] == 2 * mine["hot_set_tokens"]
     assert split["instance_kv_tokens"] > 1.9 * mine["instance_kv_tokens"]
