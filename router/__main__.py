@@ -24,6 +24,7 @@ from connector.pd_caching import Caching
 from connector.token_cache import CachedEncoder
 from router.local_cluster import LocalCluster
 from router.pd import PDSettings
+from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
@@ -180,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="caching-3",
         help="the workers' caching mode (basic, caching-1, caching-2, caching-3): which prompt "
         "trees learn what after a PD request",
+    )
+    a(
+        "--write-back",
+        choices=[m.value for m in WriteBack],
+        default=WriteBack.ADAPTIVE.value,
+        help="PD-Caching-3: 'adaptive' asks a decode to write a request's KV back to its "
+        "prefill while the prefill reports reusing written-back pages (one in 8 requests "
+        "otherwise, to keep measuring); 'always' asks every time",
     )
     a(
         "--redis-url",
@@ -397,6 +406,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
                 make_policy(args.prefill_policy or name, trees, thresholds, cost, pulls),
                 make_policy(args.decode_policy or name, trees, thresholds, cost, pulls),
                 pulls,
+                WriteBackGate(WriteBack(args.write_back)),
             )
         except ValueError as exc:
             raise SystemExit(str(exc)) from None

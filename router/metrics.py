@@ -94,6 +94,13 @@ class RouterMetrics:
         self.pd_errors = Counter(
             "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
+        self.write_backs = Counter(
+            "memserve_router_pd_write_backs",
+            "PD-Caching-3 requests by the write-back gate's decision: asked, explored (asked "
+            "while closed, to measure), skipped",
+            ["decision"],
+            registry=r,
+        )
         # KV-event feed counters (name -> value), set by the router when it has a feed
         self.kv_events: Callable[[], dict[str, int]] | None = None
         # admission's hold and refusal counts, and a worker's expected wait (seconds), set

@@ -17,7 +17,7 @@ from typing import Any
 
 from connector.worker.hooks import Engine, RequestHooks, agent_address, no_pulls
 from connector.worker.pd import Arrival, Bootstrap, PDLink, PDMode, bootstrap_fields
-from connector.worker.protocol import BadRequest
+from connector.worker.protocol import BadRequest, write_back_wanted
 from connector.worker.sequence import DONE, Sequence
 from mempool import InsertResult, PrefixMatch
 
@@ -71,6 +71,7 @@ class PDHooks(RequestHooks):
     def on_submit(self, seq: Sequence, extras: dict[str, Any], engine: Engine) -> bool:
         try:
             fields = bootstrap_fields(extras)
+            write_back_wanted(extras)  # a malformed field is refused on either side
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         if fields is None:  # no bootstrap fields: this instance serves the request alone
@@ -81,6 +82,7 @@ class PDHooks(RequestHooks):
             return False
         seq.room = fields.room
         if self.mode is PDMode.DECODE:
+            seq.write_back = write_back_wanted(extras)
             self.link.spawn(self._receive(seq, fields, engine))
             return True
         return False
@@ -144,7 +146,13 @@ class PDHooks(RequestHooks):
             why = (seq.finish_reason or {}).get("message") or "the prefill did not finish"
             self.link.fail_room(room, why)  # the decode stops waiting now
             return False
-        if ok and seq.prefill_id is not None and cache and self.caching.writeback:
+        if (
+            ok
+            and seq.prefill_id is not None
+            and cache
+            and seq.write_back
+            and self.caching.writeback
+        ):
             self._write_back(seq, seq.prefill_id, engine)
             return True
         return False

@@ -105,6 +105,25 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+def memserve_options(extras: dict[str, Any]) -> dict[str, Any]:
+    """The router's `"memserve": {...}` field of a request ({} without one); BadRequest
+    when it is not an object."""
+    options = extras.get("memserve")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise _type_error("memserve", "an object", options)
+    return options
+
+
+def write_back_wanted(extras: dict[str, Any]) -> bool:
+    """`memserve.write_back` (default true): whether a PD-Caching-3 decode writes this
+    request's KV back to its prefill; the router's write-back gate says false when the
+    prefill has not been reusing what decodes wrote back."""
+    value = memserve_options(extras).get("write_back", True)
+    return _bool("memserve.write_back", value)
+
+
 def _stop(value: Any) -> list[str]:
     if value is None:
         return []

@@ -29,7 +29,7 @@ from connector.worker.backend import Backend
 from connector.worker.hooks import Engine, RequestHooks, agent_address
 from connector.worker.kv_cache import KVCache
 from connector.worker.pd import WireModel, free_arrival, start_agent
-from connector.worker.protocol import BadRequest
+from connector.worker.protocol import BadRequest, memserve_options
 from connector.worker.sequence import DONE, Sequence
 from mempool.transfer.agent import PullResult, TransferAgent
 from mempool.transfer.base import PeerInfo
@@ -63,12 +63,7 @@ def _int(value: Any, what: str, low: int, high: int | None = None) -> int:
 def prefix_holders(extras: dict[str, Any]) -> list[Holder]:
     """The holders the router names, longest prefix first; entries without an agent (no
     `instance_id`) are left out. ValueError when the field is malformed."""
-    memserve = extras.get("memserve")
-    if memserve is None:
-        return []
-    if not isinstance(memserve, dict):
-        raise ValueError(f"'memserve' must be an object, got {memserve!r}")
-    entries = memserve.get("prefix_holders")
+    entries = memserve_options(extras).get("prefix_holders")
     if entries is None:
         return []
     if not isinstance(entries, list):

@@ -72,6 +72,7 @@ class Sequence:
     # Decode-to-prefill write-back (PD-Caching-3): tokens of the cached prefix whose pages a
     # decode instance wrote back to this prefill; on a decode, the prefill's count.
     written_back_tokens: int = 0
+    write_back: bool = True  # PD-Caching-3 decode: write the KV back to the prefill (router's say)
     # A pull from a peer before admission: prompt tokens [pulled_from, pulled_to) whose KV it
     # brought into this instance's cache for this request.
     pulled_from: int = 0

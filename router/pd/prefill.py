@@ -27,6 +27,7 @@ class PrefillResult:
 
     status: int = 0
     cached_tokens: int | None = None
+    written_back_tokens: int | None = None  # of them, from pages a decode wrote back
     body: dict[str, Any] | None = None
     error: str | None = None
 
@@ -102,9 +103,23 @@ async def drain_prefill(
         probe = Outcome()
         read_result(body, probe)
         out.cached_tokens = probe.cached_tokens
+        out.written_back_tokens = written_back_tokens(body)
         if keep_body and isinstance(body, dict):
             out.body = body
     return out
+
+
+def written_back_tokens(body: Any) -> int | None:
+    """What our prefill workers report served from written-back pages (SGLang does not)."""
+    if not isinstance(body, dict):
+        return None
+    usage, meta = body.get("usage"), body.get("meta_info")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    for where in (details, meta):
+        value = where.get("written_back_tokens") if isinstance(where, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def merge_input_logprobs(prefill: dict[str, Any], decode_raw: bytes) -> bytes:

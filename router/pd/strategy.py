@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
@@ -21,6 +21,7 @@ from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
 from router.learning import Served
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
+from router.pd.write_back import WriteBackGate
 from router.policies import Decision, Policy, RouteRequest, reusable
 from router.proxy import Outcome, end_stream
 from router.request import RequestError
@@ -36,6 +37,7 @@ class PDSettings:
     prefill_policy: Policy
     decode_policy: Policy
     pulls: bool = False  # name decodes that cache a longer prefix to a prefill that pulls
+    write_back: WriteBackGate = field(default_factory=WriteBackGate)
 
 
 class PrefillDecode(Strategy):
@@ -76,7 +78,9 @@ class PrefillDecode(Strategy):
         keep_prefill = bool(call.body.get("return_logprob")) and not call.body.get("stream")
         # the prefill may pull a longer prefix from another prefill's or a decode's agent
         named = replace(p_dec, holders=self.prefill_holders(call.prompt, p_dec))
-        body = {**call.body, **prefix_holders_field(named)}
+        extra = prefix_holders_field(named)
+        write_back = caching.writeback and self._write_back(prefill, extra)
+        body = {**call.body, **extra}
         payload, _room = bootstrap_payload(body, prefill)
         sender.metrics.pd_requests.inc()
         sender.metrics.event(PREFILL_REASON + p_dec.reason).inc()
@@ -128,8 +132,20 @@ class PrefillDecode(Strategy):
         if caching.decode_caches:
             holders.append((WorkerType.DECODE, decode))
         if caching.writeback:
+            self.settings.write_back.observe(prefill.url, write_back, result.written_back_tokens)
+        if write_back:
             holders.append((WorkerType.PREFILL, prefill))
         return Attempt(response, outcome, served, holders)
+
+    def _write_back(self, prefill: Worker, extra: dict) -> bool:
+        """The gate's word for this request; a no is said to the decode in `extra`
+        (`"memserve": {"write_back": false}`, which a real SGLang server ignores)."""
+        decision = self.settings.write_back.ask(prefill.url)
+        self.sender.metrics.write_backs.labels(decision).inc()
+        if decision == "skipped":
+            extra.setdefault("memserve", {})["write_back"] = False
+            return False
+        return True
 
     def prefill_holders(self, prompt: RouteRequest, decision: Decision) -> list[tuple[Worker, int]]:
         """The prefill decision's holders of a longer prefix, and with PD-Caching-2/3 (every

@@ -430,6 +430,35 @@ def test_a_prompt_shorter_than_a_page_crosses_a_pair(
         no_leak(d)
 
 
+def test_a_request_the_router_keeps_from_writing_back_stays_on_the_decode(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`memserve.write_back: false` (the router's write-back gate): the caching-3 decode
+    keeps the answer's pages in its own cache and sends the prefill nothing, so the next
+    turn finds only its prompt there; a malformed field is a 400 on either side."""
+    with pd_pair(model_dir, tmp_path, "caching-3") as (p, d, boot):
+        turn1 = prompt_ids(21, 300)
+        body = {"input_ids": turn1, "sampling_params": {"max_new_tokens": 40}}
+        body = with_room({**body, "memserve": {"write_back": False}}, boot)
+        (ps, pre1), (ds, dec1) = both(p, d, "/generate", body)
+        assert ps == 200 and ds == 200, (pre1, dec1)
+        turn2 = turn1 + dec1["output_ids"] + prompt_ids(22, 40)
+        wait_for("the decode cached the answer", lambda: used_pages(d)[1] >= 20)
+        assert info(d)["disaggregation"]["written_back"] == 0
+        assert info(p)["disaggregation"]["written_back_received"] == 0
+        pre2, dec2 = pd_generate(p, d, boot, turn2)
+        assert pre2["meta_info"]["cached_tokens"] == len(turn1) // PAGE * PAGE
+        assert pre2["meta_info"]["written_back_tokens"] == 0
+        written_back(d, 1)  # unmarked, the next request writes back as before
+
+        bad = with_room({**body, "memserve": {"write_back": "no"}}, boot)
+        (ps, pb), (ds, db) = both(p, d, "/generate", bad)
+        assert ps == 400 and ds == 400, (pb, db)
+        assert "'memserve.write_back' must be true or false" in db["message"]
+        no_leak(p)
+        wait_for("the decode settled", lambda: len(set(used_pages(d))) == 1)
+
+
 def test_fake_backend_moves_no_kv_and_each_side_computes_alone(
     model_dir: Path, tmp_path: Path, colocated: Server
 ) -> None:

@@ -97,9 +97,10 @@ def test_multi_turn_chat_through_pd_equals_colocated_and_reuses_the_history(
 class Scripted:
     """Two scripted SGLang servers recording what the router sends them."""
 
-    def __init__(self, prefill_status: int = 200) -> None:
+    def __init__(self, prefill_status: int = 200, written_back: int | None = None) -> None:
         self.bodies: dict[str, list[dict]] = {"prefill": [], "decode": []}
         self.prefill_status = prefill_status
+        self.written_back = written_back  # the prefill's report, as our workers make it
         self.loop = asyncio.new_event_loop()
         self.ports = {"prefill": free_port(), "decode": free_port()}
 
@@ -111,6 +112,8 @@ class Scripted:
                 if self.prefill_status != 200:
                     return web.json_response({"message": "prefill broke"}, status=500)
                 meta = {"cached_tokens": 0, "input_token_logprobs": [[-1.0, 5, None]]}
+                if self.written_back is not None:
+                    meta["written_back_tokens"] = self.written_back
                 return web.json_response({"text": "", "meta_info": meta})
             if self.prefill_status != 200:
                 await asyncio.sleep(30)  # a decode waiting for KV that never comes
@@ -175,6 +178,35 @@ def test_bootstrap_fields_are_injected_as_sglang_router_does(tmp_path: Path) -> 
         assert status == 200 and len(batch["bootstrap_room"]) == 3
         assert batch["bootstrap_host"] == ["127.0.0.1"] * 3
         assert len(set(batch["bootstrap_room"])) == 3
+
+
+def write_back_marks(s: Scripted, router_url: str, requests: int) -> list[bool]:
+    """Per request sent, whether the router told the decode not to write back."""
+    for i in range(requests):
+        assert call(router_url + "/generate", {"text": f"question {i}"})[0] == 200
+    return [(b.get("memserve") or {}).get("write_back") is False for b in s.bodies["decode"]]
+
+
+def test_write_back_is_skipped_while_the_prefill_reuses_none_of_it(tmp_path: Path) -> None:
+    """PD-Caching-3 (the default): after 32 write-backs to a prefill that reports reusing no
+    written-back token, the router tells the decode not to write back, but for one request in
+    8 (which keeps measuring); a real SGLang prefill reports nothing and always gets them."""
+    with Scripted(written_back=0) as s, scripted_router(s, tmp_path) as r:
+        skipped = write_back_marks(s, r.url, 48)
+        assert not any(skipped[:32])
+        assert skipped[32:] == [True] * 7 + [False] + [True] * 7 + [False]
+        assert s.bodies["prefill"][-2]["memserve"] == {"write_back": False}  # ignored there
+        metrics = call(r.url + "/metrics")[1]
+        name = "memserve_router_pd_write_backs_total"
+        for decision, count in (("asked", 32), ("explored", 2), ("skipped", 14)):
+            assert f'{name}{{decision="{decision}"}} {count}.0' in metrics
+    with Scripted() as s, scripted_router(s, tmp_path) as r:
+        assert not any(write_back_marks(s, r.url, 40))
+    with (
+        Scripted(written_back=0) as s,
+        scripted_router(s, tmp_path, "--write-back", "always") as r,
+    ):
+        assert not any(write_back_marks(s, r.url, 40))
 
 
 def test_a_failing_prefill_ends_the_request_at_once(tmp_path: Path) -> None:
