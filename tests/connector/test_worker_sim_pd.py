@@ -446,7 +446,7 @@ def test_a_request_the_router_keeps_from_writing_back_stays_on_the_decode(
         wait_for("the decode cached the answer", lambda: used_pages(d)[1] >= 20)
         assert info(d)["disaggregation"]["written_back"] == 0
         assert info(p)["disaggregation"]["written_back_received"] == 0
-        pre2, dec2 = pd_generate(p, d, boot, turn2)
+        pre2, _ = pd_generate(p, d, boot, turn2)
         assert pre2["meta_info"]["cached_tokens"] == len(turn1) // PAGE * PAGE
         assert pre2["meta_info"]["written_back_tokens"] == 0
         written_back(d, 1)  # unmarked, the next request writes back as before
