@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from aiohttp import web
 
@@ -137,7 +138,7 @@ class PrefillDecode(Strategy):
             holders.append((WorkerType.PREFILL, prefill))
         return Attempt(response, outcome, served, holders)
 
-    def _write_back(self, prefill: Worker, extra: dict) -> bool:
+    def _write_back(self, prefill: Worker, extra: dict[str, Any]) -> bool:
         """The gate's word for this request; a no is said to the decode in `extra`
         (`"memserve": {"write_back": false}`, which a real SGLang server ignores)."""
         decision = self.settings.write_back.ask(prefill.url)
