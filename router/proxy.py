@@ -102,15 +102,24 @@ class WorkerUnavailable(Exception):
         self.status = status
 
 
+def reported_tokens(body: dict[str, Any], name: str) -> int | None:
+    """A prompt-token count an answer reports: OpenAI's `usage.prompt_tokens_details`, else
+    SGLang's `meta_info` (None where neither has it)."""
+    usage, meta = body.get("usage"), body.get("meta_info")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    for where in (details, meta):
+        value = where.get(name) if isinstance(where, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def read_result(body: Any, outcome: Outcome) -> None:
     """cached_tokens and the output from a finished (or last streamed) JSON body."""
     if not isinstance(body, dict):
         return
-    usage = body.get("usage") or {}
-    meta = body.get("meta_info") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens", meta.get("cached_tokens"))
-    if isinstance(cached, int):
+    cached = reported_tokens(body, "cached_tokens")
+    if cached is not None:
         outcome.cached_tokens = cached
     if isinstance(body.get("output_ids"), list):
         outcome.output_ids = body["output_ids"]

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.proxy import Bound, Outcome, read_result, timed_out
+from router.proxy import Bound, Outcome, read_result, reported_tokens, timed_out
 from router.upstream import UpstreamError, UpstreamPool
 from router.workers import Worker
 
@@ -103,23 +103,11 @@ async def drain_prefill(
         probe = Outcome()
         read_result(body, probe)
         out.cached_tokens = probe.cached_tokens
-        out.written_back_tokens = written_back_tokens(body)
-        if keep_body and isinstance(body, dict):
-            out.body = body
+        if isinstance(body, dict):
+            out.written_back_tokens = reported_tokens(body, "written_back_tokens")
+            if keep_body:
+                out.body = body
     return out
-
-
-def written_back_tokens(body: Any) -> int | None:
-    """What our prefill workers report served from written-back pages (SGLang does not)."""
-    if not isinstance(body, dict):
-        return None
-    usage, meta = body.get("usage"), body.get("meta_info")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    for where in (details, meta):
-        value = where.get("written_back_tokens") if isinstance(where, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 def merge_input_logprobs(prefill: dict[str, Any], decode_raw: bytes) -> bytes:
