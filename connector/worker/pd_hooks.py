@@ -71,7 +71,7 @@ class PDHooks(RequestHooks):
     def on_submit(self, seq: Sequence, extras: dict[str, Any], engine: Engine) -> bool:
         try:
             fields = bootstrap_fields(extras)
-            write_back_wanted(extras)  # a malformed field is refused on either side
+            write_back = write_back_wanted(extras)  # a malformed one is refused on either side
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         if fields is None:  # no bootstrap fields: this instance serves the request alone
@@ -82,7 +82,7 @@ class PDHooks(RequestHooks):
             return False
         seq.room = fields.room
         if self.mode is PDMode.DECODE:
-            seq.write_back = write_back_wanted(extras)
+            seq.write_back = write_back
             self.link.spawn(self._receive(seq, fields, engine))
             return True
         return False
