@@ -48,6 +48,12 @@ class HotPrefix:
     rate: float = 2.0
     seed: int = 1
 
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> HotPrefix:
+        """The builder a run recorded in its `workload_params` (its other entries, figures
+        of the built workload, are left out)."""
+        return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
+
     def build(self, vocab: Vocab) -> Workload:
         rng = random.Random(f"hot-prefix:{self.seed}")
         # The prefixes' popularity order is shuffled against their lengths: the hottest is

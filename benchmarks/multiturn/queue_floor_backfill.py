@@ -38,8 +38,7 @@ def backfill(runs: list[dict[str, Any]], vocab: Vocab, encoder: Any) -> int:
             lru_wanted or "queue_floor_ttft_p99_s" not in run
         ):
             continue
-        params = run["workload_params"]
-        builder = HotPrefix(**{k: params[k] for k in HotPrefix.__dataclass_fields__ if k in params})
+        builder = HotPrefix.from_params(run["workload_params"])
         key = (builder.seed, builder.requests, builder.rate)
         if key not in built:
             workload = builder.build(vocab)
