@@ -59,6 +59,11 @@ _NO_SPECIAL = (array("I"), array("I"))
 # (`complete_async`): about 1 ms of encoding; shorter text costs less than the thread hop.
 OFF_LOOP_CHARS = 4096
 BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the workers')
+# A piece (text between added tokens) of twice this many characters or more is cached in
+# chunks cut about this often (`cut_text`): a long text prompt sharing a prefix with an
+# earlier one (a tool prompt, a document) then encodes only the chunks after that prefix.
+CUT_CHARS = 2048
+CUT = ""  # in a split text, between two chunks of one piece: no token between them
 
 
 def _token_ids_array(ids: Sequence[int]) -> array:
@@ -101,6 +106,7 @@ class CachedEncoder:
         self._npattern: re.Pattern[str] | None = None
         self._added_arrays: dict[str, array] = {}
         self.mode = "piecewise"
+        self.cuts = "off"  # whether long pieces are cached in chunks, or why not
         reason = self._setup()
         if reason is None:
             reason = self._self_test()
@@ -110,6 +116,11 @@ class CachedEncoder:
             log.warning(
                 "CachedEncoder for %s falls back to full encodes: %s", tokenizer.path, reason
             )
+        else:
+            why = self._cut_test()
+            self.cuts = f"off: {why}" if why else f"every {CUT_CHARS} characters"
+            if why is None:
+                self._added_arrays[CUT] = array("I")
         self._setup_special_tokens()
 
     # -- public API -----------------------------------------------------------------------
@@ -150,8 +161,23 @@ class CachedEncoder:
         self._calls += 1
         if self._pattern is None:
             return _token_ids_array(self._full(text, False)), []
-        parts = self._split(text)
-        cache, added, out = self._cache, self._added_arrays, array("I")
+        return self._known(self._split(text), array("I"))
+
+    def encode_text_known(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[array, list[str]] | None:
+        """A text prompt's ids as far as its cached pieces (and chunks) go, and the rest, as
+        `encode_chat_known` splits a chat; `complete` gives the whole. None where text
+        prompts get full encodes (no piece-wise encoding, or special ids after the text)."""
+        special = self._special if add_special_tokens else _NO_SPECIAL
+        if self._pattern is None or special is None or special[1]:
+            return None
+        self._calls += 1
+        return self._known(self._split(text), array("I", special[0]))
+
+    def _known(self, parts: list[str], out: array) -> tuple[array, list[str]]:
+        """`out` extended with the ids of the leading cached pieces of `parts`; the rest."""
+        cache, added = self._cache, self._added_arrays
         for i, s in enumerate(parts):
             if i & 1:
                 out.extend(added[s])
@@ -245,7 +271,7 @@ class CachedEncoder:
     @staticmethod
     def estimate_tokens(rest: list[str]) -> int:
         """About how many tokens `rest` holds (4 characters a token), before encoding it."""
-        return sum(len(s) for s in rest[0::2]) // 4 + len(rest) // 2
+        return sum(len(s) for s in rest[0::2]) // 4 + sum(1 for s in rest[1::2] if s)
 
     def prime(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -265,6 +291,7 @@ class CachedEncoder:
         """Counters: piece hits (served from cache) and misses (pieces encoded), cache size."""
         return {
             "mode": self.mode,
+            "cuts": self.cuts,
             "render": self.renderer.reason or "by substitution",
             "render_hits": self.renderer.hits,
             "render_builds": self.renderer.builds,
@@ -323,20 +350,30 @@ class CachedEncoder:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _split(self, text: str) -> list[str]:
-        """Alternating [piece, added token, piece, ..., piece]; pieces may be empty."""
+        """Alternating [piece, added token, piece, ..., piece]; pieces may be empty. A long
+        piece comes as its chunks with `CUT` between them, when cuts are safe here."""
         if self._pattern is None:  # no added tokens to split at
             return [text]
         parts = self._pattern.split(text)
         npattern = self._npattern
-        if npattern is None:
+        if npattern is not None:
+            out: list[str] = []  # stage 2: normalized added tokens, inside the pieces
+            for i, s in enumerate(parts):
+                if i & 1:
+                    out.append(s)
+                else:
+                    out.extend(npattern.split(s))  # itself alternating, odd length
+            parts = out
+        if CUT not in self._added_arrays or all(len(s) < 2 * CUT_CHARS for s in parts[0::2]):
             return parts
-        out: list[str] = []  # stage 2: normalized added tokens, inside the pieces
+        cut: list[str] = []
         for i, s in enumerate(parts):
-            if i & 1:
-                out.append(s)
-            else:
-                out.extend(npattern.split(s))  # itself alternating, odd length
-        return out
+            if i & 1 or len(s) < 2 * CUT_CHARS:
+                cut.append(s)
+                continue
+            for j, chunk in enumerate(cut_text(s, CUT_CHARS)):
+                cut.extend((CUT, chunk) if j else (chunk,))
+        return cut
 
     def _encode_pieces(self, text: str) -> array:
         return self._encode_parts(self._split(text))
@@ -479,6 +516,29 @@ class CachedEncoder:
                 return f"self-test failed on {text[:60]!r}"
         return None
 
+    def _cut_test(self) -> str | None:
+        """Chunks cut where `cut_text` cuts encode as the whole text does, on probe texts cut
+        at every place it may cut (letters of several scripts, marks, contractions), or why
+        not: the cut must begin a pre-token, which needs a pre-tokenizer that splits words
+        apart and no normalizer running over the whole text."""
+        if self._tok.normalizer is not None:
+            return "a normalizer runs over the whole text"
+        if self._tok.pre_tokenizer is None:
+            return "no pre-tokenizer splits the words apart"
+        words = (
+            "The quick brown fox don't panic it's x y naïve café résumé Ünïcödé 中文 テキスト"
+            " Δέλτα Привет مرحبا e\u0301t\u00e9 ok a1 b2 z"
+        )
+        probes = [words, f"  {words}  ", f"{words}\n{words}\t{words}", *_PROBES]
+        for text in probes:
+            chunks = cut_text(text, 1)
+            joined: list[int] = []
+            for chunk in chunks:
+                joined += self._full(chunk, False)
+            if joined != self._full(text, False):
+                return f"cut-test failed on {text[:60]!r}"
+        return None
+
     def _setup_special_tokens(self) -> None:
         """The post-processor's ids (add_special_tokens=True) as a fixed prefix and suffix."""
         tok = self._tok
@@ -500,6 +560,26 @@ class CachedEncoder:
             "CachedEncoder: the post-processor is no fixed prefix/suffix: text prompts "
             "with add_special_tokens=True get full encodes"
         )
+
+
+def cut_text(text: str, every: int) -> list[str]:
+    """`text` in chunks of `every` characters or more (the last too), each cut right before
+    a space between two letters: where a byte-level BPE pre-tokenizer always splits (the
+    space begins the next word's pre-token), so the chunks encode as the text does. A cut
+    depends only on the text around it: texts with a common prefix are cut alike in it."""
+    chunks: list[str] = []
+    start, n = 0, len(text)
+    at = every
+    while n - at > every:
+        cut = text.find(" ", at, n - every)
+        while cut > 0 and not (text[cut - 1].isalpha() and text[cut + 1].isalpha()):
+            cut = text.find(" ", cut + 1, n - every)
+        if cut <= 0:
+            break
+        chunks.append(text[start:cut])
+        start, at = cut, cut + every
+    chunks.append(text[start:])
+    return chunks
 
 
 def _alternation(contents: list[str]) -> re.Pattern[str]:

@@ -3,8 +3,9 @@
 Plain functions that return a `RouteRequest` (what policies look at) or raise `RequestError`
 (a 4xx the router answers before any worker is touched), so they run and are tested without
 an app. Tokenizing costs milliseconds on long prompts, so only token-routing policies pay
-for it; a chat's text the router never encoded is left in `rest`, to be encoded once the
-request has gone (it cannot be on any tree path).
+for it; a prompt's text the router never encoded (a chat's new messages, a text prompt's
+new chunks) is left in `rest`, to be encoded once the request has gone (it cannot be on any
+tree path).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _completion(body: Mapping[str, Any], encoder: CachedEncoder | None) -> Route
         return RouteRequest(token_ids("prompt", prompt), " ".join(map(str, prompt)), None)
     if not isinstance(prompt, str):
         raise RequestError(400, "'prompt' must be a string or a list of token ids")
-    return RouteRequest(_encode(encoder, prompt), prompt, None)
+    return _text(encoder, prompt)
 
 
 def _generate(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRequest:
@@ -162,16 +163,29 @@ def _generate(body: Mapping[str, Any], encoder: CachedEncoder | None) -> RouteRe
         return RouteRequest(token_ids("input_ids", ids), "", None)
     if not isinstance(text, str):
         raise RequestError(400, "'text' must be a string")
-    return RouteRequest(_encode(encoder, text), text, None)
+    return _text(encoder, text)
 
 
-def _encode(encoder: CachedEncoder | None, text: str) -> array[int] | None:
+def _text(encoder: CachedEncoder | None, text: str) -> RouteRequest:
+    """A text prompt as a chat's is read: its ids as far as the encoder has its pieces
+    cached (a shared tool prompt or document, in chunks), the new text left in `rest`."""
     if encoder is None:
-        return None
+        return RouteRequest(None, text, None)
     try:
-        return array("I", encoder.encode(text))
+        split = encoder.encode_text_known(text)
+        if split is None:  # this tokenizer's text prompts are encoded whole
+            return RouteRequest(array("I", encoder.encode(text)), text, None)
     except (ValueError, TypeError) as exc:  # lone surrogates: text no tokenizer takes
         raise RequestError(400, f"cannot tokenize the prompt: {exc}") from None
+    known, rest = split
+    for piece in rest[0::2]:  # text no tokenizer takes is refused now, not after the send
+        try:
+            piece.encode()
+        except UnicodeEncodeError as exc:
+            raise RequestError(400, f"cannot tokenize the prompt: {exc}") from None
+    request = RouteRequest(known, text, None, rest=rest or None)
+    request.rest_tokens = encoder.estimate_tokens(rest)
+    return request
 
 
 def token_ids(name: str, ids: Any) -> array[int]:

@@ -20,7 +20,8 @@ from router.procs import JSON_HEADERS, Server
 async def timed_chat(
     session: aiohttp.ClientSession, url: str, body: bytes
 ) -> tuple[float | None, dict[str, Any] | None, str]:
-    """(seconds, usage, answer text) of one chat request; (None, None, "") on an error."""
+    """(seconds, usage, answer text) of one chat or completion request; (None, None, "") on
+    an error."""
     t0 = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
@@ -34,10 +35,12 @@ async def timed_chat(
     try:
         answer = json.loads(payload)
         usage = answer.get("usage")
-        text = answer["choices"][0]["message"]["content"] or ""
+        usage = usage if isinstance(usage, dict) else None
+        choice = answer["choices"][0]
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
     except (ValueError, AttributeError, KeyError, IndexError, TypeError):
         return seconds, None, ""
-    return seconds, usage if isinstance(usage, dict) else None, text
+    return seconds, usage, text
 
 
 async def timed_post(

@@ -12,9 +12,14 @@ from benchmarks.harness import step
 from benchmarks.router_overhead.client import flush_workers, max_rps, timed_chat, timed_post
 from benchmarks.router_overhead.cpu import tree_cpu_s
 from benchmarks.router_overhead.figures import p50_p99
-from benchmarks.router_overhead.settings import CHAT, SMALL_MAX_TOKENS, Settings
+from benchmarks.router_overhead.settings import CHAT, COMPLETIONS, SMALL_MAX_TOKENS, Settings
 from benchmarks.router_overhead.systems import System
-from benchmarks.router_overhead.text import Conversation, chat_body
+from benchmarks.router_overhead.text import (
+    Conversation,
+    chat_body,
+    shared_text_prompts,
+    text_body,
+)
 from router.procs import Server
 
 
@@ -65,6 +70,18 @@ async def latency_phase(
                     s.record("cold_8k" if turn == 0 else "multi_turn", seconds, usage)
                 progress.advance(conv_task, len(conv.turns))
             progress.refresh()
+        text_task = progress.add_task(
+            "latency: 8K texts, shared prefix", total=len(conversations) * len(live)
+        )
+        for c, conv in enumerate(conversations):  # the second of two sharing a document
+            first, second = (
+                text_body(p, SMALL_MAX_TOKENS, model) for p in shared_text_prompts(conv)
+            )
+            for s in live[c % len(live) :] + live[: c % len(live)]:
+                await flush_workers(session, workers)
+                await timed_post(session, s.url + COMPLETIONS, first)
+                s.record("shared_text", *await timed_post(session, s.url + COMPLETIONS, second))
+                step(progress, text_task)
         await flush_workers(session, workers)
 
 

@@ -198,7 +198,11 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         f"multi_turn: turns 2..{settings.turns} of each (history + the answer the worker "
         f"gave, {SMALL_MAX_TOKENS} tokens, sent back as a chat client does + a new ~25-word user "
         "message; p50 "
-        f"{_fmt(wl['multi_turn_prompt_tokens_p50'])} tokens).",
+        f"{_fmt(wl['multi_turn_prompt_tokens_p50'])} tokens). "
+        "shared_text: per conversation, its first turn's messages as one text (a document or "
+        "a tool prompt) and a question, sent twice to /v1/completions with another question "
+        "the second time; the second is timed (the document was seen once, the question is "
+        "new).",
         "`cached` columns: the workers' reported cached_tokens / prompt_tokens, i.e. how well "
         "the routing kept a conversation on the worker holding its history.",
         f"max rps: {settings.concurrency} concurrent clients in one process (aiohttp, uvloop), "

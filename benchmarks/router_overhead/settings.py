@@ -7,6 +7,7 @@ from dataclasses import dataclass
 NAME = "router_overhead"
 SEED = 20240623
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 PEER_PACKAGE = "sglang-router"
 PEER_MODULE = "sglang_router"
 
@@ -21,11 +22,12 @@ TARGET_MULTI_TURN_ADDED_P50_MS = 1.0
 TARGET_COLD_ADDED_P50_MS = 3.0
 TARGET_RPS_RATIO = 1.0  # ours (prompt_tree, a process per core) / sglang-router (cache_aware)
 
-WORKLOADS = ("small", "cold_8k", "multi_turn")
+WORKLOADS = ("small", "cold_8k", "multi_turn", "shared_text")
 WORKLOAD_TITLES = {
     "small": "small chat (~50 tok)",
     "cold_8k": "cold 8K chat",
     "multi_turn": "multi-turn 8K (turn >= 2)",
+    "shared_text": "8K text, shared prefix",
 }
 
 

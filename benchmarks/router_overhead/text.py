@@ -120,3 +120,19 @@ def chat_body(messages: list[dict[str, str]], max_tokens: int, model: str | None
     name none)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
     return json.dumps(body if model is None else {"model": model, **body}).encode()
+
+
+def text_body(prompt: str, max_tokens: int, model: str | None = None) -> bytes:
+    """A /v1/completions request's body (a text prompt)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps(body if model is None else {"model": model, **body}).encode()
+
+
+def shared_text_prompts(conversation: Conversation) -> tuple[str, str]:
+    """Two text prompts sharing a document (the conversation's first turn as plain text, a
+    tool prompt or a file in an agent's context) and differing in their last question."""
+    document = "\n\n".join(m["content"] for m in conversation.turns[0])
+    return (
+        f"{document}\n\nQuestion: what is this text about?",
+        f"{document}\n\nQuestion: which words does it use most?",
+    )

@@ -16,7 +16,7 @@ import pytest
 from tests.benchmarks.runs import PNG_MAGIC, finite, quick_results
 
 NAME = "router_overhead"
-WORKLOADS = ("small", "cold_8k", "multi_turn")
+WORKLOADS = ("small", "cold_8k", "multi_turn", "shared_text")
 CORES = tuple(n for n in (1, 2) if n <= len(os.sched_getaffinity(0)))
 TOP = max(CORES)
 OURS = (
@@ -119,6 +119,10 @@ def test_sticky_routing_hits_the_workers_cache(systems: dict[str, dict[str, Any]
         if "prompt_tree" in name:  # one process or several: the history's holder
             assert systems[name]["worker_cached_fraction"]["multi_turn"] > 0.9, name
     assert systems["direct"]["worker_cached_fraction"]["multi_turn"] > 0.9
+    # a text sharing a document with the one before goes where the document is cached
+    for name in OURS:
+        if "prompt_tree" in name:
+            assert systems[name]["worker_cached_fraction"]["shared_text"] > 0.9, name
 
 
 def test_scaling_covers_every_router_on_every_set(figures: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import threading
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.token_cache import CachedEncoder
+from connector.token_cache import CachedEncoder, cut_text
 from connector.tokenizer import ChatTokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
@@ -237,3 +238,68 @@ def test_unsafe_tokenizers_fall_back_to_full_encodes(
         assert encoder.encode_chat(messages) == chat.encode_chat(messages)
         assert encoder.encode("a <|im_end|> b") == chat.encode("a <|im_end|> b")
     assert encoder.stats()["cached_pieces"] == 0
+
+
+def test_cuts_fall_between_two_letters_and_alike_in_a_common_prefix() -> None:
+    text = "alpha beta, gamma  delta\tepsilon zeta-eta theta iota kappa lambda mu"
+    chunks = cut_text(text, 8)
+    assert "".join(chunks) == text and len(chunks) > 3
+    for left, right in itertools.pairwise(chunks):
+        assert right[0] == " " and left[-1].isalpha() and right[1].isalpha()
+        assert len(left) >= 8
+    other = cut_text(text[:40] + " and something else entirely", 8)
+
+    def cuts(chunks: list[str]) -> set[int]:
+        return {sum(map(len, chunks[:i])) for i in range(1, len(chunks))}
+
+    # the cuts inside the common prefix are the same
+    assert {c for c in cuts(other) if c < 39} == {c for c in cuts(chunks) if c < 39} != set()
+    assert cut_text("no-spaces-here-at-all-" * 4, 8) == ["no-spaces-here-at-all-" * 4]
+    assert cut_text("short", 8) == ["short"]
+
+
+@SETTINGS
+@given(text=content, special=st.booleans())
+def test_text_cut_in_small_chunks_encodes_as_the_engine(
+    chat: ChatTokenizer, shared: CachedEncoder, text: str, special: bool
+) -> None:
+    """Pieces cut every few characters (instead of every 2048): every place a cut may fall."""
+    encoder = shared
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("connector.token_cache.CUT_CHARS", 2)
+        long_text = " ".join([text, "words between them", text, "and more words", text])
+        for _ in range(2):  # cold, then from the cache
+            assert encoder.encode(long_text, special) == chat.encode(long_text, special)
+            split = encoder.encode_text_known(long_text, special)
+            assert split is not None
+            assert list(encoder.complete(*split)) == chat.encode(long_text, special)
+
+
+def test_a_shared_long_prefix_is_encoded_once(chat: ChatTokenizer) -> None:
+    encoder = CachedEncoder(chat)
+    assert encoder.stats()["cuts"] == "every 2048 characters"
+    docs = sorted((Path(__file__).parents[2] / "docs").rglob("*.md"))
+    document = "\n".join(p.read_text() for p in docs)[:40000]
+    encoder.encode(document + "\n\nQuestion: what is it?")
+    before = encoder.stats()["encoded_tokens"]
+    ids = encoder.encode(document + "\n\nQuestion: who wrote it?")
+    assert ids == chat.encode(document + "\n\nQuestion: who wrote it?")
+    new = encoder.stats()["encoded_tokens"] - before
+    assert 0 < new < 0.15 * len(ids)  # the last chunk or two, not the document again
+
+
+def test_a_normalizer_turns_cuts_off_and_encodes_stay_exact(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((model_dir / "tokenizer.json").read_text())
+    config["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    chat = ChatTokenizer(tmp_path)
+    encoder = CachedEncoder(chat)
+    assert encoder.stats()["cuts"] == "off: a normalizer runs over the whole text"
+    text = "Some Words " * 1000
+    assert encoder.encode(text) == chat.encode(text)
+    assert encoder.stats()["cached_pieces"] <= 1

@@ -113,7 +113,25 @@ def test_text_prompts_carry_their_text_and_ids_only_when_an_encoder_is_given(
     assert without.tokens is None and without.text == "hello there"
     with_ids = route_request(GENERATE, {"text": "hello there"}, encoder)
     assert isinstance(with_ids.tokens, array)
-    assert list(with_ids.tokens) == encoder.encode("hello there")
+    assert list(full_tokens(with_ids, encoder) or []) == encoder.encode("hello there")
+    again = route_request(COMPLETIONS, {"prompt": "hello there"}, encoder)
+    assert not again.rest and list(again.tokens or []) == encoder.encode("hello there")
+
+
+def test_a_long_text_prompt_is_known_up_to_its_new_chunks(encoder: CachedEncoder) -> None:
+    """A tool prompt or document resent with a new question: the router matches the trees
+    with the chunks it encoded before and encodes only the new text, after the send."""
+    shared = " ".join(f"word{i % 97} alpha beta" for i in range(3000))  # ~57K characters
+    first = route_request(COMPLETIONS, {"prompt": shared + " first question"}, encoder)
+    assert not first.tokens and first.rest  # never seen: all of it is new text
+    whole = list(full_tokens(first, encoder) or [])
+    assert whole == encoder.tokenizer.encode(shared + " first question")
+    second = route_request(COMPLETIONS, {"prompt": shared + " second question"}, encoder)
+    assert second.rest and len(second.tokens or []) > 0.9 * len(whole)  # only the last chunk
+    assert abs(second.num_tokens - len(whole)) < 0.05 * len(whole)  # the rest estimated
+    assert list(full_tokens(second, encoder) or []) == encoder.tokenizer.encode(
+        shared + " second question"
+    )
 
 
 def test_a_batch_routes_by_its_first_prompt_and_ids_give_cache_aware_a_text() -> None:
