@@ -45,7 +45,7 @@ class PrefixOracle:
         self.pages: set[int] = set()
 
     def hit(self, ids: Sequence[int]) -> int:
-        held = _held_pages(self.pages, page_keys(ids, self.page))
+        held = held_pages(self.pages, page_keys(ids, self.page))
         return reusable(held * self.page, len(ids), self.page)
 
     def add(self, ids: Sequence[int]) -> None:
@@ -79,7 +79,7 @@ class LruCaches:
 
     def serve(self, ids: Sequence[int]) -> int:
         keys = page_keys(ids, self.page)
-        held = [_held_pages(cache, keys) for cache in self.caches]
+        held = [held_pages(cache, keys) for cache in self.caches]
         self._current = min(range(len(self.caches)), key=lambda i: (-held[i], self._last_used[i]))
         self._clock += 1
         self._last_used[self._current] = self._clock
@@ -90,15 +90,20 @@ class LruCaches:
         self._insert(page_keys(ids, self.page))
 
     def _insert(self, keys: list[int]) -> None:
-        cache = self.caches[self._current]
-        for key in reversed(keys):
-            cache[key] = None
-            cache.move_to_end(key)
-        while len(cache) > self.capacity_pages:
-            cache.popitem(last=False)
+        lru_insert(self.caches[self._current], keys, self.capacity_pages)
 
 
-def _held_pages(cache: Container[int], keys: list[int]) -> int:
+def lru_insert(cache: OrderedDict[int, None], keys: Sequence[int], capacity_pages: int) -> None:
+    """Cache a prompt's page `keys` as most recently used (a parent outlives its children),
+    evicting the least recently used pages beyond `capacity_pages`."""
+    for key in reversed(keys):
+        cache[key] = None
+        cache.move_to_end(key)
+    while len(cache) > capacity_pages:
+        cache.popitem(last=False)
+
+
+def held_pages(cache: Container[int], keys: Sequence[int]) -> int:
     """How many of `keys`, from the first, the cache holds."""
     n = 0
     for key in keys:

@@ -45,7 +45,7 @@ from benchmarks.harness import (
 )
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.hot_prefix import HotPrefix
-from benchmarks.multiturn.oracle import PAGE, page_keys
+from benchmarks.multiturn.oracle import PAGE, held_pages, lru_insert, page_keys
 from benchmarks.multiturn.queue_floor import prefill_servers
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Request
@@ -96,28 +96,15 @@ class ReplayWorker:
 
     def held(self, keys: Sequence[int]) -> int:
         """Whole pages of `keys`, from the first, in the cache."""
-        return _leading(self.cache, keys)
+        return held_pages(self.cache, keys)
 
     def serve(self, keys: Sequence[int], now: float, seconds: float) -> float:
         """Queue a request arriving `now` that takes `seconds`; cache its pages; its TTFT."""
         start = max(now, self.free_at)
         self.free_at = start + seconds
-        for key in reversed(keys):  # a parent outlives its children
-            self.cache[key] = None
-            self.cache.move_to_end(key)
-        while len(self.cache) > self.capacity_pages:
-            self.cache.popitem(last=False)
+        lru_insert(self.cache, keys, self.capacity_pages)
         self.ever.update(keys)
         return self.free_at - now
-
-
-def _leading(pages: OrderedDict[int, None] | set[int], keys: Sequence[int]) -> int:
-    n = 0
-    for key in keys:
-        if key not in pages:
-            break
-        n += 1
-    return n
 
 
 class ExactTrees:
@@ -131,8 +118,9 @@ class ExactTrees:
         self.keys: list[int] = []  # the prompt being routed
 
     def match(self, type: WorkerType, tokens: Sequence[int]) -> PrefixView:
-        held = {u: n * PAGE for u, w in self.workers.items() if (n := w.held(self.keys))}
-        home = {u: n * PAGE for u, w in self.workers.items() if (n := _leading(w.ever, self.keys))}
+        keys, workers = self.keys, self.workers.items()
+        held = {u: n * PAGE for u, w in workers if (n := held_pages(w.cache, keys))}
+        home = {u: n * PAGE for u, w in workers if (n := held_pages(w.ever, keys))}
         return PrefixView(held, dict(held), home)
 
 

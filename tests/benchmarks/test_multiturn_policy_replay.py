@@ -54,8 +54,13 @@ def test_an_lru_cache_of_one_prefix_evicts_the_older_one() -> None:
     assert result.hit == 0.0  # b pushed a out: the third computes it again
 
 
+def words() -> Vocab:
+    """Single-token words as ids and strings, without a tokenizer."""
+    return Vocab(list(range(1000, 3000)), [f"w{i}" for i in range(2000)], 13)
+
+
 def small_hot_prefix(requests: int = 120) -> list[Request]:
-    vocab = Vocab(list(range(1000, 3000)), [f"w{i}" for i in range(2000)], 13)
+    vocab = words()
     builder = HotPrefix(
         prefixes=12,
         prefix_min_tokens=512,
@@ -128,7 +133,7 @@ def test_measured_figures_count_pulled_prefixes_as_reused() -> None:
 
 
 def test_a_results_file_is_replayed_per_seed_speed_and_policy(tmp_path: Path) -> None:
-    vocab = Vocab(list(range(1000, 3000)), [f"w{i}" for i in range(2000)], 13)
+    vocab = words()
     runs = [
         run_record("ours prompt_tree", 1),
         run_record("sglang-router round_robin", 1),
