@@ -94,6 +94,7 @@ class CachedEncoder:
         self._cached_tokens = 0
         self._calls = self._hits = self._misses = self._evictions = 0
         self._encoded_tokens = self._verified = self._mismatches = 0
+        self._encoded_chars = 0  # of the pieces behind _encoded_tokens
         # Ids the post-processor puts around a text when add_special_tokens=True (prefix,
         # suffix); None when they are not fixed (text prompts then get full encodes).
         self._special: tuple[array, array] | None = None
@@ -222,6 +223,7 @@ class CachedEncoder:
             encoded = self._ids_of(encodings)
             self._misses += len(missing)
             self._encoded_tokens += sum(len(a) for a in encoded)
+            self._encoded_chars += sum(map(len, missing))
             fresh = dict(zip(missing, encoded, strict=True))
             return self._encode_parts(rest, array("I", known), fresh)
         finally:
@@ -268,10 +270,19 @@ class CachedEncoder:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    @staticmethod
-    def estimate_tokens(rest: list[str]) -> int:
-        """About how many tokens `rest` holds (4 characters a token), before encoding it."""
-        return sum(len(s) for s in rest[0::2]) // 4 + sum(1 for s in rest[1::2] if s)
+    def estimate_tokens(self, rest: list[str]) -> int:
+        """About how many tokens `rest` holds, before encoding it: its characters at the
+        rate this encoder's text has encoded at so far (4 a token before any), and its
+        added tokens."""
+        chars = sum(len(s) for s in rest[0::2])
+        return int(chars / self.chars_per_token) + sum(1 for s in rest[1::2] if s)
+
+    @property
+    def chars_per_token(self) -> float:
+        """Characters per token over the pieces encoded so far (4.0 before any)."""
+        if self._encoded_tokens < 64:
+            return 4.0
+        return self._encoded_chars / self._encoded_tokens
 
     def prime(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -427,6 +438,7 @@ class CachedEncoder:
             encodings = batch(pieces, add_special_tokens=False)
         out = [_token_ids_array(e.ids) for e in encodings]
         self._encoded_tokens += sum(len(a) for a in out)
+        self._encoded_chars += sum(map(len, pieces))
         return out
 
     def _encode_batch(self, pieces: list[str]) -> list[Any]:

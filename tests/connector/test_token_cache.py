@@ -303,3 +303,18 @@ def test_a_normalizer_turns_cuts_off_and_encodes_stay_exact(
     text = "Some Words " * 1000
     assert encoder.encode(text) == chat.encode(text)
     assert encoder.stats()["cached_pieces"] <= 1
+
+
+def test_new_text_is_estimated_at_the_rate_text_has_encoded_at(chat: ChatTokenizer) -> None:
+    """A cold prompt's length before its encode: at 4 characters a token until the encoder
+    has seen text, then at the rate it has encoded at (long words: fewer tokens a char)."""
+    encoder = CachedEncoder(chat)
+    words = "extraordinary considerations notwithstanding " * 200
+    assert encoder.estimate_tokens([words]) == len(words) // 4
+    encoder.encode(words)
+    fresh = "notwithstanding extraordinary considerations " * 150
+    actual = len(chat.encode(fresh, False))
+    assert abs(encoder.estimate_tokens([fresh]) - actual) < 0.15 * actual
+    assert (
+        encoder.estimate_tokens(["", "<|im_end|>", fresh]) == encoder.estimate_tokens([fresh]) + 1
+    )
