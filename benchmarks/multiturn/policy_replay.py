@@ -94,9 +94,10 @@ class ReplayWorker:
     free_at: float = 0.0
     jobs: list[Job] = field(default_factory=list)
 
-    def held(self, keys: Sequence[int]) -> int:
-        """Whole pages of `keys`, from the first, in the cache."""
-        return held_pages(self.cache, keys)
+    def reused(self, keys: Sequence[int], n: int) -> int:
+        """Tokens of an `n`-token prompt of page `keys` its cache serves (whole pages, the
+        last token computed)."""
+        return reusable(held_pages(self.cache, keys) * PAGE, n, PAGE)
 
     def serve(self, keys: Sequence[int], now: float, seconds: float) -> float:
         """Queue a request arriving `now` that takes `seconds`; cache its pages; its TTFT."""
@@ -184,7 +185,7 @@ class Replay:
             self.trees.keys = keys
             url = self._choose(request, ids, keys)
             worker = self.state[url]
-            cached = reusable(worker.held(keys) * PAGE, len(ids), PAGE)
+            cached = worker.reused(keys, len(ids))
             seconds = self.service(len(ids), cached)
             wait = worker.serve(keys, self.now, seconds)
             worker.jobs.append(Job(worker.free_at - seconds, worker.free_at, len(ids) - cached))
@@ -211,8 +212,7 @@ class Replay:
 
     def _earliest_end(self, url: str, n: int, keys: list[int]) -> float:
         worker = self.state[url]
-        cached = reusable(worker.held(keys) * PAGE, n, PAGE)
-        return max(self.now, worker.free_at) + self.service(n, cached)
+        return max(self.now, worker.free_at) + self.service(n, worker.reused(keys, n))
 
 
 def replay_run(
