@@ -118,13 +118,16 @@ def small_prompts(n: int) -> list[list[dict[str, str]]]:
 def chat_body(messages: list[dict[str, str]], max_tokens: int, model: str | None = None) -> bytes:
     """A chat request's body; `model`: the workers' model name (smg refuses requests that
     name none)."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    return json.dumps(body if model is None else {"model": model, **body}).encode()
+    return _body({"messages": messages}, max_tokens, model)
 
 
 def text_body(prompt: str, max_tokens: int, model: str | None = None) -> bytes:
     """A /v1/completions request's body (a text prompt)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return _body({"prompt": prompt}, max_tokens, model)
+
+
+def _body(prompt: dict[str, Any], max_tokens: int, model: str | None) -> bytes:
+    body = {**prompt, "max_tokens": max_tokens, "temperature": 0}
     return json.dumps(body if model is None else {"model": model, **body}).encode()
 
 
