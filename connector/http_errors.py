@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 _KINDS = {
@@ -16,15 +18,19 @@ _KINDS = {
 }
 
 
-def json_error(
-    status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None
-) -> web.Response:
-    """`{"object": "error", "message", "type", "param": null, "code"}` with this status."""
-    body = {
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+    """`{"object": "error", "message", "type", "param": null, "code"}`."""
+    return {
         "object": "error",
         "message": message,
         "type": kind or _KINDS.get(status, "Error"),
         "param": None,
         "code": status,
     }
-    return web.json_response(body, status=status, headers=headers)
+
+
+def json_error(
+    status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    """The error body as an aiohttp response with this status."""
+    return web.json_response(error_body(status, message, kind), status=status, headers=headers)

@@ -22,13 +22,14 @@ from aiohttp import web
 
 from connector.pd_caching import Caching
 from connector.token_cache import CachedEncoder
+from router.fast_http import FastServer
 from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
-from router.server import Router, RouterConfig
+from router.server import PROCESS_HEADER, UNAUTHORIZED, Router, RouterConfig
 from router.siblings import SiblingConfig
 from router.supervisor import supervise, usable_cores
 from router.trees import PromptTrees
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         "which, unlike a flag, other users' ps does not show)",
     )
     a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
+    a(
+        "--http-server",
+        choices=["fast", "aiohttp"],
+        default="fast",
+        help="fast: the inference routes on httptools, every other route on aiohttp "
+        "(router.fast_http); aiohttp: every route on aiohttp",
+    )
     a("--request-timeout-secs", type=float, default=1800)
     a("--max-concurrent-requests", type=int, default=0, help="0: unlimited")
     a(
@@ -485,9 +493,17 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
     runner = web.AppRunner(router.app(), access_log=None)
     await runner.setup()  # with siblings: once they all hear each other
     siblings = router.config.siblings
-    await web.TCPSite(runner, args.host, args.port, reuse_port=siblings is not None).start()
+    reuse_port = siblings is not None
+    fast = None
+    if args.http_server == "fast":
+        named = {} if siblings is None else {PROCESS_HEADER: str(siblings.index)}
+        assert runner.server is not None
+        fast = FastServer(router, runner.server, UNAUTHORIZED, named)
+        await fast.start(args.host, args.port, reuse_port)
+    else:
+        await web.TCPSite(runner, args.host, args.port, reuse_port=reuse_port).start()
     if siblings is not None and siblings.index:  # the first process speaks for the router
-        await _wait_for_signal(runner)
+        await _wait_for_signal(runner, fast)
         return
     if args.prometheus_port:
         metrics = web.Application()
@@ -499,10 +515,10 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
     print(
         f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}", flush=True
     )
-    await _wait_for_signal(runner)
+    await _wait_for_signal(runner, fast)
 
 
-async def _wait_for_signal(runner: web.AppRunner) -> None:
+async def _wait_for_signal(runner: web.AppRunner, fast: FastServer | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: local workers are stopped too
@@ -510,6 +526,8 @@ async def _wait_for_signal(runner: web.AppRunner) -> None:
     try:
         await stop.wait()
     finally:
+        if fast is not None:
+            await fast.close()
         await runner.cleanup()
 
 

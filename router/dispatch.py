@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from connector.token_cache import CachedEncoder
 from router.learning import Learner, Served
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
+from router.reply import ClientSide, Stream, Whole
 from router.request import RequestError, when_encoded
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
@@ -42,7 +42,7 @@ LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is
 class Call:
     """One inference request on its way through the router."""
 
-    http: web.Request
+    client: ClientSide
     route: str
     body: dict[str, Any]
     raw: bytes
@@ -58,7 +58,7 @@ class Call:
 class Attempt:
     """A request a strategy sent: the client's response, and what each worker did."""
 
-    response: web.StreamResponse
+    response: Whole | Stream
     answer: Outcome  # the answering worker's (a PD pair's decode)
     served: list[Served]
     # the caches (tree, worker) that now hold the prompt plus its answer: the next prefix
@@ -154,7 +154,7 @@ class Sender:
         outcome: Outcome,
         tree: WorkerType | None,
         side: str | None = None,
-    ) -> web.StreamResponse:
+    ) -> Whole | Stream:
         """Forward to `decision.worker` and relay its answer; `tree`: the prompt tree that
         learns the worker is about to hold the prompt. AttemptFailed before the first byte."""
         worker = decision.worker
@@ -176,7 +176,7 @@ class Sender:
                     first_byte = self._first_token(call, flight.prefill_done)
                 return await forward(
                     self.upstream,
-                    call.http,
+                    call.client,
                     worker.url + call.route,
                     payload,
                     self.timeout_s,
@@ -254,7 +254,7 @@ class Dispatcher:
         self.learner = learner
         self.retry = retry
 
-    async def dispatch(self, call: Call) -> web.StreamResponse:
+    async def dispatch(self, call: Call) -> Whole | Stream:
         """The first attempt that reaches the client; 503 when every one failed."""
         retry = self.retry
         attempts = 1 + (retry.max_retries if retry.enabled else 0)

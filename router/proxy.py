@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
+from router.reply import ClientSide, Stream, Whole
 from router.upstream import UpstreamError, UpstreamPool
 
 _decode_json = msgspec.json.Decoder().decode  # several times faster than json.loads
@@ -61,7 +61,7 @@ class Outcome:
     first_byte: bool = False
     error: str | None = None
     streamed: bool = False
-    client: web.StreamResponse | None = None  # the client's stream, once it has begun
+    client: Stream | None = None  # the client's stream, once it has begun
 
 
 class Bound:
@@ -175,7 +175,7 @@ class SSEWatcher:
 
 async def forward(
     upstream: UpstreamPool,
-    request: web.Request,
+    client_side: ClientSide,
     url: str,
     payload: bytes,
     timeout_s: float,
@@ -183,8 +183,9 @@ async def forward(
     on_first_byte: Callable[[], None],
     inspect: bool = True,
     watch: set[asyncio.Timeout] | None = None,
-) -> web.StreamResponse:
-    """POST `payload` to `url` and relay the answer to the client of `request`.
+) -> Whole | Stream:
+    """POST `payload` to `url` and relay the answer to `client_side`: a whole answer is
+    returned for the server to write, a streamed one is written as it arrives.
 
     Raises WorkerUnavailable before anything reached the client (the caller may retry);
     afterwards, failures end the client's stream with an error event instead. `timeout_s`
@@ -225,10 +226,9 @@ async def forward(
             if resp.status == 200 and inspect:
                 with contextlib.suppress(msgspec.DecodeError):
                     read_result(_decode_json(body), outcome)
-            return web.Response(status=resp.status, body=body, headers=headers)
+            return Whole(resp.status, body, headers)
         outcome.streamed = True
-        client = web.StreamResponse(status=resp.status, headers=headers)
-        await client.prepare(request)
+        client = await client_side.open_stream(resp.status, headers)
         outcome.client = client
         watcher = SSEWatcher(outcome, inspect)
         try:
@@ -253,7 +253,7 @@ async def forward(
         resp.release()
 
 
-async def end_stream(client: web.StreamResponse, message: str) -> web.StreamResponse:
+async def end_stream(client: Stream, message: str) -> Stream:
     """End a client's SSE stream with an error event and [DONE]: a clear end, never a hang."""
     error = {"error": {"message": message, "type": "WorkerError", "code": 502}}
     with contextlib.suppress(ConnectionResetError):

@@ -13,7 +13,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -40,6 +40,7 @@ from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
+from router.reply import AiohttpClient, ClientSide, Stream, Whole
 from router.request import (
     INFERENCE_ROUTES,
     RequestError,
@@ -62,6 +63,7 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
 PROCESS_HEADER = "X-Router-Process"  # --processes: the index of the process that answered
+UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer ...)"
 METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -341,11 +343,8 @@ class Router:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """API key on protected routes; every error as JSON."""
-        if self.config.api_key and request.path not in OPEN_ROUTES:
-            given = request.headers.get("Authorization", "")
-            expected = f"Bearer {self.config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return json_error(401, "missing or wrong API key (Authorization: Bearer ...)")
+        if not self.authorized(request.path, request.headers.get("Authorization", "")):
+            return json_error(401, UNAUTHORIZED)
         try:
             return await handler(request)
         except RequestError as exc:
@@ -353,16 +352,17 @@ class Router:
         except Refused as exc:
             return json_error(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
         except web.HTTPRequestEntityTooLarge:
-            return json_error(
-                413,
-                f"request body larger than --max-payload-size "
-                f"({self.config.max_payload_bytes} bytes)",
-            )
+            return json_error(413, self.too_large())
         except web.HTTPException as exc:
             if exc.status >= 400:  # its headers too (405 names the allowed methods)
                 kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
                 return json_error(exc.status, exc.reason, headers=kept)
             raise
+
+    def too_large(self) -> str:
+        """Why a request body over the limit is refused (413)."""
+        limit = self.config.max_payload_bytes
+        return f"request body larger than --max-payload-size ({limit} bytes)"
 
     # ----------------------------------------------------------------- inference
 
@@ -379,14 +379,23 @@ class Router:
         return sum(rates) if rates else None
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
-        route = request.path
+        """An inference route on a connection aiohttp's server holds (the fast path hands a
+        connection over when a management request arrives on it)."""
+        raw = await request.read()
+        client = AiohttpClient(request)
+        return client.answer(await self.serve_inference(request.path, request.headers, raw, client))
+
+    async def serve_inference(
+        self, route: str, headers: Mapping[str, str], raw: bytes, client: ClientSide
+    ) -> Whole | Stream:
+        """One inference request, its body in hand, whichever server took it. RequestError
+        and Refused for what is refused (the server writes them as JSON errors)."""
         requests, duration = self.metrics.for_route(route)
         requests.inc()
         started = time.perf_counter()
         self._active += 1
         self._requests += 1
         try:
-            raw = await request.read()
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
             check_model(body, self.model_ids)
@@ -404,14 +413,21 @@ class Router:
                     # Text this replica never encoded may be on a path another one recorded:
                     # encode it before routing (only its new pieces; the cache has the rest).
                     full_tokens(prompt, encoder)
-                prompt.session = session_key(request.headers, body)
+                prompt.session = session_key(headers, body)
                 try:
-                    call = Call(request, route, body, raw, prompt, started)
+                    call = Call(client, route, body, raw, prompt, started)
                     return await self.dispatcher.dispatch(call)
                 finally:
                     duration.observe(time.perf_counter() - started)
         finally:
             self._active -= 1
+
+    def authorized(self, path: str, authorization: str) -> bool:
+        """The API key, when one is set, on every route but the open ones."""
+        if not self.config.api_key or path in OPEN_ROUTES:
+            return True
+        expected = f"Bearer {self.config.api_key}"
+        return hmac.compare_digest(authorization.encode(), expected.encode())
 
     # ----------------------------------------------------------------- management
 

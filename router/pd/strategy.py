@@ -16,8 +16,6 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from aiohttp import web
-
 from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
 from router.learning import Served
@@ -25,6 +23,7 @@ from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, m
 from router.pd.write_back import WriteBackGate
 from router.policies import Decision, Policy, RouteRequest, reusable
 from router.proxy import Outcome, end_stream
+from router.reply import Whole
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
 
@@ -110,8 +109,8 @@ class PrefillDecode(Strategy):
             sender.metrics.pd_errors.labels("prefill").inc()
             self.registry.record_failure(prefill)
             if outcome.client is not None:  # a stream had begun: end it with the error
-                response = await end_stream(outcome.client, error)
-                return Attempt(response, Outcome(status=502, error=error), [])
+                ended = await end_stream(outcome.client, error)
+                return Attempt(ended, Outcome(status=502, error=error), [])
             raise RequestError(502, error)
         try:
             response = await d_task
@@ -120,8 +119,7 @@ class PrefillDecode(Strategy):
             await asyncio.gather(p_task, return_exceptions=True)
             raise
         result = await p_task
-        if keep_prefill and result.body is not None and isinstance(response, web.Response):
-            assert isinstance(response.body, bytes)  # set from bytes by the relay
+        if keep_prefill and result.body is not None and isinstance(response, Whole):
             response.body = merge_input_logprobs(result.body, response.body)
         served = [
             Served(prefill, WorkerType.PREFILL, p_dec.predicted_cached, result.cached_tokens),

@@ -1,0 +1,84 @@
+"""Where an inference answer goes: aiohttp's response objects, or the fast path's socket.
+
+The dispatcher and the relay do not know which HTTP server took the request. A whole answer
+comes back as a `Whole` (status, headers, body) for the server to write; a streamed one is
+written as it arrives through the `Stream` its `ClientSide` opened.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+
+from connector.http_errors import error_body
+
+
+@dataclass(slots=True)
+class Whole:
+    """An answer written at once: its status, headers (lowercase names) and body."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, status: int, message: str, headers: dict[str, str] | None = None) -> Whole:
+        """SGLang's OpenAI-style JSON error with this status."""
+        body = msgspec.json.encode(error_body(status, message))
+        return cls(status, body, {"content-type": "application/json", **(headers or {})})
+
+
+class Stream(ABC):
+    """A client's streamed answer, its status and headers already sent."""
+
+    @abstractmethod
+    async def write(self, chunk: bytes) -> None:
+        """Send `chunk` (waits while the client reads slower than the worker writes);
+        ConnectionResetError when the client has gone."""
+
+    @abstractmethod
+    async def write_eof(self) -> None:
+        """End the answer."""
+
+
+class ClientSide(ABC):
+    """The client of one request, as the relay sees it."""
+
+    @abstractmethod
+    async def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
+        """Send the status and headers of a streamed answer."""
+
+
+class _AiohttpStream(Stream):
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+
+    async def write(self, chunk: bytes) -> None:
+        await self.response.write(chunk)
+
+    async def write_eof(self) -> None:
+        await self.response.write_eof()
+
+
+class AiohttpClient(ClientSide):
+    """A request aiohttp's server took (management routes share its connection)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None  # once a stream has begun
+
+    async def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
+        response = web.StreamResponse(status=status, headers=headers)
+        await response.prepare(self.request)
+        self.response = response
+        return _AiohttpStream(response)
+
+    def answer(self, result: Whole | Stream) -> web.StreamResponse:
+        """What aiohttp's handler returns for `result`."""
+        if isinstance(result, Whole):
+            return web.Response(status=result.status, body=result.body, headers=result.headers)
+        assert isinstance(result, _AiohttpStream)
+        return result.response
