@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 4 * 1024 * 1024  # pause reading from a worker that runs ahead of the client
+_MAX_TARGETS = 4096  # URLs whose parsed form is kept (workers x routes)
 
 
 class UpstreamError(Exception):
@@ -194,6 +195,7 @@ class UpstreamPool:
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._live: set[_Connection] = set()
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
 
     async def post(
         self, url: str, body: bytes, content_type: str = "application/json"
@@ -203,15 +205,11 @@ class UpstreamPool:
         A pooled connection the worker closed while idle is retried once on a new one:
         the worker never saw the request.
         """
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise UpstreamError(f"unsupported worker URL {url!r} (http://host:port only)")
-        key = (parts.hostname, parts.port or 80)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nAccept-Encoding: identity\r\n\r\n"
-        ).encode("latin-1")
+        key, head = self._target(url)
+        head += b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n" % (
+            content_type.encode("latin-1"),
+            len(body),
+        )
         for _attempt in range(2):
             conn, reused = await self._acquire(key)
             conn.send(head, body)
@@ -227,6 +225,22 @@ class UpstreamPool:
                 raise
             return UpstreamResponse(conn)
         raise UpstreamError(f"worker {key[0]}:{key[1]} closed the connection twice")
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+        """(host, port) and the request line and fixed headers for `url`, parsed once."""
+        known = self._targets.get(url)
+        if known is not None:
+            return known
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise UpstreamError(f"unsupported worker URL {url!r} (http://host:port only)")
+        key = (parts.hostname, parts.port or 80)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        head = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept-Encoding: identity\r\n"
+        if len(self._targets) >= _MAX_TARGETS:
+            self._targets.clear()
+        known = self._targets[url] = (key, head.encode("latin-1"))
+        return known
 
     async def close(self) -> None:
         for conn in list(self._live):
