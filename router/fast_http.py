@@ -99,6 +99,7 @@ class FastConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.raw: list[bytes] = []  # the bytes since the current message's chunk began
+        self.keep_raw = False  # until its route is known: the bytes aiohttp would need
         self.in_message = False
         self.fresh = False  # the chunk being parsed began between two messages
         self.clean = False  # the current message began at the start of a chunk
@@ -138,11 +139,11 @@ class FastConnection(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.stopped:
             return
-        if self.in_message:
-            self.raw.append(data)
-        else:
+        if not self.in_message:
             self.raw = [data]
             self.fresh = True
+        elif self.keep_raw:
+            self.raw.append(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -157,6 +158,7 @@ class FastConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.in_message = True
+        self.keep_raw = True
         self.clean = self.fresh
         self.url = b""
         self.headers = Headers()
@@ -178,6 +180,8 @@ class FastConnection(asyncio.Protocol):
             self.switch = True
             raise _Stop  # aborts the parse: aiohttp's server takes it from here
         self.route = route
+        self.keep_raw = False
+        self.raw = []
         router = self.server.router
         if not router.authorized(route, self.headers.get("authorization") or ""):
             self.refused = Whole.error(401, self.server.unauthorized)
