@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +197,24 @@ def test_the_fast_path_and_aiohttp_give_the_same_errors(model_dir: Path, tmp_pat
             answers[server] = got
     assert [s for s, _ in answers["fast"]] == [s for _, _, s in bad] + [401]
     assert answers["fast"] == answers["aiohttp"]
+
+
+def test_requests_split_anywhere_across_segments(routed: Server) -> None:
+    """However TCP cuts a request (inside its request line, a header, the body), the answer
+    is the same: for an inference route, and for a route handed to aiohttp mid-headers."""
+    requests = [
+        (get("/health"), 200),
+        (get("/v1/models"), 200),
+        (post("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1}}'), 200),
+        (post("/v1/chat/completions", b'{"messages": []}'), 400),
+    ]
+    for data, status in requests:
+        for cut in range(1, len(data), 7):
+            with connect(routed) as (sock, f):
+                sock.sendall(data[:cut])
+                time.sleep(0.002)  # two segments, not one
+                sock.sendall(data[cut:])
+                got, _, body = read_response(f)
+                assert got == status, (data[:cut], body)
+                sock.sendall(data)  # and the connection serves the next one whole
+                assert read_response(f)[0] == status
