@@ -28,7 +28,8 @@ class Whole:
     def error(cls, status: int, message: str, headers: dict[str, str] | None = None) -> Whole:
         """SGLang's OpenAI-style JSON error with this status."""
         body = msgspec.json.encode(error_body(status, message))
-        return cls(status, body, {"content-type": "application/json", **(headers or {})})
+        kind = {"content-type": "application/json; charset=utf-8"}  # as aiohttp's json_response
+        return cls(status, body, {**kind, **(headers or {})})
 
 
 class Stream(ABC):

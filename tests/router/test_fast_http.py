@@ -180,7 +180,7 @@ def test_the_fast_path_and_aiohttp_give_the_same_errors(model_dir: Path, tmp_pat
         ("/generate", b"[1, 2]", 400),
         ("/v1/completions", b'{"prompt": "x", "model": "no-such-model"}', 404),
     ]
-    answers: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    answers: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
     for server in ("fast", "aiohttp"):
         extra = ("--http-server", server, "--api-key", "k")
         (tmp_path / server).mkdir()
@@ -189,13 +189,13 @@ def test_the_fast_path_and_aiohttp_give_the_same_errors(model_dir: Path, tmp_pat
             with connect(r) as (sock, f):
                 for path, body, _status in bad:
                     sock.sendall(post(path, body, "Authorization: Bearer k"))
-                    status, _, payload = read_response(f)
-                    got.append((status, as_json(payload)))
+                    status, headers, payload = read_response(f)
+                    got.append((status, headers["content-type"], as_json(payload)))
                 sock.sendall(post("/generate", b'{"text": "hi"}'))  # no key
-                status, _, payload = read_response(f)
-                got.append((status, as_json(payload)))
+                status, headers, payload = read_response(f)
+                got.append((status, headers["content-type"], as_json(payload)))
             answers[server] = got
-    assert [s for s, _ in answers["fast"]] == [s for _, _, s in bad] + [401]
+    assert [s for s, _, _ in answers["fast"]] == [s for _, _, s in bad] + [401]
     assert answers["fast"] == answers["aiohttp"]
 
 
