@@ -174,6 +174,23 @@ def counting_worker() -> Iterator[tuple[str, dict[str, int], threading.Event]]:
         server.server_close()
 
 
+def test_inference_answers_name_their_process_too(fresh: list[Server], tmp_path: Path) -> None:
+    """The inference routes (router.fast_http) carry X-Router-Process as aiohttp's do."""
+    body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
+    seen: set[int] = set()
+    with router([w.url for w in fresh], tmp_path, *PROCESSES) as r:
+        for _ in range(400):
+            req = urllib.request.Request(
+                r.url + "/generate", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+                seen.add(int(resp.headers[PROCESS_HEADER]))
+            if len(seen) == 2:
+                break
+    assert seen == {0, 1}
+
+
 def test_one_process_checks_health_and_the_others_follow(tmp_path: Path, model_dir: Path) -> None:
     interval = 0.2
     flags = ["--health-check-interval-secs", str(interval), "--load-check-interval-secs", "0.2"]
