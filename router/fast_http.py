@@ -146,8 +146,8 @@ class FastConnection(asyncio.Protocol):
             self.raw.append(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # an offer to upgrade (curl --http2's h2c): declined, answered in HTTP/1.1
+        except httptools.HttpParserUpgrade:  # (offers to upgrade go to aiohttp first)
+            self._refuse(Whole.error(400, "an upgrade to another protocol is not supported"))
         except httptools.HttpParserError as exc:
             if self.switch:
                 self._hand_over()
@@ -174,7 +174,7 @@ class FastConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         route = None
-        if self.parser.get_method() == b"POST":
+        if self.parser.get_method() == b"POST" and not self._upgrade_asked():
             route = FAST_ROUTES.get(self.url.partition(b"?")[0])
         if route is None:
             self.switch = True
@@ -192,6 +192,12 @@ class FastConnection(asyncio.Protocol):
         expect = (self.headers.get("expect") or "").lower()
         if expect == "100-continue" and self.refused is None and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _upgrade_asked(self) -> bool:
+        """An offer to switch protocols (curl --http2's h2c): httptools would stop at the
+        headers, so the request goes to aiohttp's server, which declines it."""
+        connection = (self.headers.get("connection") or "").lower()
+        return "upgrade" in self.headers and "upgrade" in connection
 
     def on_body(self, body: bytes) -> None:
         if self.refused is not None:

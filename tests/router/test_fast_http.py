@@ -144,6 +144,16 @@ def test_chunked_request_bodies_and_expect_100_continue(routed: Server) -> None:
         assert read_response(f)[0] == 200
 
 
+def test_an_offer_to_upgrade_is_declined_and_the_request_answered(routed: Server) -> None:
+    """curl --http2 on http:// offers h2c; the answer comes in HTTP/1.1, body read whole."""
+    body = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
+    offer = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQ")
+    with connect(routed) as (sock, f):
+        sock.sendall(post("/generate", body, *offer))
+        status, _, answer = read_response(f)
+        assert status == 200 and "text" in as_json(answer)
+
+
 def test_http_1_0_is_answered_then_closed(routed: Server) -> None:
     with connect(routed) as (sock, f):
         sock.sendall(post("/v1/chat/completions", json.dumps(CHAT).encode(), version="1.0"))
