@@ -34,6 +34,7 @@ FAST_ROUTES = {route.encode(): route for route in INFERENCE_ROUTES}
 IDLE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this (aiohttp's default)
 SWEEP_S = 15.0
 SHUTDOWN_GRACE_S = 60.0  # answers in flight may finish this long on shutdown (aiohttp's)
+LINGER_S = 10.0  # after a refusal mid-request, what the client still sends is read this long
 PIPELINED = "a request for another route pipelined behind an inference request on one "
 PIPELINED += "connection: send it after the answer, or on another connection"
 
@@ -290,7 +291,9 @@ class FastConnection(asyncio.Protocol):
             if data:
                 self.transport.write(data)
         self.current = None
-        if not exchange.keep_alive:
+        if not exchange.keep_alive and self.stopped:
+            self._linger()
+        elif not exchange.keep_alive:
             self.close()
         elif self.queue:
             self._start(self.queue.popleft())
@@ -332,6 +335,18 @@ class FastConnection(asyncio.Protocol):
         handler.connection_made(transport)
         handler.data_received(b"".join(self.raw))
         self.raw = []
+
+    def _linger(self) -> None:
+        """After a refusal mid-request (413, malformed): the answer is out, so send FIN and
+        read and drop what the client still sends until it closes or LINGER_S pass. Closing
+        with its body unread would reset the connection and could lose the answer (aiohttp
+        lingers the same way)."""
+        transport = self.transport
+        if transport is None:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     def close(self) -> None:
         if self.transport is not None:
