@@ -29,7 +29,7 @@ from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
-from router.server import PROCESS_HEADER, UNAUTHORIZED, Router, RouterConfig
+from router.server import PROCESS_HEADER, Router, RouterConfig
 from router.siblings import SiblingConfig
 from router.supervisor import supervise, usable_cores
 from router.trees import PromptTrees
@@ -498,7 +498,7 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
     if args.http_server == "fast":
         named = {} if siblings is None else {PROCESS_HEADER: str(siblings.index)}
         assert runner.server is not None
-        fast = FastServer(router, runner.server, UNAUTHORIZED, named)
+        fast = FastServer(router, runner.server, named)
         await fast.start(args.host, args.port, reuse_port)
     else:
         await web.TCPSite(runner, args.host, args.port, reuse_port=reuse_port).start()

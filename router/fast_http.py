@@ -25,6 +25,7 @@ import httptools
 from router.admission import Refused
 from router.reply import ClientSide, Stream, Whole
 from router.request import INFERENCE_ROUTES, RequestError
+from router.server import UNAUTHORIZED
 
 if TYPE_CHECKING:
     from router.server import Router
@@ -185,7 +186,7 @@ class FastConnection(asyncio.Protocol):
         self.raw = []
         router = self.server.router
         if not router.authorized(route, self.headers.get("authorization") or ""):
-            self.refused = Whole.error(401, self.server.unauthorized)
+            self.refused = Whole.error(401, UNAUTHORIZED)
         length = self.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body:
             self._refuse(Whole.error(413, router.too_large()))
@@ -370,12 +371,10 @@ class FastServer:
         self,
         router: Router,
         fallback: Callable[[], asyncio.Protocol],
-        unauthorized: str,
         extra_headers: dict[str, str] | None = None,
     ) -> None:
         self.router = router
         self.fallback = fallback  # a new aiohttp RequestHandler for a handed-over connection
-        self.unauthorized = unauthorized
         self.max_body = router.config.max_payload_bytes
         self.connections: set[FastConnection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
