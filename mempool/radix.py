@@ -116,7 +116,8 @@ class InsertResult:
 
 # (last_access when queued, stamp, leaf): the stamp is unique, so nodes are never compared.
 LeafEntry: TypeAlias = tuple[float, int, TreeNode]
-# (last confirmed, sequence number, node, holder)
+# (confirmed at or before, sequence number, node, holder): one per (node, holder) pair, pushed
+# when the holder arrives and re-keyed lazily by expire(), so a confirmation is a dict store
 ExpiryEntry: TypeAlias = tuple[float, int, TreeNode, Hashable]
 
 
@@ -354,10 +355,15 @@ class RadixTree:
         """Drop holder entries last confirmed before `older_than`; returns pages pruned."""
         heap, emptied = self._expiry, []
         while heap and heap[0][0] < older_than:
-            seen, _, node, holder = heapq.heappop(heap)
+            _, _, node, holder = heapq.heappop(heap)
             holders = node.holders
-            if not node.attached or holders is None or holders.get(holder) != seen:
-                continue  # stale: pruned, forgotten or confirmed again since
+            if not node.attached or holders is None or holder not in holders:
+                continue  # stale: pruned or forgotten since
+            seen = holders[holder]
+            if seen >= older_than:  # confirmed again since: re-enter at its time
+                self._seq += 1
+                heapq.heappush(heap, (seen, self._seq, node, holder))
+                continue
             self._drop_holder(node, holder)
             if not holders:
                 emptied.append(node)
@@ -732,10 +738,8 @@ class RadixTree:
         assert holders is not None
         if holder not in holders:
             self._holder_entries += 1
-            self._by_holder.setdefault(holder, set()).add(node)
-        holders[holder] = now
-        self._seq += 1
-        heapq.heappush(self._expiry, (now, self._seq, node, holder))
+            self._index_holder(node, holder, now)
+        holders[holder] = now  # its expiry entry, older, is re-keyed when it comes up
 
     def _index_holder(self, node: TreeNode, holder: Hashable, seen: float) -> None:
         self._by_holder.setdefault(holder, set()).add(node)
@@ -761,10 +765,10 @@ class RadixTree:
         if len(self._expiry) <= STALE_FACTOR * self._holder_entries + STALE_FLOOR:
             return
         current: dict[tuple[int, Hashable], ExpiryEntry] = {}
-        for entry in self._expiry:
-            seen, _, node, holder = entry
-            if node.attached and node.holders is not None and node.holders.get(holder) == seen:
-                current.setdefault((id(node), holder), entry)
+        for _, seq, node, holder in self._expiry:
+            holders = node.holders
+            if node.attached and holders is not None and holder in holders:
+                current.setdefault((id(node), holder), (holders[holder], seq, node, holder))
         self._expiry = list(current.values())
         heapq.heapify(self._expiry)
 

@@ -35,8 +35,6 @@ from router.workers import Worker, WorkerRegistry, WorkerType
 
 log = logging.getLogger(__name__)
 
-LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
-
 
 @dataclass(slots=True)
 class Call:
@@ -287,16 +285,8 @@ class Dispatcher:
                 continue
             if sent is None:
                 break
-            # Learning is for later requests: off this one's path, and off the next one's
-            # (a multi-turn client sends its next turn the moment this answer lands).
-            asyncio.get_running_loop().call_later(
-                LEARN_DELAY_S,
-                self.learner.learn,
-                call.route,
-                call.prompt,
-                sent.answer,
-                sent.served,
-                sent.holders,
+            self.learner.learn_later(
+                call.route, call.prompt, sent.answer, sent.served, sent.holders
             )
             return sent.response
         what = self.strategy.unit

@@ -8,10 +8,14 @@ prefix) record it. It runs after the answer, off every request's path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from connector.token_cache import CachedEncoder
 from router.metrics import RouterMetrics
@@ -20,6 +24,10 @@ from router.proxy import Outcome
 from router.request import encoded, full_tokens
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
+
+log = logging.getLogger(__name__)
+
+LEARN_DELAY_S = 0.002  # tree updates from an answer wait this long: the loop is idle by then
 
 
 @dataclass(slots=True)
@@ -32,6 +40,12 @@ class Served:
     reported: int | None  # cached tokens it reported (None: not reported, or not its role)
     error: str | None = None
     side: str | None = None  # metrics label: "prefill"/"decode" in a PD pair, None colocated
+
+
+# learn()'s arguments: route, prompt, answer, served, holders
+LearnArgs: TypeAlias = tuple[
+    str, RouteRequest, Outcome, Sequence[Served], Sequence[tuple[WorkerType, Worker]]
+]
 
 
 class Learner:
@@ -57,6 +71,37 @@ class Learner:
         # once; recording the answer here too could re-add pages their events already
         # removed (a full cache evicts within steps), leaving phantom holders until the TTL.
         self.exact = exact
+        self._waiting: deque[tuple[float, LearnArgs]] = deque()  # (due, what to learn from)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def learn_later(
+        self,
+        route: str,
+        prompt: RouteRequest,
+        answer: Outcome,
+        served: Sequence[Served],
+        holders: Sequence[tuple[WorkerType, Worker]],
+    ) -> None:
+        """`learn`, LEARN_DELAY_S from now: off this request's path, and off the next one's
+        (a multi-turn client sends its next turn the moment this answer lands). One timer
+        serves every answer waiting: at max load a timer per answer cost more than learning."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + LEARN_DELAY_S
+        self._waiting.append((due, (route, prompt, answer, served, holders)))
+        if self._timer is None:
+            self._timer = loop.call_at(due, self._learn_due)
+
+    def _learn_due(self) -> None:
+        """Learn from every answer whose delay is over; wake again for the next one."""
+        loop = asyncio.get_running_loop()
+        now, waiting = loop.time(), self._waiting
+        while waiting and waiting[0][0] <= now:
+            _, args = waiting.popleft()
+            try:
+                self.learn(*args)
+            except Exception:  # one bad answer must not stop learning from the others
+                log.exception("learning from an answer failed")
+        self._timer = loop.call_at(waiting[0][0], self._learn_due) if waiting else None
 
     def learn(
         self,
@@ -117,9 +162,23 @@ class Learner:
         if self.idle() and chat is not None and enc is not None and answer.output_text:
             with contextlib.suppress(ValueError):
                 enc.prime([*chat, {"role": "assistant", "content": answer.output_text}])
-        prefix = array("I", prompt.tokens or ())
+        prompt_ids = prompt.tokens or ()
+        if answer.output_ids is None and self._adds_no_page(len(prompt_ids), answer):
+            # the trees keep whole pages: an answer that ends inside the prompt's last page
+            # changes nothing there (most short answers), and encoding it would cost more
+            # than the rest of learning
+            return array("I", prompt_ids)
+        prefix = array("I", prompt_ids)
         if answer.output_ids is not None:
             prefix.extend(answer.output_ids)
         elif answer.output_text and enc is not None:
             prefix.extend(enc.tokenizer.encode(answer.output_text, add_special_tokens=False))
         return prefix
+
+    def _adds_no_page(self, prompt_tokens: int, answer: Outcome) -> bool:
+        """The answer's tokens (as it counts them) end inside the prompt's last page."""
+        generated = answer.completion_tokens
+        if generated is None:
+            return False
+        page = self.trees.page_size
+        return (prompt_tokens + generated) // page == prompt_tokens // page

@@ -93,6 +93,7 @@ class Options:
     held: dict[str, int]  # predicted reusable tokens per worker (any tier)
     plans: dict[str, Plan]
     best: Worker  # the holder of the longest prefix
+    loads: dict[str, int]  # each worker's load (Worker.load), read once
 
 
 @dataclass(slots=True)
@@ -274,34 +275,36 @@ class PromptTree(Policy):
         self.pulls = pulls  # plan MemPool pulls between workers that support them
         self.heat = PrefixHeat(trees.page_size)
 
-    def _predicted(self, held: int, n: int) -> int:
-        return reusable(held, n, self.trees.page_size)
-
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         """What each worker holds, how it would serve the request, and the best holder."""
-        n = request.num_tokens
-        view = self.trees.match(request.type, request.tokens or [])
-        held = {w.url: self._predicted(view.held.get(w.url, 0), n) for w in workers}
-        best = max(workers, key=lambda w: (held[w.url], -w.load))
+        n, page = request.num_tokens, self.trees.page_size
+        view = self.trees.match(request.type, request.tokens or ())
+        found, device = view.held, view.device
+        held = {w.url: reusable(found.get(w.url, 0), n, page) for w in workers}
+        loads = {w.url: w.load for w in workers}
+        best = max(workers, key=lambda w: (held[w.url], -loads[w.url]))
         most = held[best.url]
         source = best if self.pulls and most and best.agent is not None else None
         plans = {}
         for w in workers:
-            host = min(view.host(w.url), held[w.url])
+            url = w.url
+            host = min(max(found.get(url, 0) - device.get(url, 0), 0), held[url])  # view.host
             pull_from = source if source is not w else None
-            plans[w.url] = self.cost.plan(w, n, held[w.url], host, pull_from, most)
-        return Options(workers, view, held, plans, best)
+            plans[url] = self.cost.plan(w, n, held[url], host, pull_from, most)
+        return Options(workers, view, held, plans, best, loads)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
-        held, plans = o.held, o.plans
-        n = request.num_tokens
+        held, plans, loads = o.held, o.plans, o.loads
+        n, page = request.num_tokens, self.trees.page_size
         # Where the prefix lives, or lived last: a prefix evicted everywhere is computed
         # again where it lived rather than scattered (see router.trees: homes).
+        home = o.view.home
         affinity = {
-            w.url: max(held[w.url], self._predicted(o.view.home.get(w.url, 0), n)) for w in workers
+            url: max(mine, reusable(home[url], n, page)) if url in home else mine
+            for url, mine in held.items()
         }
-        best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -w.load))
+        best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -loads[w.url]))
         most = affinity[best.url]
         per_token = self.cost.prefill_s_per_token
         # Expected TTFT on each worker, plus the prefix it lacks, paid once more:
@@ -319,12 +322,14 @@ class PromptTree(Policy):
             + (most - affinity[w.url]) * per_token * (1 + w.waiting) / (1 + heat)
             for w in workers
         }
-        soonest = min(workers, key=lambda w: (placement[w.url], w.load))
+        soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
         if most == 0:
             return self._decide(o, soonest, "cache_miss")
-        low = min(w.load for w in workers)
-        if self.thresholds.imbalanced(best.load, low):  # sglang-router's rule: the lightest
-            lightest = min((w for w in workers if w.load == low), key=lambda w: placement[w.url])
+        low = min(loads.values())
+        if self.thresholds.imbalanced(loads[best.url], low):  # sglang-router's rule: the lightest
+            lightest = min(
+                (w for w in workers if loads[w.url] == low), key=lambda w: placement[w.url]
+            )
             return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
             # off a busy holder; or, nothing being held anywhere, off the prefix's busy home

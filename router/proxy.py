@@ -56,6 +56,7 @@ class Outcome:
 
     status: int = 0
     cached_tokens: int | None = None
+    completion_tokens: int | None = None  # as the answer's usage (or meta_info) counts them
     output_ids: list[int] | None = None
     output_text: str = ""
     first_byte: bool = False
@@ -102,11 +103,11 @@ class WorkerUnavailable(Exception):
         self.status = status
 
 
-def reported_tokens(body: dict[str, Any], name: str) -> int | None:
-    """A prompt-token count an answer reports: OpenAI's `usage.prompt_tokens_details`, else
-    SGLang's `meta_info` (None where neither has it)."""
+def reported_tokens(body: dict[str, Any], name: str, top: bool = False) -> int | None:
+    """A token count an answer reports: OpenAI's `usage.prompt_tokens_details` (`top`:
+    `usage` itself), else SGLang's `meta_info` (None where neither has it)."""
     usage, meta = body.get("usage"), body.get("meta_info")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    details = usage if top or not isinstance(usage, dict) else usage.get("prompt_tokens_details")
     for where in (details, meta):
         value = where.get(name) if isinstance(where, dict) else None
         if isinstance(value, int) and not isinstance(value, bool):
@@ -121,6 +122,9 @@ def read_result(body: Any, outcome: Outcome) -> None:
     cached = reported_tokens(body, "cached_tokens")
     if cached is not None:
         outcome.cached_tokens = cached
+    generated = reported_tokens(body, "completion_tokens", top=True)
+    if generated is not None:
+        outcome.completion_tokens = generated
     if isinstance(body.get("output_ids"), list):
         outcome.output_ids = body["output_ids"]
     if isinstance(body.get("text"), str):

@@ -216,7 +216,12 @@ def check_structures(tree: RadixTree) -> None:
         assert entries[(id(n), n.lru_stamp)] <= n.last_access
     pairs = {(id(n), h, seen) for n in nodes if n.holders for h, seen in n.holders.items()}
     assert tree._holder_entries == len(pairs)
-    assert pairs <= {(id(node), h, seen) for seen, _, node, h in tree._expiry}
+    # every pair has an expiry entry no later than its last confirmation (re-keyed lazily)
+    earliest: dict[tuple[int, object], float] = {}
+    for seen, _, node, h in tree._expiry:
+        earliest[(id(node), h)] = min(seen, earliest.get((id(node), h), seen))
+    for i, h, seen in pairs:
+        assert earliest[(i, h)] <= seen
     by_holder = {(h, id(n)) for h, held in tree._by_holder.items() for n in held}
     assert by_holder == {(h, i) for i, h, _ in pairs}
     assert all(tree._by_holder.values())  # no empty sets left behind
