@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from router.deadlines import deadlines
 from router.reply import ClientSide, Stream, Whole
 from router.upstream import UpstreamError, UpstreamPool
 
@@ -66,23 +67,27 @@ class Outcome:
 
 
 class Bound:
-    """`asyncio.timeout_at(deadline)`, registered in `watch` (the worker's exchanges in
-    flight) while it runs, so that the worker's failed health checks can end it early."""
+    """A deadline on an exchange with a worker (`asyncio.timeout_at(deadline)`, checked by
+    the loop's one deadline timer: router.deadlines), registered in `watch` (the worker's
+    exchanges in flight) while it runs, so that the worker's failed health checks can end
+    it early."""
 
     __slots__ = ("_cm", "_deadline", "_watch")
 
     def __init__(self, deadline: float, watch: set[asyncio.Timeout] | None) -> None:
         self._deadline = deadline
         self._watch = watch
-        self._cm = asyncio.timeout_at(deadline)
+        self._cm = asyncio.Timeout(None)
 
     async def __aenter__(self) -> asyncio.Timeout:
         await self._cm.__aenter__()
+        deadlines().add(self._cm, self._deadline)
         if self._watch is not None:
             self._watch.add(self._cm)
         return self._cm
 
     async def __aexit__(self, *exc: Any) -> None:
+        deadlines().discard(self._cm)
         if self._watch is not None:
             self._watch.discard(self._cm)
         await self._cm.__aexit__(*exc)  # raises TimeoutError when the deadline passed
