@@ -57,10 +57,17 @@ _BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines] = (
 )
 
 
+_last: Deadlines | None = None  # the last one asked for: a router runs one loop
+
+
 def deadlines() -> Deadlines:
     """The running event loop's deadlines."""
+    global _last
     loop = asyncio.get_running_loop()
+    if _last is not None and _last._loop is loop:
+        return _last
     found = _BY_LOOP.get(loop)
     if found is None:
         found = _BY_LOOP[loop] = Deadlines(loop)
+    _last = found
     return found

@@ -72,22 +72,23 @@ class Bound:
     exchanges in flight) while it runs, so that the worker's failed health checks can end
     it early."""
 
-    __slots__ = ("_cm", "_deadline", "_watch")
+    __slots__ = ("_cm", "_deadline", "_deadlines", "_watch")
 
     def __init__(self, deadline: float, watch: set[asyncio.Timeout] | None) -> None:
         self._deadline = deadline
         self._watch = watch
         self._cm = asyncio.Timeout(None)
+        self._deadlines = deadlines()
 
     async def __aenter__(self) -> asyncio.Timeout:
         await self._cm.__aenter__()
-        deadlines().add(self._cm, self._deadline)
+        self._deadlines.add(self._cm, self._deadline)
         if self._watch is not None:
             self._watch.add(self._cm)
         return self._cm
 
     async def __aexit__(self, *exc: Any) -> None:
-        deadlines().discard(self._cm)
+        self._deadlines.discard(self._cm)
         if self._watch is not None:
             self._watch.discard(self._cm)
         await self._cm.__aexit__(*exc)  # raises TimeoutError when the deadline passed
