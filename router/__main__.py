@@ -32,7 +32,7 @@ from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import PROCESS_HEADER, Router, RouterConfig
 from router.siblings import SiblingConfig
-from router.supervisor import supervise, usable_cores
+from router.supervisor import die_with_supervisor, supervise, usable_cores
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType, normalize_url
 
@@ -554,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.process_index is not None:
+        die_with_supervisor()
     count = 1 if args.process_index is not None else processes(args)
     if count > 1:
         check_args(args)

@@ -119,12 +119,17 @@ class Sender:
         """Optimistic: `worker` is about to hold the prompt (its new text encoded first,
         right after the send, off the request's path)."""
         if prompt.tokens is not None and self.uses_tokens:
-            record = functools.partial(self._record, tree, worker.url)
+            record = functools.partial(self._record, tree, worker.url, prompt)
             asyncio.get_running_loop().call_soon(when_encoded, prompt, self.encoder, record)
 
-    def _record(self, tree: WorkerType, url: str, tokens: array[int] | None) -> None:
+    def _record(
+        self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
+    ) -> None:
         if tokens:
             self.trees.record(tree, url, tokens)
+            if prompt.recorded is None:
+                prompt.recorded = []
+            prompt.recorded.append((tree, url, time.monotonic()))
 
     def pending(self, prompt: RouteRequest, decision: Decision) -> int:
         """Prompt tokens the worker is expected to compute (none of a prefix it pulls)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -146,10 +147,36 @@ class Learner:
         for s in served:
             if s.reported is not None:
                 self.trees.feedback(s.tree, s.worker.url, tokens, s.predicted, s.reported)
-        prefix = self.next_prefix(prompt, answer)
-        if not self.exact:
-            for tree, worker in holders:
+        prefix = self.next_prefix(prompt, answer)  # (primes the next turn's encode too)
+        if self.exact:
+            return
+        unchanged = self._recorded_as_is(prompt, served, len(tokens), len(prefix))
+        for tree, worker in holders:
+            if (tree, worker.url) not in unchanged:
                 self.trees.record(tree, worker.url, prefix)
+
+    def _recorded_as_is(
+        self, prompt: RouteRequest, served: Sequence[Served], tokens: int, prefix: int
+    ) -> set[tuple[WorkerType, str]]:
+        """The (tree, URL) holdings of the prompt recorded at dispatch that recording the
+        next prefix would not change: it adds no whole page, the worker reported no less
+        than predicted (no correction dropped the path since) and the record is recent
+        (its TTL far off). Recording them again only costs: a tree insert, and with several
+        router processes, a message to each sibling."""
+        page = self.trees.page_size
+        if not prompt.recorded or prefix // page != tokens // page:
+            return set()
+        corrected = {
+            (s.tree, s.worker.url)
+            for s in served
+            if s.reported is not None and s.reported < s.predicted
+        }
+        recent = time.monotonic() - self.trees.ttl_s / 2
+        return {
+            (tree, url)
+            for tree, url, at in prompt.recorded
+            if at >= recent and (tree, url) not in corrected
+        }
 
     def next_prefix(self, prompt: RouteRequest, answer: Outcome) -> array[int]:
         """The prompt plus what was generated: the next turn's prefix.

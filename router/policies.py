@@ -39,6 +39,9 @@ class RouteRequest:
     rest: list[str] | None = None
     rest_tokens: int = 0
     encoding: asyncio.Task[None] | None = None  # `rest` being encoded on a thread (router.request)
+    # the trees told at dispatch that a worker is about to hold the prompt: (tree, URL,
+    # time.monotonic() then) (router.dispatch; learning skips a record that adds nothing)
+    recorded: list[tuple[WorkerType, str, float]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,8 +7,10 @@ with the same arguments plus their index. Each child binds the port with SO_REUS
 the kernel spreads incoming connections over them, and they share their state over the
 local channel (router.siblings).
 
-It forwards SIGTERM and SIGINT to the children. When a child exits on its own the
-supervisor stops the others and exits with an error: a router missing a process would
+It forwards SIGTERM and SIGINT to the children; a child whose supervisor dies without
+stopping it (SIGKILL, the OOM killer) gets SIGTERM from the kernel (Linux's parent-death
+signal), so no orphan keeps serving the port beside a restarted router. When a child exits
+on its own the supervisor stops the others and exits with an error: a router missing a process would
 go on serving with part of the capacity it was given, silently, and a restarted child
 would have missed what the others learned; a process manager restarts the whole router,
 whose processes start together and share their state from the beginning. The directory
@@ -18,6 +20,7 @@ is removed at the end.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -64,6 +67,23 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     return None
 
 
+SUPERVISOR_ENV = "MEMSERVE_ROUTER_SUPERVISOR"  # the supervisor's pid, in its children's env
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_supervisor() -> None:
+    """In a child: SIGTERM when the supervisor that started it dies (Linux; elsewhere a
+    no-op), or at once if it died before this ran."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if supervisor is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if str(os.getppid()) != supervisor:  # already gone: adopted by init or a subreaper
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def child_command(argv: Sequence[str], index: int, count: int, directory: Path) -> list[str]:
     """The same command line with this child's place among the processes."""
     place = ["--process-index", str(index), "--process-count", str(count)]
@@ -75,7 +95,11 @@ def supervise(argv: Sequence[str], count: int) -> int:
     the exit status: 0 after a signal, 1 when a child exited on its own."""
     directory = Path(tempfile.mkdtemp(prefix="memserve-router-"))  # private: mode 0700
     (directory / METRICS_DIR).mkdir()
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory / METRICS_DIR)}
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(directory / METRICS_DIR),
+        SUPERVISOR_ENV: str(os.getpid()),
+    }
     children: list[subprocess.Popen[bytes]] = []
     stopping = False
 

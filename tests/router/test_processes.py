@@ -249,6 +249,25 @@ def test_sigterm_stops_every_process_and_leaves_no_directory(
     assert not directory.exists()
 
 
+def test_processes_stop_when_their_supervisor_is_killed(
+    workers: list[Server], tmp_path: Path
+) -> None:
+    with router([w.url for w in workers], tmp_path, *PROCESSES) as r:
+        pids = [i["process"]["pid"] for i in each_process(r).values()]
+        r.proc.send_signal(signal.SIGKILL)  # no chance to stop them: the kernel tells them
+        r.proc.wait(30)
+
+        def all_gone() -> bool:  # exited (a zombie left for init to reap has exited too)
+            for pid in pids:
+                with contextlib.suppress(FileNotFoundError):
+                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        return False
+            return True
+
+        wait_for(all_gone, 30)
+
+
 def test_a_process_that_dies_stops_the_router(workers: list[Server], tmp_path: Path) -> None:
     with router([w.url for w in workers], tmp_path, *PROCESSES) as r:
         info = each_process(r)
