@@ -291,7 +291,7 @@ class Dispatcher:
             if sent is None:
                 break
             self.learner.learn_later(
-                call.route, call.prompt, sent.answer, sent.served, sent.holders
+                (call.route, call.prompt, sent.answer, sent.served, sent.holders)
             )
             return sent.response
         what = self.strategy.unit

@@ -75,20 +75,14 @@ class Learner:
         self._waiting: deque[tuple[float, LearnArgs]] = deque()  # (due, what to learn from)
         self._timer: asyncio.TimerHandle | None = None
 
-    def learn_later(
-        self,
-        route: str,
-        prompt: RouteRequest,
-        answer: Outcome,
-        served: Sequence[Served],
-        holders: Sequence[tuple[WorkerType, Worker]],
-    ) -> None:
-        """`learn`, LEARN_DELAY_S from now: off this request's path, and off the next one's
-        (a multi-turn client sends its next turn the moment this answer lands). One timer
-        serves every answer waiting: at max load a timer per answer cost more than learning."""
+    def learn_later(self, args: LearnArgs) -> None:
+        """`learn(*args)`, LEARN_DELAY_S from now: off this request's path, and off the next
+        one's (a multi-turn client sends its next turn the moment this answer lands). One
+        timer serves every answer waiting: at max load a timer per answer cost more than
+        learning."""
         loop = asyncio.get_running_loop()
         due = loop.time() + LEARN_DELAY_S
-        self._waiting.append((due, (route, prompt, answer, served, holders)))
+        self._waiting.append((due, args))
         if self._timer is None:
             self._timer = loop.call_at(due, self._learn_due)
 
