@@ -282,7 +282,7 @@ class PromptTree(Policy):
         """What each worker holds, how it would serve the request, and the best holder."""
         n, page = request.num_tokens, self.trees.page_size
         view = self.trees.match(request.type, request.tokens or ())
-        found, device = view.held, view.device
+        found = view.held
         held = {w.url: reusable(found.get(w.url, 0), n, page) for w in workers}
         loads = {w.url: w.load for w in workers}
         best = max(workers, key=lambda w: (held[w.url], -loads[w.url]))
@@ -291,7 +291,7 @@ class PromptTree(Policy):
         plans = {}
         for w in workers:
             url = w.url
-            host = min(max(found.get(url, 0) - device.get(url, 0), 0), held[url])  # view.host
+            host = min(view.host(url), held[url])
             pull_from = source if source is not w else None
             plans[url] = self.cost.plan(w, n, held[url], host, pull_from, most)
         return Options(workers, view, held, plans, best, loads)

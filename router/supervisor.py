@@ -10,11 +10,11 @@ local channel (router.siblings).
 It forwards SIGTERM and SIGINT to the children; a child whose supervisor dies without
 stopping it (SIGKILL, the OOM killer) gets SIGTERM from the kernel (Linux's parent-death
 signal), so no orphan keeps serving the port beside a restarted router. When a child exits
-on its own the supervisor stops the others and exits with an error: a router missing a process would
-go on serving with part of the capacity it was given, silently, and a restarted child
-would have missed what the others learned; a process manager restarts the whole router,
-whose processes start together and share their state from the beginning. The directory
-is removed at the end.
+on its own the supervisor stops the others and exits with an error: a router missing a
+process would go on serving with part of the capacity it was given, silently, and a
+restarted child would have missed what the others learned; a process manager restarts the
+whole router, whose processes start together and share their state from the beginning. The
+directory is removed at the end.
 """
 
 from __future__ import annotations
