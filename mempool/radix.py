@@ -192,6 +192,34 @@ class RadixTree:
         node = path[-1].parent if path and depth < self._depth(path[-1]) else end
         return Match(pos // TOKEN_BYTES, value, node or self.root, holder_tokens)
 
+    def holders(self, tokens: Tokens, ttl: float | None = None) -> dict[Hashable, int]:
+        """`match(tokens, ttl).holder_tokens` in one walk down: the router's per-request
+        lookup, which needs neither the values nor the deepest node."""
+        key = self._page_key(tokens)
+        now = self.clock()
+        cutoff = float("-inf") if ttl is None else now - ttl
+        holder_tokens: dict[Hashable, int] = {}
+        node, pos, pb, end = self.root, 0, self.page_bytes, len(key)
+        while pos < end:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            whole = key.startswith(child.key, pos)
+            if whole:
+                child.last_access = now
+                pos += len(child.key)
+            else:  # the match ends inside this edge
+                pos += self._common_pages(child.key, key, pos) * pb
+            if child.holders:
+                tokens_here = pos // TOKEN_BYTES
+                for holder, seen in child.holders.items():
+                    if seen >= cutoff:
+                        holder_tokens[holder] = tokens_here
+            if not whole:
+                break
+            node = child
+        return holder_tokens
+
     def insert(
         self,
         tokens: Tokens,

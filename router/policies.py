@@ -119,13 +119,13 @@ class CostModel:
             + new * (cached + new / 2) * self.prefill_s_per_token_pair
         )
 
-    def queue_s(self, worker: Worker, host: int = 0) -> float:
+    def queue_s(self, worker: Worker, host: int = 0, load: int | None = None) -> float:
         """Seconds before a new prefill starts on `worker`: its queued prefill tokens and
         running requests, or, when longer, the wait measured from the requests waiting there
         and the rate it serves them at (requests waiting for memory or a batch slot); then
         `host` tokens of the request's own prefix to load from its host tier. With `host=0`
         it is the worker's expected wait, the same for any request (admission by expected
-        wait uses it: router.admission).
+        wait uses it: router.admission). `load`: `worker.load` when the caller read it.
 
         A PD prefill's is the model alone: every request sent there is counted, with the
         tokens it computes, until the prefill answers at the end of its prefill, so the model
@@ -133,8 +133,8 @@ class CostModel:
         prefill as waiting and weigh a 100-token suffix as much as a cold 10K-token prompt
         (docs/benchmarks/hot-prefix.md: what dropping it changed on 2P2D)."""
         modelled = worker.queued_tokens * self.prefill_s_per_token
-        modelled += worker.load * self.busy_s_per_request
-        if worker.type is not WorkerType.PREFILL:
+        modelled += (worker.load if load is None else load) * self.busy_s_per_request
+        if worker.type is not WorkerType.PREFILL and worker.waiting:  # else measured: 0
             modelled = max(modelled, worker.measured_wait_s())
         return modelled + host * self.host_load_s_per_token
 
@@ -146,11 +146,13 @@ class CostModel:
         host: int = 0,
         source: Worker | None = None,
         best: int = 0,
+        load: int | None = None,
     ) -> Plan:
         """`worker` holds `cached` tokens of the prompt (`host` of them in host memory, to
         load first); `source`, when given, holds `best` and may be pulled from: the pull
-        shares the source's link with the pulls already planned from it."""
-        queue = self.queue_s(worker, host)
+        shares the source's link with the pulls already planned from it. `load`: as for
+        queue_s."""
+        queue = self.queue_s(worker, host, load)
         own = Plan(queue + self.prefill_s(tokens - cached, cached), tokens - cached)
         if source is None or best <= cached or not worker.can_pull:
             return own
@@ -280,20 +282,34 @@ class PromptTree(Policy):
 
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         """What each worker holds, how it would serve the request, and the best holder."""
+        # One pass per worker, no key functions: this runs for every request (same
+        # decisions as sorting by (held, -load) with the first of equals kept).
         n, page = request.num_tokens, self.trees.page_size
         view = self.trees.match(request.type, request.tokens or ())
-        found = view.held
-        held = {w.url: reusable(found.get(w.url, 0), n, page) for w in workers}
-        loads = {w.url: w.load for w in workers}
-        best = max(workers, key=lambda w: (held[w.url], -loads[w.url]))
+        found, device = view.held, view.device
+        last = n - 1  # the last prompt token is always computed
+        held: dict[str, int] = {}
+        loads: dict[str, int] = {}
+        best, best_key = workers[0], (0, 0)
+        for i, w in enumerate(workers):
+            url = w.url
+            mine = found.get(url, 0)
+            mine = (mine if mine < last else last) // page * page  # reusable()
+            held[url] = mine
+            load = loads[url] = w.load
+            if i == 0 or (mine, -load) > best_key:
+                best, best_key = w, (mine, -load)
         most = held[best.url]
         source = best if self.pulls and most and best.agent is not None else None
         plans = {}
+        plan = self.cost.plan
         for w in workers:
             url = w.url
-            host = min(view.host(url), held[url])
+            mine = held[url]
+            host = found.get(url, 0) - device.get(url, 0)  # PrefixView.host, within `mine`
+            host = 0 if host < 0 else mine if host > mine else host
             pull_from = source if source is not w else None
-            plans[url] = self.cost.plan(w, n, held[url], host, pull_from, most)
+            plans[url] = plan(w, n, mine, host, pull_from, most, loads[url])
         return Options(workers, view, held, plans, best, loads)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
@@ -303,11 +319,14 @@ class PromptTree(Policy):
         # Where the prefix lives, or lived last: a prefix evicted everywhere is computed
         # again where it lived rather than scattered (see router.trees: homes).
         home = o.view.home
-        affinity = {
-            url: max(mine, reusable(home[url], n, page)) if url in home else mine
-            for url, mine in held.items()
-        }
-        best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -loads[w.url]))
+        if home:
+            affinity = {
+                url: max(mine, reusable(home[url], n, page)) if url in home else mine
+                for url, mine in held.items()
+            }
+            best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -loads[w.url]))
+        else:  # affinity is what each holds, and the best is the best holder
+            affinity, best = held, o.best
         most = affinity[best.url]
         per_token = self.cost.prefill_s_per_token
         # Expected TTFT on each worker, plus the prefix it lacks, paid once more:
@@ -320,12 +339,17 @@ class PromptTree(Policy):
         # Recomputed on a worker with requests waiting, the prefix delays each of them; a
         # prefix many requests reuse pays for its copy on every one of them (router.heat).
         heat = self.heat.bump(request.tokens or [], most) if most else 0.0
-        placement = {
-            w.url: plans[w.url].seconds
-            + (most - affinity[w.url]) * per_token * (1 + w.waiting) / (1 + heat)
-            for w in workers
-        }
-        soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
+        placement: dict[str, float] = {}
+        soonest, soonest_key = workers[0], (0.0, 0)
+        for i, w in enumerate(workers):
+            url = w.url
+            lacks = most - affinity[url]
+            seconds = plans[url].seconds
+            if lacks:
+                seconds += lacks * per_token * (1 + w.waiting) / (1 + heat)
+            placement[url] = seconds
+            if i == 0 or (seconds, loads[url]) < soonest_key:
+                soonest, soonest_key = w, (seconds, loads[url])
         if most == 0:
             return self._decide(o, soonest, "cache_miss")
         low = min(loads.values())

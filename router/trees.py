@@ -105,9 +105,9 @@ class PromptTrees:
         """Per worker, the page-aligned prefix of `tokens` it is believed to hold now."""
         if len(tokens) < self.page_size:
             return PrefixView({})
-        found = self.trees[type].match(tokens, ttl=self.ttl_s)
+        found = self.trees[type].holders(tokens, ttl=self.ttl_s)
         # holders of these trees are worker URLs (device) and (URL, tier) pairs
-        keys = cast(dict[str | tuple[str, str], int], found.holder_tokens)
+        keys = cast(dict[str | tuple[str, str], int], found)
         held: dict[str, int] = {}
         device: dict[str, int] = {}
         home: dict[str, int] = {}

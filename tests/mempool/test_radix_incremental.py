@@ -134,6 +134,15 @@ class Differential(RuleBasedStateMachine):
             self.ref.lock(want.node)
             self.locks.append((got.node, want.node))
 
+    @rule(data=st.data(), ttl=st.sampled_from((None, 0.5, 3.0, 12.0)))
+    def holders(self, data: st.DataObject, ttl: float | None) -> None:
+        """The router's one-walk lookup: a match's holders, in the same order, with the
+        same nodes marked used."""
+        tokens = self.draw_tokens(data)
+        got = self.tree.holders(tokens, ttl=ttl)
+        want = self.ref.match(tokens, ttl=ttl).holder_tokens
+        assert list(got.items()) == list(want.items())
+
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
     def unlock(self, data: st.DataObject) -> None:
