@@ -286,7 +286,7 @@ class PromptTree(Policy):
         # decisions as sorting by (held, -load) with the first of equals kept).
         n, page = request.num_tokens, self.trees.page_size
         view = self.trees.match(request.type, request.tokens or ())
-        found, device = view.held, view.device
+        found = view.held
         last = n - 1  # the last prompt token is always computed
         held: dict[str, int] = {}
         loads: dict[str, int] = {}
@@ -306,8 +306,7 @@ class PromptTree(Policy):
         for w in workers:
             url = w.url
             mine = held[url]
-            host = found.get(url, 0) - device.get(url, 0)  # PrefixView.host, within `mine`
-            host = 0 if host < 0 else mine if host > mine else host
+            host = min(view.host(url), mine)
             pull_from = source if source is not w else None
             plans[url] = plan(w, n, mine, host, pull_from, most, loads[url])
         return Options(workers, view, held, plans, best, loads)
