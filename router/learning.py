@@ -183,16 +183,13 @@ class Learner:
         if self.idle() and chat is not None and enc is not None and answer.output_text:
             with contextlib.suppress(ValueError):
                 enc.prime([*chat, {"role": "assistant", "content": answer.output_text}])
-        prompt_ids = prompt.tokens or ()
-        if answer.output_ids is None and self._adds_no_page(len(prompt_ids), answer):
-            # the trees keep whole pages: an answer that ends inside the prompt's last page
-            # changes nothing there (most short answers), and encoding it would cost more
-            # than the rest of learning
-            return array("I", prompt_ids)
-        prefix = array("I", prompt_ids)
+        prefix = array("I", prompt.tokens or ())
         if answer.output_ids is not None:
             prefix.extend(answer.output_ids)
-        elif answer.output_text and enc is not None:
+        elif answer.output_text and enc is not None and not self._adds_no_page(len(prefix), answer):
+            # (the trees keep whole pages: an answer that ends inside the prompt's last page
+            # changes nothing there, as most short answers, and encoding it would cost more
+            # than the rest of learning)
             prefix.extend(enc.tokenizer.encode(answer.output_text, add_special_tokens=False))
         return prefix
 

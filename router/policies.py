@@ -389,7 +389,7 @@ class Cost(PromptTree):
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
-        choice = min(workers, key=lambda w: (o.plans[w.url].seconds, w.load))
+        choice = min(workers, key=lambda w: (o.plans[w.url].seconds, o.loads[w.url]))
         return self._decide(o, choice, "cache_hit" if o.held[choice.url] else "cache_miss")
 
 
