@@ -36,9 +36,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from connector.chat_skeleton import SkeletonRenderer
+from connector.text_prefix import MIN_CHARS, PrefixIndex, token_ends
 from connector.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,14 @@ CUT = ""  # in a split text, between two chunks of one piece: no token between t
 
 def _token_ids_array(ids: Sequence[int]) -> array:
     return array("I", ids)
+
+
+class Known(NamedTuple):
+    """A prompt as far as the router can tell before encoding its new text."""
+
+    ids: array  # exact: the ids of its leading cached pieces
+    rest: list[str]  # the rest to encode, alternating [piece, added token, ...]; [] if none
+    guess: array  # the likely ids that follow `ids` (the start of rest[0]), not exact
 
 
 class CachedEncoder:
@@ -100,6 +109,9 @@ class CachedEncoder:
         self._special: tuple[array, array] | None = None
         self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
         self._encoding: dict[str, asyncio.Future[None]] = {}  # pieces on the thread now
+        # long pieces encoded, by their start: a new piece's likely first ids (`Known.guess`)
+        self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1))
+        self._guesses = self._guessed_tokens = self._guess_mismatches = 0
         # told every piece this encoder encodes and caches (a router's sibling processes
         # cache them too: a piece one encoded is known to all)
         self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
@@ -150,34 +162,36 @@ class CachedEncoder:
         messages: Sequence[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-    ) -> tuple[array, list[str]]:
-        """The chat's ids as far as its pieces are cached, and the rest still to encode.
+    ) -> Known:
+        """The chat's ids as far as its pieces are cached, the rest still to encode, and
+        the likely ids of the rest's start.
 
-        A router matches prompt trees with the known part only: text it has never encoded
-        cannot be on any path it recorded, so the decision is the same, and the new text (a
+        A router matches prompt trees with the known part and the guess: the new text (a
         turn's question, a new conversation's history) is encoded after the request has gone
-        (`complete`). The rest is alternating [piece, added token, ...], [] when all is known.
+        (`complete`), and where it only continues text encoded before (a document with a new
+        question) the guess holds that text's ids. The rest is alternating [piece, added
+        token, ...], [] when all is known.
         """
         text = self.renderer.render(messages, add_generation_prompt, tools)
         self._calls += 1
         if self._pattern is None:
-            return _token_ids_array(self._full(text, False)), []
+            return Known(_token_ids_array(self._full(text, False)), [], _NO_SPECIAL[0])
         return self._known(self._split(text), array("I"))
 
-    def encode_text_known(
-        self, text: str, add_special_tokens: bool = True
-    ) -> tuple[array, list[str]] | None:
-        """A text prompt's ids as far as its cached pieces (and chunks) go, and the rest, as
-        `encode_chat_known` splits a chat; `complete` gives the whole. None where text
-        prompts get full encodes (no piece-wise encoding, or special ids after the text)."""
+    def encode_text_known(self, text: str, add_special_tokens: bool = True) -> Known | None:
+        """A text prompt's ids as far as its cached pieces (and chunks) go, the rest and the
+        guess, as `encode_chat_known` splits a chat; `complete` gives the whole. None where
+        text prompts get full encodes (no piece-wise encoding, or special ids after the
+        text)."""
         special = self._special if add_special_tokens else _NO_SPECIAL
         if self._pattern is None or special is None or special[1]:
             return None
         self._calls += 1
         return self._known(self._split(text), array("I", special[0]))
 
-    def _known(self, parts: list[str], out: array) -> tuple[array, list[str]]:
-        """`out` extended with the ids of the leading cached pieces of `parts`; the rest."""
+    def _known(self, parts: list[str], out: array) -> Known:
+        """`out` extended with the ids of the leading cached pieces of `parts`; the rest,
+        and the guess of its first piece's ids."""
         cache, added = self._cache, self._added_arrays
         for i, s in enumerate(parts):
             if i & 1:
@@ -185,11 +199,33 @@ class CachedEncoder:
             elif s:
                 ids = cache.get(s)
                 if ids is None:
-                    return out, parts[i:]
+                    guess = self.prefixes.guess(s)
+                    if guess:
+                        self._guesses += 1
+                        self._guessed_tokens += len(guess)
+                    return Known(out, parts[i:], guess)
                 cache.move_to_end(s)
                 self._hits += 1
                 out.extend(ids)
-        return out, []
+        return Known(out, [], _NO_SPECIAL[0])
+
+    def check_guess(self, guess: Sequence[int], exact: Sequence[int]) -> bool:
+        """Whether a guess (`Known.guess`) was the start of the exact ids it stood for
+        (`exact`: the ids that followed the known ones); a miss is counted and logged."""
+        if exact[: len(guess)] == guess:
+            return True
+        self._guess_mismatches += 1
+        at = next(
+            (i for i, (a, b) in enumerate(zip(guess, exact, strict=False)) if a != b), len(exact)
+        )
+        log.warning(
+            "CachedEncoder: a guessed prefix of %d ids differed from the encode at id %d "
+            "(%d such so far)",
+            len(guess),
+            at,
+            self._guess_mismatches,
+        )
+        return False
 
     def complete(self, known: array, rest: list[str]) -> array:
         """`known` followed by the ids of `rest` (its new pieces encoded and cached)."""
@@ -221,6 +257,7 @@ class CachedEncoder:
         try:
             encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing)
             encoded = self._ids_of(encodings)
+            self._index(missing, encoded, encodings)
             self._misses += len(missing)
             self._encoded_tokens += sum(len(a) for a in encoded)
             self._encoded_chars += sum(map(len, missing))
@@ -317,6 +354,10 @@ class CachedEncoder:
             "evictions": self._evictions,
             "verified": self._verified,
             "mismatches": self._mismatches,
+            "guesses": self._guesses,
+            "guessed_tokens": self._guessed_tokens,
+            "guess_mismatches": self._guess_mismatches,
+            "indexed_pieces": len(self.prefixes),
         }
 
     @property
@@ -330,6 +371,7 @@ class CachedEncoder:
     def clear(self) -> None:
         self._cache.clear()
         self._cached_tokens = 0
+        self.prefixes.clear()
 
     # -- encoding -------------------------------------------------------------------------
 
@@ -433,30 +475,46 @@ class CachedEncoder:
             # thread pool, which runs at that thread's lower priority
             encode = self._tok.encode
             encodings = [encode(p, add_special_tokens=False) for p in pieces]
-        else:  # one call, encoded in parallel by the Rust side; no offsets needed
-            batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-            encodings = batch(pieces, add_special_tokens=False)
+        else:  # one call, encoded in parallel by the Rust side
+            encodings = self._encode_batch(pieces)
         out = [_token_ids_array(e.ids) for e in encodings]
         self._encoded_tokens += sum(len(a) for a in out)
         self._encoded_chars += sum(map(len, pieces))
+        self._index(pieces, out, encodings)
         return out
 
     def _encode_batch(self, pieces: list[str]) -> list[Any]:
         """The encodings of `pieces` in one batch call, which releases the GIL while it
         encodes (a thread may run it; it touches no state of this object). Their ids are
         read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
-        lower priority could hold while preempted."""
-        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        lower priority could hold while preempted. With offsets when a piece is long
+        enough to be indexed (`_index`), else without (faster)."""
+        if any(len(p) >= MIN_CHARS for p in pieces):
+            batch = self._tok.encode_batch
+        else:
+            batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return list(batch(pieces, add_special_tokens=False))
+
+    def _index(self, pieces: list[str], ids: list[array], encodings: list[Any]) -> None:
+        """Long pieces go into the prefix index (a later piece sharing their start is
+        guessed from them). `encode_batch_fast` gives no offsets: pieces encoded so are
+        short, and skipped."""
+        for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True):
+            if len(piece) >= MIN_CHARS and (offsets := encoding.offsets):
+                self.prefixes.add(piece, piece_ids, token_ends(offsets))
 
     @staticmethod
     def _ids_of(encodings: list[Any]) -> list[array]:
         return [_token_ids_array(e.ids) for e in encodings]
 
-    def adopt(self, pieces: Sequence[tuple[str, array]]) -> None:
-        """Cache pieces another process encoded (not passed to `on_store` again)."""
+    def adopt(self, pieces: Sequence[tuple[str, array]], ends: Sequence[array | None] = ()) -> None:
+        """Cache pieces another process encoded (not passed to `on_store` again); `ends`:
+        the token ends of those it indexed (`prefixes`), None for the others."""
         for piece, ids in pieces:
             self._store(piece, ids)
+        for (piece, ids), piece_ends in zip(pieces, ends, strict=False):
+            if piece_ends is not None:
+                self.prefixes.add(piece, ids, piece_ends)
 
     def _store(self, piece: str, ids: array) -> bool:
         """Cache one piece; False when it is cached already or too large to be."""

@@ -38,6 +38,9 @@ class RouteRequest:
     # tree path): its pieces, and about how many tokens it holds.
     rest: list[str] | None = None
     rest_tokens: int = 0
+    # the last `guessed` of `tokens` are likely ids of rest's start, not exact ones
+    # (router.request: the policies match them; only exact ids are recorded)
+    guessed: int = 0
     encoding: asyncio.Task[None] | None = None  # `rest` being encoded on a thread (router.request)
     # the trees told at dispatch that a worker is about to hold the prompt: (tree, URL,
     # time.monotonic() then) (router.dispatch; learning skips a record that adds nothing)

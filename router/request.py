@@ -4,8 +4,10 @@ Plain functions that return a `RouteRequest` (what policies look at) or raise `R
 (a 4xx the router answers before any worker is touched), so they run and are tested without
 an app. Tokenizing costs milliseconds on long prompts, so only token-routing policies pay
 for it; a prompt's text the router never encoded (a chat's new messages, a text prompt's
-new chunks) is left in `rest`, to be encoded once the request has gone (it cannot be on any
-tree path).
+new chunks) is left in `rest`, to be encoded once the request has gone. Where that text
+begins as text encoded before (a document with a new question), the policies see its likely
+ids (`Known.guess`, counted in `RouteRequest.guessed`); the exact ids replace them once
+encoded, and only those are recorded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from connector.token_cache import CachedEncoder
+from connector.token_cache import CachedEncoder, Known
 from router.policies import RouteRequest
 
 _json_decode = msgspec.json.Decoder().decode
@@ -114,11 +116,23 @@ def _chat(body: Mapping[str, Any], encoder: CachedEncoder | None, want_text: boo
     if encoder is None:
         return RouteRequest(None, text, None, chat=parts)
     try:
-        known, rest = encoder.encode_chat_known(parts, tools=body.get("tools"))
+        known = encoder.encode_chat_known(parts, tools=body.get("tools"))
     except (ValueError, TypeError) as exc:  # a template error, or text no tokenizer takes
         raise RequestError(400, f"cannot apply the chat template: {exc}") from None
-    request = RouteRequest(known, text, None, chat=parts, rest=rest or None)
-    request.rest_tokens = encoder.estimate_tokens(rest)
+    return _known_request(RouteRequest(known.ids, text, None, chat=parts), known, encoder)
+
+
+def _known_request(request: RouteRequest, known: Known, encoder: CachedEncoder) -> RouteRequest:
+    """`request` with the rest of its prompt left to encode, and the guess of its start
+    appended to its ids (the guess counted in the estimate of the rest's tokens)."""
+    request.rest = known.rest or None
+    request.rest_tokens = encoder.estimate_tokens(known.rest)
+    if known.guess:
+        ids = request.tokens
+        assert isinstance(ids, array)
+        ids.extend(known.guess)  # known.ids: a fresh array of this request's
+        request.guessed = len(known.guess)
+        request.rest_tokens = max(request.rest_tokens - request.guessed, 1)
     return request
 
 
@@ -172,20 +186,17 @@ def _text(encoder: CachedEncoder | None, text: str) -> RouteRequest:
     if encoder is None:
         return RouteRequest(None, text, None)
     try:
-        split = encoder.encode_text_known(text)
-        if split is None:  # this tokenizer's text prompts are encoded whole
+        known = encoder.encode_text_known(text)
+        if known is None:  # this tokenizer's text prompts are encoded whole
             return RouteRequest(array("I", encoder.encode(text)), text, None)
     except (ValueError, TypeError) as exc:  # lone surrogates: text no tokenizer takes
         raise RequestError(400, f"cannot tokenize the prompt: {exc}") from None
-    known, rest = split
-    for piece in rest[0::2]:  # text no tokenizer takes is refused now, not after the send
+    for piece in known.rest[0::2]:  # text no tokenizer takes is refused now, not after the send
         try:
             piece.encode()
         except UnicodeEncodeError as exc:
             raise RequestError(400, f"cannot tokenize the prompt: {exc}") from None
-    request = RouteRequest(known, text, None, rest=rest or None)
-    request.rest_tokens = encoder.estimate_tokens(rest)
-    return request
+    return _known_request(RouteRequest(known.ids, text, None), known, encoder)
 
 
 def token_ids(name: str, ids: Any) -> array[int]:
@@ -205,14 +216,28 @@ def full_tokens(prompt: RouteRequest, encoder: CachedEncoder | None) -> array[in
         return None
     known = tokens if isinstance(tokens, array) else array("I", tokens)
     if prompt.rest and encoder is not None:
+        known, guess = exact_part(prompt, known)
         try:
-            known = encoder.complete(known, prompt.rest)
+            full = encoder.complete(known, prompt.rest)
         except (ValueError, TypeError):  # text no tokenizer takes: the engine refused it too
             prompt.tokens = prompt.rest = None
+            prompt.guessed = 0
             return None
-        prompt.rest, prompt.rest_tokens = None, 0
+        if guess:
+            encoder.check_guess(guess, full[len(known) : len(known) + len(guess)])
+        known = full
+        prompt.rest, prompt.rest_tokens, prompt.guessed = None, 0, 0
     prompt.tokens = known
     return known
+
+
+def exact_part(prompt: RouteRequest, tokens: array[int]) -> tuple[array[int], array[int]]:
+    """The prompt's exact ids and the guess after them (`_known_request`)."""
+    n = prompt.guessed
+    if not n:
+        return tokens, array("I")
+    cut = len(tokens) - n
+    return tokens[:cut], tokens[cut:]
 
 
 def when_encoded(
@@ -236,12 +261,16 @@ async def _encode_rest(prompt: RouteRequest, encoder: CachedEncoder) -> None:
     tokens, rest = prompt.tokens, prompt.rest
     if tokens is None or not rest:
         return
-    known = tokens if isinstance(tokens, array) else array("I", tokens)
+    known, guess = exact_part(prompt, tokens if isinstance(tokens, array) else array("I", tokens))
     try:
-        prompt.tokens = await encoder.complete_async(known, rest)
+        full = await encoder.complete_async(known, rest)
     except (ValueError, TypeError):  # text no tokenizer takes: the engine refused it too
         prompt.tokens = None
-    prompt.rest, prompt.rest_tokens = None, 0
+    else:
+        if guess:
+            encoder.check_guess(guess, full[len(known) : len(known) + len(guess)])
+        prompt.tokens = full
+    prompt.rest, prompt.rest_tokens, prompt.guessed = None, 0, 0
 
 
 def encoded(prompt: RouteRequest) -> bool:

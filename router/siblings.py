@@ -94,7 +94,9 @@ class Control(msgspec.Struct, omit_defaults=True):
     healthy: bool = True
     report: Any = None  # report: the worker's /v1/loads body as sibling 0 read it
     loads: dict[str, list[int]] = {}  # load: URL -> [requests, prompt tokens]
-    pieces: list[tuple[str, bytes]] = []  # pieces: text and its token ids (native uint32)
+    # pieces: text, its token ids and, for a piece its encoder indexed (`PrefixIndex`), the
+    # ids' character ends (native uint32; b"" when not indexed)
+    pieces: list[tuple[str, bytes, bytes]] = []
 
 
 def _ids(raw: bytes) -> array[int]:
@@ -274,7 +276,12 @@ class Siblings:
         """Pieces of text this process encoded: the siblings cache them too, so a piece is
         known to all before any tree path holding it is (sent first, on the same socket):
         a process knows whatever text a tree path it holds was made of, as one router."""
-        self._control(Control("pieces", self.index, pieces=[(t, a.tobytes()) for t, a in pieces]))
+        ends = self.encoder.prefixes.ends if self.encoder is not None else lambda _: None
+        sent = [
+            (t, a.tobytes(), (e.tobytes() if (e := ends(t)) is not None else b""))
+            for t, a in pieces
+        ]
+        self._control(Control("pieces", self.index, pieces=sent))
 
     def _gone(self, worker: Worker) -> None:
         """Unhealthy here: sibling 0 tells the others; another sibling found it dead on a
@@ -367,7 +374,10 @@ class Siblings:
 
     def _on_pieces(self, message: Control) -> None:
         if self.encoder is not None:
-            self.encoder.adopt([(text, _ids(raw)) for text, raw in message.pieces])
+            self.encoder.adopt(
+                [(text, _ids(raw)) for text, raw, _ in message.pieces],
+                [_ids(ends) if ends else None for _, _, ends in message.pieces],
+            )
 
     def _on_dead(self, message: Control) -> None:
         worker = self.registry.workers.get(message.url)

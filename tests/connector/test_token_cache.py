@@ -83,12 +83,12 @@ def test_known_part_then_the_rest_equals_engine(
 ) -> None:
     """What a router matches before dispatch, then completes after: the engine's ids."""
     expected = chat.encode_chat(messages, add_generation_prompt=gen)
-    known, rest = shared.encode_chat_known(messages, add_generation_prompt=gen)
+    known, rest, _ = shared.encode_chat_known(messages, add_generation_prompt=gen)
     assert known.tolist() == expected[: len(known)]  # a true prefix of the prompt
     assert shared.complete(known, rest).tolist() == expected
     if rest:
         assert shared.estimate_tokens(rest) > 0
-    known, rest = shared.encode_chat_known(messages, add_generation_prompt=gen)
+    known, rest, _ = shared.encode_chat_known(messages, add_generation_prompt=gen)
     assert rest == [] and known.tolist() == expected  # everything is known now
 
 
@@ -152,7 +152,7 @@ def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> N
     the ids are the engine's, and its pieces are cached for the next turn."""
     encoder = CachedEncoder(chat)
     messages = long_conversation(chat, 8000)
-    known, rest = encoder.encode_chat_known(messages)
+    known, rest, _ = encoder.encode_chat_known(messages)
     assert encoder.off_loop(rest)
     loop_thread = threading.get_ident()
     seen: set[int] = set()
@@ -179,10 +179,10 @@ def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> N
         encoder.close()
     assert ids.tolist() == chat.encode_chat(messages)
     assert seen and loop_thread not in seen
-    known, rest = encoder.encode_chat_known(messages)
+    known, rest, _ = encoder.encode_chat_known(messages)
     assert rest == [] and known == ids
     short = [*messages, {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "?"}]
-    known, rest = encoder.encode_chat_known(short)
+    known, rest, _ = encoder.encode_chat_known(short)
     assert rest and not encoder.off_loop(rest)  # a new turn: encoded on the loop, at once
     assert asyncio.run(encoder.complete_async(known, rest)).tolist() == chat.encode_chat(short)
 
@@ -272,7 +272,7 @@ def test_text_cut_in_small_chunks_encodes_as_the_engine(
             assert encoder.encode(long_text, special) == chat.encode(long_text, special)
             split = encoder.encode_text_known(long_text, special)
             assert split is not None
-            assert list(encoder.complete(*split)) == chat.encode(long_text, special)
+            assert list(encoder.complete(split.ids, split.rest)) == chat.encode(long_text, special)
 
 
 def test_a_shared_long_prefix_is_encoded_once(chat: ChatTokenizer) -> None:

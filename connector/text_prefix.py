@@ -1,0 +1,155 @@
+"""The likely ids of a new text's beginning, from the encode of an earlier text that shared it.
+
+A router decides before it has encoded a prompt's new text (encoding 15K tokens takes tens
+of milliseconds; `CachedEncoder` does it after the send). Cached pieces give exact ids, but a
+text that changes only after a long shared start (a document with a new question, an agent's
+tool list with a new call) is a new piece, and a piece can only be cut into cached chunks
+where the tokenizer is known to split: before a space between two letters, which Chinese,
+Japanese, digits, code and random text often lack. So without this the router saw nothing of
+such a prompt and routed it blind.
+
+Tokenizers are local: a token depends on the characters around it, not on text far after it.
+An earlier text's encode, cut a little before the point where the new text departs from it,
+is then the new text's encode up to there. `PrefixIndex` keeps recent long pieces with each
+token's end offset, finds the earlier piece sharing the longest start with a new one (chained
+hashes of fixed blocks of characters, then the exact point within a block), and returns that
+piece's ids that end `MARGIN_CHARS` before the parting point, less `MARGIN_TOKENS` more.
+
+It is a guess: the decision uses it, nothing is recorded from it. The prompt's exact ids are
+encoded after the send as before, and compared with the guess (`CachedEncoder.stats`:
+`guess_mismatches`). Measured on 4,500 random parting points over Chinese, Japanese, digits,
+code, no-space, whitespace-run, emoji and random-unicode texts with a byte-level BPE
+(SmolLM2), DeepSeek-V4's and a SentencePiece BPE (Mistral 7B v0.1): a margin of 16 characters
+and 2 tokens missed none; 4 characters and no tokens missed 1 in 500.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+BLOCK_CHARS = 128  # the granularity of the shared-start search (refined to the character)
+MIN_CHARS = 2 * BLOCK_CHARS  # shorter pieces are not indexed: little to gain, many of them
+MARGIN_CHARS = 16  # tokens ending this close to the parting point may change
+MARGIN_TOKENS = 2  # and this many more before them
+
+_EMPTY = array("I")
+
+
+@dataclass(slots=True)
+class _Piece:
+    text: str
+    ids: array  # uint32 ids of `text`
+    ends: array  # uint32: ends[i] = the character offset where token i ends (non-decreasing)
+
+
+class PrefixIndex:
+    """Recent long pieces by their leading blocks; bounded by the total of their tokens."""
+
+    def __init__(self, max_tokens: int = 1_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._pieces: OrderedDict[str, _Piece] = OrderedDict()  # LRU, the oldest first
+        self._blocks: dict[int, _Piece] = {}  # chained hash of text[: k * BLOCK_CHARS]
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def add(self, text: str, ids: array, ends: array) -> None:
+        """Index `text`, encoded as `ids`, token i ending at character `ends[i]`
+        (`token_ends`)."""
+        if len(text) < MIN_CHARS or len(ids) != len(ends) or text in self._pieces:
+            return
+        if len(ids) > self.max_tokens:
+            return
+        piece = _Piece(text, ids, ends)
+        self._pieces[text] = piece
+        self._tokens += len(ids)
+        for key in _chain(text, len(text) // BLOCK_CHARS):
+            self._blocks[key] = piece  # the newest holder of a start wins
+        while self._tokens > self.max_tokens:
+            self._drop(next(iter(self._pieces.values())))
+
+    def guess(self, text: str) -> array:
+        """The likely first ids of `text` (empty when no indexed piece shares a block)."""
+        if len(text) < BLOCK_CHARS or not self._blocks:
+            return _EMPTY
+        found: _Piece | None = None
+        blocks = 0
+        get = self._blocks.get
+        for k, key in enumerate(_chain(text, len(text) // BLOCK_CHARS), 1):
+            piece = get(key)
+            if piece is None:
+                break
+            found, blocks = piece, k
+        if found is None:
+            return _EMPTY
+        start = blocks * BLOCK_CHARS
+        if found.text[:start] != text[:start]:  # a hash collision: guess nothing
+            return _EMPTY
+        self._pieces.move_to_end(found.text)
+        shared = start + _common_start(found.text, text, start, start + BLOCK_CHARS)
+        n = bisect_right(found.ends, shared - MARGIN_CHARS) - MARGIN_TOKENS
+        return found.ids[:n] if n > 0 else _EMPTY
+
+    def ends(self, text: str) -> array | None:
+        """The token ends `text` was indexed with, None when it is not indexed."""
+        piece = self._pieces.get(text)
+        return None if piece is None else piece.ends
+
+    def discard(self, text: str) -> None:
+        """Forget `text` (its piece left the cache it was encoded for)."""
+        piece = self._pieces.get(text)
+        if piece is not None:
+            self._drop(piece)
+
+    def clear(self) -> None:
+        self._pieces.clear()
+        self._blocks.clear()
+        self._tokens = 0
+
+    def _drop(self, piece: _Piece) -> None:
+        del self._pieces[piece.text]
+        self._tokens -= len(piece.ids)
+        for key in _chain(piece.text, len(piece.text) // BLOCK_CHARS):
+            if self._blocks.get(key) is piece:
+                del self._blocks[key]
+
+
+def _chain(text: str, blocks: int) -> Iterator[int]:
+    """Hashes of text[:BLOCK_CHARS], text[:2 * BLOCK_CHARS], ...: each block hashed once."""
+    h = 0
+    for k in range(blocks):
+        h = hash((h, text[k * BLOCK_CHARS : (k + 1) * BLOCK_CHARS]))
+        yield h
+
+
+def _common_start(a: str, b: str, lo: int, hi: int) -> int:
+    """How many characters a[lo:] and b[lo:] share, at most hi - lo (binary search over
+    slice comparisons, which run in C)."""
+    hi = min(hi, len(a), len(b))
+    if a[lo:hi] == b[lo:hi]:
+        return hi - lo
+    low, high = lo, hi  # a[lo:low] == b[lo:low]; a[lo:high] != b[lo:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low - lo
+
+
+def token_ends(offsets: Sequence[tuple[int, int]]) -> array:
+    """Each token's end from an encode's (start, end) character offsets, never before an
+    earlier token's (the tokens of one character's bytes share its offsets)."""
+    out = array("I")
+    high = 0
+    for _, end in offsets:
+        if end > high:
+            high = end
+        out.append(high)
+    return out
