@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cost = CostModel()
     a(
+        "--engine-speed",
+        choices=["learned", "fixed"],
+        default="learned",
+        help="cost model: learn each worker's speed from the times to first token the router "
+        "measures (its slowness scales the per-token figures below), or take those figures "
+        "as every worker's",
+    )
+    a(
         "--prefill-secs-per-token",
         type=float,
         default=cost.prefill_s_per_token,
@@ -382,6 +390,7 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         args.health_success_threshold,
         args.health_check_timeout_secs,
         args.load_check_interval_secs,
+        args.engine_speed == "learned",
     )
     for url in urls:
         try:

@@ -175,8 +175,11 @@ class Sender:
                 worker.request(self.pending(call.prompt, decision), begins) as flight,
             ):
                 first_byte = flight.prefill_done
+                if begins and side != "decode" and decision.modelled_s:
+                    # (a decode's first byte waits for its prefill: not its own speed)
+                    first_byte = _timed(worker, decision.modelled_s, first_byte)
                 if side != "prefill" and call.streamed:  # the first token reaches the client
-                    first_byte = self._first_token(call, flight.prefill_done)
+                    first_byte = self._first_token(call, first_byte)
                 return await forward(
                     self.upstream,
                     call.client,
@@ -192,6 +195,22 @@ class Sender:
             raise AttemptFailed(worker, exc, side) from None
         finally:
             self.metrics.for_worker(worker.url).inc()
+
+
+def _timed(worker: Worker, modelled_s: float, then: Callable[[], None]) -> Callable[[], None]:
+    """`then`, after telling the worker's speed how long its first byte took from now
+    against the `modelled_s` the policy priced it at (router.speed)."""
+    sent = time.perf_counter()
+    told = False
+
+    def first_byte() -> None:
+        nonlocal told
+        if not told:
+            told = True
+            worker.speed.observe(time.perf_counter() - sent, modelled_s)
+        then()
+
+    return first_byte
 
 
 class Colocated(Strategy):

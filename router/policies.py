@@ -67,6 +67,9 @@ class Decision:
     holders: list[tuple[Worker, int]] = field(default_factory=list)
     reason: str = "policy"
     pull_from: Worker | None = None  # the holder the plan pulls from, if it pulls
+    # the work ahead of its first token at the cost model's constants (Plan.work_s; 0: the
+    # policy has no cost model): its measured time over this is the worker's slowness
+    modelled_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -88,6 +91,9 @@ class Plan:
     seconds: float
     computed: int  # prompt tokens it would compute
     pull: bool = False  # it pulls the longer prefix instead of computing it
+    # the queued and own prefill work in `seconds` at the constants, before the worker's
+    # slowness (router.speed) scales it
+    work_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -104,7 +110,9 @@ class Options:
 
 @dataclass(slots=True)
 class CostModel:
-    """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures."""
+    """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures, scaled per
+    worker by its measured slowness (`Worker.speed`, router.speed): queue and prefill times
+    are the constants' times that slowness."""
 
     prefill_s_per_token: float = 4.0e-5
     transfer_s_per_token: float = 5.2e-6  # 128 KiB per token over a 25 GB/s link
@@ -135,11 +143,16 @@ class CostModel:
         sees the whole queue and each request's size; the measurement would count the running
         prefill as waiting and weigh a 100-token suffix as much as a cold 10K-token prompt
         (docs/benchmarks/hot-prefix.md: what dropping it changed on 2P2D)."""
-        modelled = worker.queued_tokens * self.prefill_s_per_token
-        modelled += (worker.load if load is None else load) * self.busy_s_per_request
+        return self._queue(worker, host, load)[0]
+
+    def _queue(self, worker: Worker, host: int, load: int | None) -> tuple[float, float]:
+        """(queue_s, the modelled part of it at the constants, before the slowness)."""
+        work = worker.queued_tokens * self.prefill_s_per_token
+        work += (worker.load if load is None else load) * self.busy_s_per_request
+        modelled = work * worker.speed.slowness
         if worker.type is not WorkerType.PREFILL and worker.waiting:  # else measured: 0
             modelled = max(modelled, worker.measured_wait_s())
-        return modelled + host * self.host_load_s_per_token
+        return modelled + host * self.host_load_s_per_token, work
 
     def plan(
         self,
@@ -155,13 +168,16 @@ class CostModel:
         load first); `source`, when given, holds `best` and may be pulled from: the pull
         shares the source's link with the pulls already planned from it. `load`: as for
         queue_s."""
-        queue = self.queue_s(worker, host, load)
-        own = Plan(queue + self.prefill_s(tokens - cached, cached), tokens - cached)
+        queue, work = self._queue(worker, host, load)
+        slowness = worker.speed.slowness
+        mine = self.prefill_s(tokens - cached, cached)
+        own = Plan(queue + mine * slowness, tokens - cached, False, work + mine)
         if source is None or best <= cached or not worker.can_pull:
             return own
         moved = (best - cached) * self.transfer_s_per_token * (1 + source.pulls_served)
-        pull = queue + moved + self.prefill_s(tokens - best, best)
-        return Plan(pull, tokens - best, True) if pull < own.seconds else own
+        rest = self.prefill_s(tokens - best, best)
+        pull = queue + moved + rest * slowness
+        return Plan(pull, tokens - best, True, work + rest) if pull < own.seconds else own
 
 
 def least_loaded(workers: list[Worker]) -> Worker:
@@ -382,7 +398,8 @@ class PromptTree(Policy):
                 if w is not choice and w.agent is not None and o.held[w.url] > mine
             )
             holders = sorted(longer, key=lambda x: -x[1])
-        return Decision(choice, mine, holders, reason, o.best if plan.pull else None)
+        pull_from = o.best if plan.pull else None
+        return Decision(choice, mine, holders, reason, pull_from, plan.work_s)
 
 
 class Cost(PromptTree):

@@ -471,6 +471,9 @@ class Router:
             "kv_pull": w.can_pull,
             "serves_pulls": w.agent is not None,
             "pulls_served_in_flight": w.pulls_served,
+            # measured over the cost model's constants (router.speed); 1.0 until measured
+            "slowness": round(w.speed.slowness, 4),
+            "slowness_samples": w.speed.samples,
         }
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -567,6 +570,7 @@ class Router:
                         "in_flight": w.in_flight,
                         "queued_tokens": w.queued_tokens,
                         "expected_wait_secs": round(self.config.cost.queue_s(w), 6),
+                        "slowness": round(w.speed.slowness, 4),
                     }
                     for w in self.registry.workers.values()
                 ]

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from router.speed import EngineSpeed
+
 log = logging.getLogger(__name__)
 
 RATE_WINDOW = 32  # the last requests a worker finished, for the rate it serves them at
@@ -123,6 +125,8 @@ class Worker:
     unstarted: int = 0
     # when its last requests ended: the rate it serves them at
     finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    # how much slower than the cost model's constants it computes (router.speed)
+    speed: EngineSpeed = field(default_factory=EngineSpeed)
 
     @property
     def load(self) -> int:
@@ -267,8 +271,10 @@ class WorkerRegistry:
         health_success_threshold: int = 2,
         health_timeout_s: float = 5.0,
         load_interval_s: float = 1.0,
+        learn_speed: bool = True,
     ) -> None:
         self.breaker = breaker
+        self.learn_speed = learn_speed  # workers learn their slowness (router.speed)
         self.health_interval_s = health_interval_s
         self.load_interval_s = load_interval_s  # 0: loads are read with health checks only
         self.failure_threshold = health_failure_threshold
@@ -290,6 +296,7 @@ class WorkerRegistry:
         if url in self.workers:
             raise ValueError(f"worker {url} is already registered")
         worker = Worker(url, type, bootstrap_port, changed=self.load_changed)
+        worker.speed.learn = self.learn_speed
         self.workers[url] = worker
         self.load_changed()
         return worker
