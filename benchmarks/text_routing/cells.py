@@ -1,0 +1,219 @@
+"""The cluster (two sim workers) and one cell: a document sent three times through one route
+of a fresh router, its /metrics read before and after every request."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.multiturn.cluster import (
+    Cluster,
+    ClusterSpec,
+    RouterSpec,
+    RunningRouter,
+    launch,
+    router_args,
+    scrape,
+    slug,
+)
+from benchmarks.peers import OURS
+from benchmarks.text_routing.documents import prompt
+from router.procs import JSON_HEADERS, free_port, http_ok, wait_until
+
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+ROUTES = (COMPLETIONS, GENERATE)
+REQUESTS = 3  # per cell: the same document, three questions
+MAX_NEW_TOKENS = 4
+WORKERS = 2
+SETTLE_TIMEOUT_S = 5.0  # the router has learned from an answer within this
+STABLE_S = 0.2  # its counters unchanged this long: nothing more to learn
+
+CACHE_HITS = "sgl_router_cache_hits_total"
+PREDICTED = "memserve_router_predicted_cached_tokens_total"
+REPORTED = "memserve_router_reported_cached_tokens_total"
+PROCESSED = "sgl_router_processed_requests_total"
+EVENTS = "sgl_router_load_balancing_events_total"
+TOKEN_POLICIES = ("prompt_tree", "cost")  # the policies whose trees learn from answers
+
+
+def make_cluster(model_dir: Path, log_dir: Path) -> Cluster:
+    """Two colocated sim workers with the radix cache, reading `model_dir`'s tokenizer."""
+    return Cluster.create(ClusterSpec("text_routing", colocated=WORKERS), model_dir, log_dir, None)
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return str(json.load(resp)["data"][0]["id"])
+
+
+def body(route: str, text: str, model: str) -> dict[str, Any]:
+    if route == COMPLETIONS:
+        return {"model": model, "prompt": text, "max_tokens": MAX_NEW_TOKENS, "temperature": 0}
+    return {"text": text, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}}
+
+
+def post(url: str, payload: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(payload).encode(), JSON_HEADERS)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        answer = json.load(resp)
+    if not isinstance(answer, dict):
+        raise RuntimeError(f"{url}: not a JSON object: {answer!r:.200}")
+    return answer
+
+
+def reported(route: str, answer: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) as the worker reported them."""
+    if route == COMPLETIONS:
+        usage = answer.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+    meta = answer.get("meta_info") or {}
+    return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
+
+
+def start_router(
+    policy: str, cluster: Cluster, log_dir: Path, tag: str, timeout_s: float = 90
+) -> RunningRouter:
+    """`python -m router --policy P` in front of the cluster, as the multi-turn benchmark
+    starts it (`router_args`), ready once a one-token text request goes through it (a
+    tokenizer directory need not have a chat template)."""
+    spec = RouterSpec(OURS, policy)
+    port = free_port()
+    log = log_dir / f"router-{slug(tag)}.log"
+    server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
+    probe = json.dumps(body(GENERATE, "ping", "")).encode()
+    ready = functools.partial(http_ok, server.url + GENERATE, probe, timeout=10)
+    why = wait_until(server, ready, timeout_s)
+    if why is not None:
+        server.stop()
+        raise RuntimeError(why)
+    return RunningRouter(spec, server)
+
+
+def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
+    """{label value: count} of a metric with one label (`name{label="value"}`)."""
+    out = {}
+    for key, value in counters.items():
+        if key.startswith(name + "{"):
+            out[key.split('"')[1]] = value
+    return out
+
+
+def grew(before: dict[str, float], after: dict[str, float], name: str) -> list[str]:
+    """The label values of `name` whose count grew between the two readings."""
+    b, a = labelled(before, name), labelled(after, name)
+    return [label for label, value in a.items() if value > b.get(label, 0.0)]
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def settled(url: str, before: dict[str, float], learns: bool, cached: int) -> dict[str, float]:
+    """The router's counters once it has counted the request and learned from its answer:
+    a token policy's reported-tokens counter has grown by what the worker reported, and
+    nothing has changed for STABLE_S. The last reading if that takes SETTLE_TIMEOUT_S."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    last: dict[str, float] = {}
+    since = time.monotonic()
+    while True:
+        now = scrape(url + "/metrics")
+        if now != last:
+            last, since = now, time.monotonic()
+        counted = sum(labelled(now, PROCESSED).values()) > sum(labelled(before, PROCESSED).values())
+        learned = not learns or delta(before, now, REPORTED) >= cached
+        if counted and learned and time.monotonic() - since >= STABLE_S:
+            return now
+        if time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+@dataclass
+class RequestRecord:
+    request: int  # 1, 2, 3
+    prompt_tokens: int
+    cached_tokens: int  # the worker's report
+    predicted_hit: bool  # sgl_router_cache_hits_total grew, or the decision says cache_hit
+    cache_hits_delta: float
+    reason: str | None  # the routing decision's reason (load-balancing event)
+    worker: int | None  # 1 or 2: which worker served it (the router's per-worker count)
+    predicted_cached_tokens: float | None  # the trees' prediction (token policies)
+    router_reported_cached_tokens: float | None  # what the router learned was reported
+    latency_s: float
+
+
+@dataclass
+class Cell:
+    document: str
+    title: str
+    route: str
+    document_tokens: int
+    requests: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def predicted_hits(self) -> int:
+        return sum(r.predicted_hit for r in self.requests)
+
+    @property
+    def target_met(self) -> bool:
+        """Issue 37's target: the second and third requests predicted, the first not."""
+        hits = [r.predicted_hit for r in self.requests]
+        return hits == [False] + [True] * (len(hits) - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "requests"},
+            "predicted_hits": self.predicted_hits,
+            "target_met": self.target_met,
+            "requests": [asdict(r) for r in self.requests],
+        }
+
+
+def run_cell(
+    router: RunningRouter,
+    workers: list[str],
+    model: str,
+    cell: Cell,
+    text: str,
+    language: str,
+    policy: str,
+    step: Callable[[], None],
+) -> Cell:
+    """Send the document three times through `cell.route`, one request at a time."""
+    url = router.url
+    learns = policy in TOKEN_POLICIES
+    for i in range(REQUESTS):
+        before = scrape(url + "/metrics")
+        started = time.perf_counter()
+        answer = post(url + cell.route, body(cell.route, prompt(text, language, i), model))
+        latency = time.perf_counter() - started
+        prompt_tokens, cached = reported(cell.route, answer)
+        after = settled(url, before, learns, cached)
+        served = grew(before, after, PROCESSED)
+        reasons = grew(before, after, EVENTS)
+        hits = delta(before, after, CACHE_HITS)
+        reason = reasons[0] if reasons else None
+        cell.requests.append(
+            RequestRecord(
+                request=i + 1,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=cached,
+                predicted_hit=hits > 0 or reason == "cache_hit",
+                cache_hits_delta=hits,
+                reason=reason,
+                worker=workers.index(served[0]) + 1 if served and served[0] in workers else None,
+                predicted_cached_tokens=delta(before, after, PREDICTED) if learns else None,
+                router_reported_cached_tokens=delta(before, after, REPORTED) if learns else None,
+                latency_s=round(latency, 4),
+            )
+        )
+        step()
+    return cell
