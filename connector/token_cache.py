@@ -215,6 +215,8 @@ class CachedEncoder:
         if exact[: len(guess)] == guess:
             return True
         self._guess_mismatches += 1
+        if self._guess_mismatches & (self._guess_mismatches - 1):
+            return False  # logged at the 1st, 2nd, 4th, 8th...: rare, but never a flood
         at = next(
             (i for i, (a, b) in enumerate(zip(guess, exact, strict=False)) if a != b), len(exact)
         )
