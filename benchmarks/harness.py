@@ -154,9 +154,10 @@ def write_results(
     notes: list[str],
     machine: dict[str, Any] | None = None,
     body: Sequence[str] = (),
+    page: str | None = None,
 ) -> tuple[Path, Path]:
     """Write `{name}.json` (the figures plus a `machine` entry: this one's, unless the figures
-    were measured elsewhere) and `{name}.md`; return both.
+    were measured elsewhere) and `{name}.md` (or `page`, say README.md); return both.
 
     The page: the title, the headline table (none when `table_rows` is None), the Markdown
     lines of `body`, the notes, the machine. JSON uses sorted keys and indentation so that
@@ -176,7 +177,7 @@ def write_results(
     if notes:
         parts += ["## Notes", "", *(f"- {note}" for note in notes), ""]
     parts += ["## Machine", "", *(f"- {k}: {format_cell(v)}" for k, v in facts.items()), ""]
-    md_path = out_dir / f"{name}.md"
+    md_path = out_dir / (page or f"{name}.md")
     md_path.write_text("\n".join(parts))
     return json_path, md_path
 

@@ -65,6 +65,11 @@ BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the wo
 # earlier one (a tool prompt, a document) then encodes only the chunks after that prefix.
 CUT_CHARS = 2048
 CUT = ""  # in a split text, between two chunks of one piece: no token between them
+# Pieces encoded inside an event loop are put in the prefix index this long after (or at
+# the next guess, whichever comes first): reading an encode's offsets and indexing them
+# costs about 0.2 ms a thousand tokens, which a request's answer should not wait for.
+INDEX_DELAY_S = 0.02
+MAX_UNINDEXED = 256  # pieces waiting for the index at most; then they are indexed at once
 
 
 def _token_ids_array(ids: Sequence[int]) -> array:
@@ -112,6 +117,8 @@ class CachedEncoder:
         # long pieces encoded, by their start: a new piece's likely first ids (`Known.guess`)
         self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1))
         self._guesses = self._guessed_tokens = self._guess_mismatches = 0
+        self._unindexed: list[tuple[str, array, Any]] = []  # (piece, ids, its encoding)
+        self._index_timer: asyncio.TimerHandle | None = None
         # told every piece this encoder encodes and caches (a router's sibling processes
         # cache them too: a piece one encoded is known to all)
         self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
@@ -199,6 +206,8 @@ class CachedEncoder:
             elif s:
                 ids = cache.get(s)
                 if ids is None:
+                    if self._unindexed:
+                        self.flush_index()
                     guess = self.prefixes.guess(s)
                     if guess:
                         self._guesses += 1
@@ -373,6 +382,7 @@ class CachedEncoder:
     def clear(self) -> None:
         self._cache.clear()
         self._cached_tokens = 0
+        self.flush_index()
         self.prefixes.clear()
 
     # -- encoding -------------------------------------------------------------------------
@@ -499,11 +509,34 @@ class CachedEncoder:
 
     def _index(self, pieces: list[str], ids: list[array], encodings: list[Any]) -> None:
         """Long pieces go into the prefix index (a later piece sharing their start is
-        guessed from them). `encode_batch_fast` gives no offsets: pieces encoded so are
-        short, and skipped."""
-        for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True):
-            if len(piece) >= MIN_CHARS and (offsets := encoding.offsets):
-                self.prefixes.add(piece, piece_ids, token_ends(offsets))
+        guessed from them), at once outside an event loop, else soon (`INDEX_DELAY_S`).
+        `encode_batch_fast` gives no offsets: pieces encoded so are short, and skipped."""
+        todo = [
+            (piece, piece_ids, encoding)
+            for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True)
+            if len(piece) >= MIN_CHARS
+        ]
+        if not todo:
+            return
+        self._unindexed += todo
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or len(self._unindexed) > MAX_UNINDEXED:
+            self.flush_index()
+        elif self._index_timer is None:
+            self._index_timer = loop.call_later(INDEX_DELAY_S, self.flush_index)
+
+    def flush_index(self) -> None:
+        """Put the pieces encoded lately into the prefix index now."""
+        if self._index_timer is not None:
+            self._index_timer.cancel()
+            self._index_timer = None
+        todo, self._unindexed = self._unindexed, []
+        for piece, ids, encoding in todo:
+            if offsets := encoding.offsets:
+                self.prefixes.add(piece, ids, token_ends(offsets))
 
     @staticmethod
     def _ids_of(encodings: list[Any]) -> list[array]:

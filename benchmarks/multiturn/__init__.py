@@ -17,6 +17,12 @@ arrivals; sessions are causal (a turn goes after the previous answer and carries
 sized so the working set is 2x, 4x and 8x the cluster's, with and without a host tier, every
 system on the same workers over paired seeds, against the oracle and the TTFT floor.
 
+`--sweep` (modules `sweep_preset`, `sweep_report`) is the robustness sweep of issue 37: ours
+`prompt_tree` and `cost` against sglang-router cache_aware and round_robin, one factor at a
+time around a base hot-prefix cell (Zipf exponent, prefix count and length, text prompts or
+chats, load, engine speed per worker), paired seeds; it writes DIR/README.md (the sweep's
+table and its heat map of ours' TTFT ratios to cache_aware) instead of results.md.
+
 Writes DIR/results.json (one object per run, the targets, the sim's parameters),
 DIR/results.md and PNG plots. Targets are reported, never asserted.
 """

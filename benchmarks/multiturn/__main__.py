@@ -66,11 +66,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         "3 paired seeds (with --quick: 2P2D, one small workload, one seed)",
     )
     parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the robustness sweep (issue 37): ours prompt_tree and cost against "
+        "sglang-router cache_aware and round_robin, one factor at a time around a base cell "
+        "(Zipf popularity, prefix count and length, text or chats, 50-100%% load, engines at "
+        "H100 speed, 4x and 10x slower, mixed), 3 paired seeds (~2.5 h); results in "
+        "benchmarks/results/multiturn_sweep (with --quick: 2 small cells, one seed)",
+    )
+    parser.add_argument(
+        "--sweep-quick",
+        action="store_true",
+        help="--sweep --quick: two small cells (H100 speed, mixed engines), one seed (~1 min)",
+    )
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        default=None,
+        metavar="CELL",
+        help="--sweep: only these cells, by name ('base', 'Zipf 0.6', '300 prefixes', "
+        "'16K-token prefixes', chats, 'load 50%%', 'engines mixed', ...)",
+    )
+    parser.add_argument(
         "--calibration-from",
         type=Path,
         default=None,
         metavar="DIR",
-        help="--hot-prefix/--pd: take each cluster's sustained rate and KV sizing from "
+        help="--hot-prefix/--pd/--sweep: take each cluster's sustained rate and KV sizing from "
         "DIR/results.json instead of measuring them (say, to split the seeds over several "
         "invocations: each then runs on the KV the whole preset would)",
     )
@@ -147,17 +169,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stop_children_on_terminate()
+    if args.sweep_quick:
+        args.sweep = args.quick = True
     kind = paired_kind(args)
-    if sum((args.capacity, args.hot_prefix, args.pd)) > 1:
-        parser.error("--capacity, --hot-prefix and --pd are presets of their own: pick one")
+    if sum((args.capacity, args.hot_prefix, args.pd, args.sweep)) > 1:
+        parser.error(
+            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one"
+        )
     if args.out is None:
         args.out = kind.out if kind else CAPACITY_OUT if args.capacity else DEFAULT_OUT
     if args.trace is not None and not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
     if not (args.capacity or args.pd) and args.multiples:
         parser.error("--multiples belongs to --capacity and --pd")
-    if args.shapes and not kind:
+    if args.shapes and not (args.hot_prefix or args.pd):
         parser.error("--shapes belongs to --hot-prefix and --pd")
+    if args.cells and not args.sweep:
+        parser.error("--cells belongs to --sweep")
+    if args.sweep and (args.trace or args.workloads):
+        parser.error("--sweep runs its own hot-prefix cells: no --trace or --workloads")
     if args.calibration_from and not (kind and not args.report_only):
         parser.error("--calibration-from belongs to --hot-prefix and --pd runs")
     if any(m <= 0 for m in args.multiples or ()):
@@ -239,10 +269,12 @@ def run_capacity(
 
 def paired_kind(args: argparse.Namespace) -> Any:
     """The paired preset the flags ask for (`paired_cli.Kind`), or None."""
-    if not (args.hot_prefix or args.pd):
+    if not (args.hot_prefix or args.pd or args.sweep):
         return None
     from benchmarks.multiturn import paired_cli
 
+    if args.sweep:
+        return paired_cli.SWEEP
     return paired_cli.HOT_PREFIX if args.hot_prefix else paired_cli.PD
 
 
@@ -270,7 +302,7 @@ def run_paired_preset(
         elapsed,
         command_line(argv),
     )
-    return finished(plan.preset, len(records), elapsed, args.out)
+    return finished(plan.preset, len(records), elapsed, args.out, kind.page)
 
 
 @dataclass
@@ -329,9 +361,9 @@ def command_line(argv: Sequence[str] | None) -> str:
     return shown_command("python -m benchmarks.multiturn", argv or sys.argv[1:])
 
 
-def finished(preset: str, runs: int, elapsed: float, out: Path) -> int:
+def finished(preset: str, runs: int, elapsed: float, out: Path, page: str | None = None) -> int:
     print(f"multiturn: {preset} run, {runs} runs in {elapsed:.0f} s -> {out}")
-    print((out / "results.md").read_text().split("\n## Notes")[0])
+    print((out / (page or "results.md")).read_text().split("\n## Notes")[0])
     return 0
 
 

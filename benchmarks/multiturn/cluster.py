@@ -52,6 +52,10 @@ class ClusterSpec:
     radix_cache: bool = True
     label: str = ""  # MemServe's name for it: PD, PD-CC, 1P1D, 1P1D-CC
     time_scale: float = 1.0  # the sim's --time-scale: >1 is a slower GPU (more load per rate)
+    # Per worker (in role order: colocated, prefills, decodes), a mixed cluster's engines;
+    # () gives every worker `time_scale`. `time_scale` is then the speed our router's cost
+    # model is told (`scaled_cost_args`); it learns how much slower each other worker is.
+    time_scales: tuple[float, ...] = ()
     max_total_tokens: int | None = None  # device KV per worker (None: the plan's, or the sim's)
     hicache_ratio: float = 0.0  # > 0: a host tier of this many times the device KV
     mempool_pull: bool = False  # colocated workers and prefills pull longer prefixes from peers
@@ -64,6 +68,18 @@ class ClusterSpec:
     @property
     def instances(self) -> int:
         return self.colocated + self.prefills + self.decodes
+
+    @property
+    def scales(self) -> list[float]:
+        """Each worker's time scale, in role order. ValueError when `time_scales` does not
+        name one per worker."""
+        if not self.time_scales:
+            return [self.time_scale] * self.instances
+        if len(self.time_scales) != self.instances:
+            raise ValueError(
+                f"{self.name}: {len(self.time_scales)} time scales for {self.instances} workers"
+            )
+        return list(self.time_scales)
 
 
 @dataclass
@@ -109,9 +125,9 @@ class Cluster:
         capacity = spec.max_total_tokens or max_total_tokens
         # A short path of its own: an ipc:// socket path must fit in 107 bytes.
         events = Path(tempfile.mkdtemp(prefix="mt-kv-")) if spec.kv_events else None
-        for i, role in enumerate(roles):
+        for i, (role, scale) in enumerate(zip(roles, spec.scales, strict=True)):
             port = free_port()
-            args = ["--backend", "sim", "--time-scale", f"{spec.time_scale:g}"]
+            args = ["--backend", "sim", "--time-scale", f"{scale:g}"]
             args += ["--model-path", str(model_dir), "--tokenizer-cache"]
             args += ["--instance-id", str(first_id + i), "--log-level", "warning"]
             if capacity:
@@ -257,6 +273,7 @@ class Cluster:
             "pd_caching": self.spec.caching,
             "radix_cache": self.spec.radix_cache,
             "time_scale": self.spec.time_scale,
+            "time_scales": self.spec.scales,
         }
 
 

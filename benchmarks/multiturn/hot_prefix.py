@@ -8,7 +8,10 @@ and arrive open-loop as one Poisson process, as Mooncake's tool-agent trace is r
 
 Every prompt is a completion (`/v1/completions`, a prompt string): the prefix's words, then
 the suffix's, each word one token (`text.Vocab`), so the token ids of every prompt are known
-exactly and the oracle, the working set and the floor need no tokenizer.
+exactly and the oracle, the working set and the floor need no tokenizer. With `route` CHAT
+the same prefixes and suffixes are chats instead (`/v1/chat/completions`): the prefix the
+system message, the suffix the user's; their token ids are then the chat template's, which
+the oracle encodes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.workloads import COMPLETION, Request, Workload, _params, poisson_times
+from benchmarks.multiturn.workloads import (
+    CHAT,
+    COMPLETION,
+    Request,
+    Workload,
+    _params,
+    poisson_times,
+)
 
 
 def zipf_weights(n: int, exponent: float) -> list[float]:
@@ -35,7 +45,8 @@ class HotPrefix:
     """`requests` requests at `rate`/s (Poisson): prefix k of `prefixes` (lengths uniform in
     [min, max] tokens) with Zipf(`zipf_exponent`) popularity, a unique suffix of
     `suffix_min`..`suffix_max` tokens (log-uniform: mostly tens, some hundreds), an answer
-    of `answer_tokens`."""
+    of `answer_tokens`; completions, or chats with `route` CHAT (the prefix the system
+    message, the suffix the user's)."""
 
     prefixes: int = 200
     prefix_min_tokens: int = 4096
@@ -46,6 +57,7 @@ class HotPrefix:
     answer_tokens: int = 32
     requests: int = 300
     rate: float = 2.0
+    route: str = COMPLETION  # COMPLETION (a prompt string) or CHAT (system + user messages)
     seed: int = 1
 
     @classmethod
@@ -55,6 +67,8 @@ class HotPrefix:
         return cls(**{k: params[k] for k in cls.__dataclass_fields__ if k in params})
 
     def build(self, vocab: Vocab) -> Workload:
+        if self.route not in (COMPLETION, CHAT):
+            raise ValueError(f"route {self.route!r}: {COMPLETION} or {CHAT}")
         rng = random.Random(f"hot-prefix:{self.seed}")
         # The prefixes' popularity order is shuffled against their lengths: the hottest is
         # not always the longest.
@@ -82,22 +96,20 @@ class HotPrefix:
             )
             head, head_ids = prefix(k)
             question, question_ids = vocab.words_text(rng, suffix_len)
-            requests.append(
-                Request(
-                    rid,
-                    f"q{rid}",
-                    0,
-                    at,
-                    self.answer_tokens,
-                    COMPLETION,
-                    prompt=head + question,
-                    prompt_ids=[*head_ids, *question_ids],
-                )
-            )
+            request = Request(rid, f"q{rid}", 0, at, self.answer_tokens, self.route)
+            if self.route == CHAT:  # the words without their leading space, as typed
+                request.base = [{"role": "system", "content": head.lstrip()}]
+                request.user, request.carry = question.lstrip(), False
+            else:
+                request.prompt, request.prompt_ids = head + question, [*head_ids, *question_ids]
+            requests.append(request)
         params: dict[str, Any] = {
             **_params(self),
             "distinct_prefixes_used": len(set(chosen)),
             "hottest_prefix_share": max(chosen.count(k) for k in set(chosen)) / len(chosen),
-            "mean_prompt_tokens": sum(len(r.prompt_ids or []) for r in requests) / len(requests),
         }
-        return Workload("hot_prefix", "hot shared prefixes (tool-agent-like)", requests, params)
+        if self.route == COMPLETION:  # (a chat's tokens are the template's: the oracle's)
+            prompt_tokens = sum(len(r.prompt_ids or []) for r in requests)
+            params["mean_prompt_tokens"] = prompt_tokens / len(requests)
+        title = "hot shared prefixes (tool-agent-like)" + (", chats" if self.route == CHAT else "")
+        return Workload("hot_prefix", title, requests, params)

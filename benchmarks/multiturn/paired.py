@@ -73,6 +73,9 @@ class Config:
     load: float
     api: str
     labels: dict[str, Any] = field(default_factory=dict)  # into every record of the config
+    # Configs with the same rate_key (the same workload on the same cluster, another load)
+    # share one sustained rate, measured on the first of them to run; "": the config's own.
+    rate_key: str = ""
 
     def cluster_key(self, member: Member) -> str:
         mode = MODE_LABELS.get(member.spec.caching, "")
@@ -118,7 +121,8 @@ class Rater:
     ctx: Context
     paired: PairedPlan
     calibrations: dict[str, dict[str, Any]] = field(default_factory=dict)
-    sustained: dict[str, float | None] = field(default_factory=dict)
+    sustained: dict[str, float | None] = field(default_factory=dict)  # by rate key
+    measured_by: dict[str, str] = field(default_factory=dict)  # rate key -> config key
     built: dict[tuple[str, int], Prebuilt] = field(default_factory=dict)
 
     def config_of(self, cluster: Cluster) -> Config:
@@ -129,9 +133,19 @@ class Rater:
 
     def __call__(self, cluster: Cluster, steps: list[Step], model: str, floor: Floor) -> list[Step]:
         config = self.config_of(cluster)
-        if config.key not in self.sustained:
-            self.sustained[config.key] = self.measure(config, cluster, model, floor)
-        sustained = self.sustained[config.key]
+        shared = config.rate_key or config.key
+        if shared not in self.sustained:
+            self.sustained[shared] = self.measure(config, cluster, model, floor)
+            self.measured_by[shared] = config.key
+        elif config.key not in self.calibrations:  # the rate of a config measured before
+            first = self.calibrations.get(self.measured_by[shared]) or {}
+            self.calibrations[config.key] = {
+                **first,
+                "config": config.key,
+                "load": config.load,
+                "shared_with": self.measured_by[shared],
+            }
+        sustained = self.sustained[shared]
         if sustained is None:  # no rate to offer: the config's runs are left out (said)
             return []
         rate = config.load * sustained

@@ -1,4 +1,5 @@
-"""The paired presets on the command line: `--hot-prefix` and `--pd`, run or reported again.
+"""The paired presets on the command line: `--hot-prefix`, `--pd` and `--sweep`, run or
+reported again.
 
 Kept apart from `__main__` so that the main module only parses and dispatches; a preset's
 own module says what it runs (`hot_prefix_preset`, `pd_preset`), this one how its runs are
@@ -13,10 +14,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks.multiturn import hot_prefix_preset, pd_preset
+from benchmarks.multiturn import hot_prefix_preset, pd_preset, sweep_preset, sweep_report
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
-from benchmarks.multiturn.paired_report import TargetsFor, write_paired
+from benchmarks.multiturn.paired_report import ExtraFor, TargetsFor, write_paired
 from benchmarks.peers import PeerStatus
 
 Shaped = TypeVar("Shaped", hot_prefix_preset.HotPrefixPreset, pd_preset.PDPreset)
@@ -31,6 +32,8 @@ class Kind:
     title: str
     notes: tuple[str, ...]
     targets_for: TargetsFor
+    page: str | None = None  # the Markdown page's file name (None: results.md)
+    extra: ExtraFor | None = None  # the preset's own tables and plots
 
 
 HOT_PREFIX = Kind(
@@ -48,10 +51,20 @@ PD = Kind(
     pd_preset.targets_for,
 )
 
+SWEEP = Kind(
+    sweep_preset.SWEEP,
+    Path("benchmarks/results/multiturn_sweep"),
+    "Robustness sweep: ours against sglang-router over workloads and engines",
+    sweep_preset.NOTES,
+    sweep_preset.targets_for,
+    "README.md",
+    sweep_report.extra,
+)
+
 
 def kind_of(preset: str) -> Kind | None:
     """The paired preset a results.json's `preset` names, if any."""
-    for kind in (HOT_PREFIX, PD):
+    for kind in (HOT_PREFIX, PD, SWEEP):
         if preset in (kind.name, f"{kind.name}-quick"):
             return kind
     return None
@@ -69,7 +82,10 @@ def make_plan(
     systems = set(args.systems) if args.systems else None
     rates, known = known_from(args.calibration_from) if args.calibration_from else ({}, None)
     plan: PairedPlan
-    if kind is HOT_PREFIX:
+    if kind is SWEEP:
+        sweep = sweep_preset.narrowed(sweep_of(args), args.seeds, args.cells)
+        plan = sweep_preset.make_plan(sweep, vocab, encoder, features, systems, on_seed, known)
+    elif kind is HOT_PREFIX:
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
             args.trace
         )
@@ -95,8 +111,18 @@ def with_shapes(preset: Shaped, shapes: Sequence[str] | None) -> Shaped:
     return replace(preset, shapes=kept)
 
 
+def sweep_of(args: argparse.Namespace) -> sweep_preset.SweepPreset:
+    return (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
+
+
 def seeds_to_build(kind: Kind, args: argparse.Namespace) -> int:
     """Workload builds the plan makes (for its progress bar)."""
+    if kind is SWEEP:
+        try:
+            sweep = sweep_preset.narrowed(sweep_of(args), args.seeds, args.cells)
+        except ValueError:
+            return 0  # (make_plan says why)
+        return len(sweep.cells) * len(sweep.seeds)
     if kind is HOT_PREFIX:
         preset = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)()
         return len(args.seeds or preset.seeds)
@@ -159,6 +185,8 @@ def write(
         elapsed_s,
         command,
         machine,
+        kind.page,
+        kind.extra,
     )
 
 

@@ -250,6 +250,23 @@ class Target:
 TargetsFor = Callable[[str, Sequence[Run]], list[Target]]  # config, its runs -> targets
 
 
+@dataclass(frozen=True)
+class Extra:
+    """What a preset adds to its paired report: Markdown lines ahead of the targets, its
+    figures for results.json (under `key`) and the plots it wrote (shown first)."""
+
+    key: str
+    lines: list[str]
+    figures: dict[str, Any]
+    plots: list[str]
+
+
+# out_dir, runs, summary, targets, calibration -> the preset's own part of the report
+ExtraFor = Callable[
+    [Path, Sequence[Run], Sequence[dict[str, Any]], dict[str, Any], dict[str, Any]], Extra
+]
+
+
 def evaluate(
     runs: Sequence[Run], summary: Sequence[dict[str, Any]], targets_for: TargetsFor
 ) -> dict[str, Any]:
@@ -367,7 +384,19 @@ def why(
             parts.append(f"theirs: {tail_summary(theirs[seed], turns=False)}")
     if run.get("router_decisions"):
         parts.append(f"ours' decisions: {reasons(run)}")
+    if run.get("worker_time_scales"):  # a mixed cluster: which worker is how slow
+        scales = "/".join(f"{s:g}" for s in run["worker_time_scales"])
+        parts.append(f"workers' time scales {scales}")
     parts.append(f"GPU busy {pct(run.get('gpu_utilization'))}")
+    cpu = med(ours, "cpu_ms_per_request")
+    if finite(cpu):  # the client, routers and workers share the machine's cores
+        theirs_cpu = med(other, "cpu_ms_per_request") if other else None
+        text = f"CPU ms/request (client, router with its start-up, workers) {cpu:.0f}"
+        if finite(theirs_cpu):
+            text += f" vs {theirs_cpu:.0f}"
+        if finite(run.get("loadavg_1m")):
+            text += f", machine load {run['loadavg_1m']:.1f} on {os.cpu_count()} cores"
+        parts.append(text)
     return "; ".join(parts)
 
 
@@ -610,12 +639,17 @@ def write_paired(
     elapsed_s: float,
     command: str,
     machine: dict[str, Any] | None = None,
+    page: str | None = None,
+    extra: ExtraFor | None = None,
 ) -> dict[str, Any]:
+    """results.json and results.md (or `page`); `extra` adds a preset's own tables, figures
+    and plots ahead of the common ones."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs)
     targets = evaluate(runs, summary, targets_for)
-    plots = plot_paired(out_dir, runs, summary, label)
+    own = extra(out_dir, runs, summary, targets, calibration) if extra else None
+    plots = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
     figures = {
         "preset": preset,
         "command": command,
@@ -630,6 +664,8 @@ def write_paired(
         "peers": {name: s.__dict__ for name, s in peers.items()},
         "plots": plots,
     }
+    if own is not None:
+        figures[own.key] = own.figures
     met = sum(1 for t in targets.values() if t.get("met") is True)
     publish(
         out_dir,
@@ -639,9 +675,11 @@ def write_paired(
             f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs; {met} of "
             f"{len(targets)} targets met).",
             "",
+            *(own.lines if own else []),
             *sections(runs, summary, targets, calibration, setup),
         ],
         notes(preset_notes, runs, peers),
         machine,
+        page,
     )
     return figures

@@ -251,11 +251,14 @@ def publish(
     body: list[str],
     notes: list[str],
     machine: dict[str, Any] | None,
+    page: str | None = None,
 ) -> None:
-    """results.json and results.md: `body` (Markdown lines), then the plots named in
-    `figures["plots"]`, the notes and the machine (no headline table: the body holds it)."""
+    """results.json and results.md (or `page`): `body` (Markdown lines), then the plots
+    named in `figures["plots"]`, the notes and the machine (no headline table: the body
+    holds it)."""
     plots = [f"![{p}]({p})" for p in figures.get("plots") or ()]
-    write_results(out_dir, NAME, figures, None, title, notes, machine, [*body, *plots, ""])
+    body = [*body, *plots, ""]
+    write_results(out_dir, NAME, figures, None, title, notes, machine, body, page)
 
 
 def write_all(

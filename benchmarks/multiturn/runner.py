@@ -233,9 +233,15 @@ def run_one(
         record["ttft_samples_s"] = sorted(
             round(o.ttft_s, 5) for o in measured if o.ok and o.ttft_s is not None
         )
+    # busy is modelled (H100) seconds: each worker's times its own scale is wall-clock
+    scales = cluster.spec.scales
     record["gpu_utilization"] = (
-        sum(busy) / (len(busy) * span / cluster.time_scale) if busy and span else None
+        sum(b * s for b, s in zip(busy, scales, strict=True)) / (len(busy) * span)
+        if busy and span
+        else None
     )
+    if len(set(scales)) > 1:  # a mixed cluster: which worker is how slow
+        record["worker_time_scales"] = scales
     record["cpu_s"] = {"client": client_cpu, **router_cpu, "workers": workers_cpu}
     # The machine's 1-minute load at the end: above its core count, something else (another
     # benchmark, a test suite) competed for the CPU during this run.

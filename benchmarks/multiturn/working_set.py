@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.multiturn.client import Outcome, messages_for
 from benchmarks.multiturn.oracle import PAGE, Replay, page_keys, replay
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.workloads import CHAT, Workload
+from benchmarks.multiturn.workloads import CHAT, Request, Workload
 
 
 def planned_outcomes(workload: Workload, vocab: Vocab) -> list[Outcome]:
@@ -86,11 +86,22 @@ class Sizing:
             )
 
 
-def hot_set_tokens(workload: Workload, page: int = PAGE) -> int:
+def planned_prompt_ids(request: Request, encoder: Any = None) -> list[int]:
+    """A request's prompt ids as planned: a completion's own; a chat's first-turn messages
+    (no parent's history) through the chat template of `encoder` (none without one)."""
+    if request.route != CHAT:
+        return list(request.prompt_ids or [])
+    if encoder is None:
+        return []
+    return list(encoder.encode_chat(messages_for(request, None)))
+
+
+def hot_set_tokens(workload: Workload, page: int = PAGE, encoder: Any = None) -> int:
     """Tokens of the prompt pages at least two requests contain (completion prompts, whose
-    ids the plan knows): the set a cache must keep for reuse to happen at all (pages seen
-    once are compulsory misses, whoever routes)."""
+    ids the plan knows; chats' with `encoder`, `planned_prompt_ids`): the set a cache must
+    keep for reuse to happen at all (pages seen once are compulsory misses, whoever
+    routes)."""
     seen: Counter[int] = Counter()
     for request in workload.requests:
-        seen.update(set(page_keys(request.prompt_ids or [], page)))
+        seen.update(set(page_keys(planned_prompt_ids(request, encoder), page)))
     return sum(1 for n in seen.values() if n >= 2) * page
