@@ -33,6 +33,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # The granularity of the shared-start search (refined to the character): blocks of 8, 8
 # and 16 characters, then of BLOCK_CHARS (a lookup hashes a block of the new piece per
@@ -46,11 +47,29 @@ MARGIN_TOKENS = 1  # and this many more before them
 _EMPTY = array("I")
 
 
+class Encoded(Protocol):
+    """An encode of a piece that can say where its tokens are (HF tokenizers' Encoding)."""
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]: ...
+
+
 @dataclass(slots=True)
 class _Piece:
     text: str
     ids: array  # uint32 ids of `text`
-    ends: array  # uint32: ends[i] = the character offset where token i ends (non-decreasing)
+    # uint32: ends[i] = the character offset where token i ends (non-decreasing); None until
+    # read from `encoded` (reading an encode's offsets costs 0.1 ms a thousand tokens: done
+    # when a guess needs them, or by `settle`, off a request's path)
+    ends: array | None
+    encoded: Encoded | None = None
+
+    def token_ends(self) -> array:
+        if self.ends is None:
+            assert self.encoded is not None
+            self.ends = token_ends(self.encoded.offsets)
+            self.encoded = None
+        return self.ends
 
 
 class PrefixIndex:
@@ -61,18 +80,28 @@ class PrefixIndex:
         self._pieces: OrderedDict[str, _Piece] = OrderedDict()  # LRU, the oldest first
         self._blocks: dict[int, _Piece] = {}  # chained hash of text[: k * BLOCK_CHARS]
         self._tokens = 0
+        self._unsettled: list[_Piece] = []  # pieces whose ends are still to read
+
+    @property
+    def unsettled(self) -> int:
+        """Pieces added with an encode whose token ends are not read yet (`settle`)."""
+        return len(self._unsettled)
 
     def __len__(self) -> int:
         return len(self._pieces)
 
-    def add(self, text: str, ids: array, ends: array) -> None:
+    def add(self, text: str, ids: array, ends: array | Encoded) -> None:
         """Index `text`, encoded as `ids`, token i ending at character `ends[i]`
-        (`token_ends`)."""
-        if len(text) < MIN_CHARS or len(ids) != len(ends) or text in self._pieces:
+        (`token_ends`), or the encode to read those ends from when needed."""
+        if len(text) < MIN_CHARS or text in self._pieces or len(ids) > self.max_tokens:
             return
-        if len(ids) > self.max_tokens:
-            return
-        piece = _Piece(text, ids, ends)
+        if isinstance(ends, array):
+            if len(ids) != len(ends):
+                return
+            piece = _Piece(text, ids, ends)
+        else:
+            piece = _Piece(text, ids, None, ends)
+            self._unsettled.append(piece)
         self._pieces[text] = piece
         self._tokens += len(ids)
         for _, key in _chain(text):
@@ -98,13 +127,25 @@ class PrefixIndex:
             return _EMPTY
         self._pieces.move_to_end(found.text)
         shared = start + _common_start(found.text, text, start, _next_end(start))
-        n = bisect_right(found.ends, shared - MARGIN_CHARS) - MARGIN_TOKENS
+        ends = found.token_ends()
+        if len(ends) != len(found.ids):  # an encode whose offsets do not match its ids
+            self._drop(found)
+            return _EMPTY
+        n = bisect_right(ends, shared - MARGIN_CHARS) - MARGIN_TOKENS
         return found.ids[:n] if n > 0 else _EMPTY
+
+    def settle(self) -> None:
+        """Read the token ends of every piece added with an encode (and free the encodes)."""
+        unsettled, self._unsettled = self._unsettled, []
+        for piece in unsettled:
+            # (a dropped piece's encode is None: _drop)
+            if piece.encoded is not None and len(piece.token_ends()) != len(piece.ids):
+                self._drop(piece)
 
     def ends(self, text: str) -> array | None:
         """The token ends `text` was indexed with, None when it is not indexed."""
         piece = self._pieces.get(text)
-        return None if piece is None else piece.ends
+        return None if piece is None else piece.token_ends()
 
     def discard(self, text: str) -> None:
         """Forget `text` (its piece left the cache it was encoded for)."""
@@ -115,9 +156,11 @@ class PrefixIndex:
     def clear(self) -> None:
         self._pieces.clear()
         self._blocks.clear()
+        self._unsettled.clear()
         self._tokens = 0
 
     def _drop(self, piece: _Piece) -> None:
+        piece.encoded = None
         del self._pieces[piece.text]
         self._tokens -= len(piece.ids)
         for _, key in _chain(piece.text):

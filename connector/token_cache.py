@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from connector.chat_skeleton import SkeletonRenderer
-from connector.text_prefix import MIN_CHARS, PrefixIndex, token_ends
+from connector.text_prefix import MIN_CHARS, PrefixIndex
 from connector.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,11 @@ BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the wo
 # earlier one (a tool prompt, a document) then encodes only the chunks after that prefix.
 CUT_CHARS = 2048
 CUT = ""  # in a split text, between two chunks of one piece: no token between them
-# Pieces encoded inside an event loop are put in the prefix index this long after (or at
-# the next guess, whichever comes first): reading an encode's offsets and indexing them
-# costs about 0.2 ms a thousand tokens, which a request's answer should not wait for.
-INDEX_DELAY_S = 0.02
-MAX_UNINDEXED = 256  # pieces waiting for the index at most; then they are indexed at once
+# Pieces encoded inside an event loop have their tokens' ends read this long after (or
+# when a guess needs them): that costs about 0.1 ms a thousand tokens, which a request's
+# answer should not wait for (`PrefixIndex.settle`).
+SETTLE_DELAY_S = 0.02
+MAX_UNSETTLED = 256  # pieces waiting for it at most; then it is done at once
 
 
 def _token_ids_array(ids: Sequence[int]) -> array:
@@ -117,8 +117,7 @@ class CachedEncoder:
         # long pieces encoded, by their start: a new piece's likely first ids (`Known.guess`)
         self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1))
         self._guesses = self._guessed_tokens = self._guess_mismatches = 0
-        self._unindexed: list[tuple[str, array, Any]] = []  # (piece, ids, its encoding)
-        self._index_timer: asyncio.TimerHandle | None = None
+        self._settle_timer: asyncio.TimerHandle | None = None
         # told every piece this encoder encodes and caches (a router's sibling processes
         # cache them too: a piece one encoded is known to all)
         self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
@@ -206,8 +205,6 @@ class CachedEncoder:
             elif s:
                 ids = cache.get(s)
                 if ids is None:
-                    if self._unindexed:
-                        self.flush_index()
                     guess = self.prefixes.guess(s)
                     if guess:
                         self._guesses += 1
@@ -382,7 +379,7 @@ class CachedEncoder:
     def clear(self) -> None:
         self._cache.clear()
         self._cached_tokens = 0
-        self.flush_index()
+        self.settle()
         self.prefixes.clear()
 
     # -- encoding -------------------------------------------------------------------------
@@ -509,34 +506,31 @@ class CachedEncoder:
 
     def _index(self, pieces: list[str], ids: list[array], encodings: list[Any]) -> None:
         """Long pieces go into the prefix index (a later piece sharing their start is
-        guessed from them), at once outside an event loop, else soon (`INDEX_DELAY_S`).
-        `encode_batch_fast` gives no offsets: pieces encoded so are short, and skipped."""
-        todo = [
-            (piece, piece_ids, encoding)
-            for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True)
-            if len(piece) >= MIN_CHARS
-        ]
-        if not todo:
+        guessed from them), their tokens' ends read at once outside an event loop, else
+        soon (`SETTLE_DELAY_S`). `encode_batch_fast` gives no offsets: pieces encoded so
+        are short, and skipped."""
+        added = False
+        for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True):
+            if len(piece) >= MIN_CHARS:
+                self.prefixes.add(piece, piece_ids, encoding)
+                added = True
+        if not added:
             return
-        self._unindexed += todo
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or len(self._unindexed) > MAX_UNINDEXED:
-            self.flush_index()
-        elif self._index_timer is None:
-            self._index_timer = loop.call_later(INDEX_DELAY_S, self.flush_index)
+        if loop is None or self.prefixes.unsettled > MAX_UNSETTLED:
+            self.settle()
+        elif self._settle_timer is None:
+            self._settle_timer = loop.call_later(SETTLE_DELAY_S, self.settle)
 
-    def flush_index(self) -> None:
-        """Put the pieces encoded lately into the prefix index now."""
-        if self._index_timer is not None:
-            self._index_timer.cancel()
-            self._index_timer = None
-        todo, self._unindexed = self._unindexed, []
-        for piece, ids, encoding in todo:
-            if offsets := encoding.offsets:
-                self.prefixes.add(piece, ids, token_ends(offsets))
+    def settle(self) -> None:
+        """Read the tokens' ends of the pieces indexed lately now (`PrefixIndex.settle`)."""
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
+        self.prefixes.settle()
 
     @staticmethod
     def _ids_of(encodings: list[Any]) -> list[array]:

@@ -2,7 +2,8 @@
 
 One step for every strategy: each worker that served the request (a colocated worker, or a
 PD pair's prefill and decode) is told to its breaker; the trees are corrected by what each
-reported as cached; and the trees that now hold the prompt plus its answer (the next turn's
+reported as cached (and the router's accuracy watch, router.accuracy, counts the same
+figures per worker); and the trees that now hold the prompt plus its answer (the next turn's
 prefix) record it. It runs after the answer, off every request's path.
 """
 
@@ -141,6 +142,7 @@ class Learner:
         for s in served:
             if s.reported is not None:
                 self.trees.feedback(s.tree, s.worker.url, tokens, s.predicted, s.reported)
+                self.metrics.accuracy.observe(s.worker.url, s.predicted, s.reported)
         prefix = self.next_prefix(prompt, answer)  # (primes the next turn's encode too)
         if self.exact:
             return

@@ -1,13 +1,15 @@
 """The router's Prometheus metrics: sglang-router's `sgl_router_*` names, plus the prompt
-trees' quality figure (predicted versus reported cached tokens).
+trees' quality figure (predicted versus reported cached tokens, router-wide and per worker,
+and the prediction accuracy over the last minute: router.accuracy).
 
 With several processes (`--processes N`) every process writes its counters and histograms
 to files in the router's private PROMETHEUS_MULTIPROC_DIR (prometheus-client's
 multiprocess mode), and whichever process answers /metrics sums them: requests, errors,
 decisions, TTFT, per-worker counts, admission holds and refusals, the trees' predicted and
-reported tokens count the whole router. What every process knows alike (worker health and
-load, tree size, expected waits, KV-event counts: each process hears every event) comes
-from the answering process's own state.
+reported tokens (router-wide and per worker) count the whole router. What every process
+knows alike (worker health and load, tree size, expected waits, KV-event counts: each
+process hears every event) comes from the answering process's own state, and so does the
+prediction accuracy gauge (each process's window holds the answers it relayed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client import values as prometheus_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from router.accuracy import AccuracyWatch
 from router.admission import Admission
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -59,12 +62,38 @@ ADMISSION_COUNTERS = {
 }
 
 
+# per worker, answers where it reported cached tokens (router.accuracy's totals)
+WORKER_PREDICTION_COUNTERS = {
+    "predicted": (
+        "memserve_router_worker_predicted_cached_tokens",
+        "Cached tokens the trees predicted for the worker, in answers where it reported its own",
+    ),
+    "reported": (
+        "memserve_router_worker_reported_cached_tokens",
+        "Cached tokens the worker reported",
+    ),
+    "foreseen": (
+        "memserve_router_worker_predicted_hit_tokens",
+        "Reported cached tokens the trees had predicted: min(predicted, reported) per answer",
+    ),
+}
+ACCURACY_GAUGE = (
+    "memserve_router_prediction_accuracy",
+    "Predicted hit tokens over reported cached tokens in the last minute, per worker and "
+    'for all (worker="all"); absent when nothing was reported',
+)
+
+
 class RouterMetrics:
     """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
 
-    def __init__(self, workers: WorkerRegistry, trees: PromptTrees) -> None:
+    def __init__(
+        self, workers: WorkerRegistry, trees: PromptTrees, accuracy: AccuracyWatch | None = None
+    ) -> None:
         self.workers = workers
         self.trees = trees
+        # what the answers' cached tokens say of the predictions (fed by router.learning)
+        self.accuracy = AccuracyWatch() if accuracy is None else accuracy
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("sgl_router_requests", "Requests", ["route"], registry=r)
@@ -125,6 +154,10 @@ class RouterMetrics:
             self._shared = {
                 name: Counter(name, doc, registry=r) for name, doc, _ in self._tree_counts()
             }
+            self._per_worker = {
+                name: Counter(name, doc, ["worker"], registry=r)
+                for name, doc in WORKER_PREDICTION_COUNTERS.values()
+            }
             self._holds = Counter(*ADMISSION_COUNTERS["holds"], ["reason"], registry=r)
             self._refusals = Counter(*ADMISSION_COUNTERS["refusals"], ["reason"], registry=r)
             self._queued = Gauge(
@@ -152,6 +185,9 @@ class RouterMetrics:
             return
         for name, _, value in self._tree_counts():
             self._inc(self._shared[name], ("tree", name), value)
+        for name, url, value in self._worker_counts():
+            child = self._child(name, url, self._per_worker[name].labels)
+            pass
         a = self.admission
         if a is not None:
             for counts, counter in ((a.holds, self._holds), (a.refusals, self._refusals)):
@@ -185,6 +221,28 @@ class RouterMetrics:
                 stats.corrections,
             ),
         ]
+
+    def _worker_counts(self) -> Iterator[tuple[str, str, int]]:
+        """(metric, worker URL, value): the per-worker prediction totals."""
+        for url, tally in self.accuracy.totals.items():
+            for what, (name, _) in WORKER_PREDICTION_COUNTERS.items():
+                yield name, url, getattr(tally, what)
+
+    def _predictions(self) -> Iterator[Metric]:
+        """The prediction accuracy gauge, and (one process) the per-worker counters."""
+        gauge = GaugeMetricFamily(*ACCURACY_GAUGE, labels=["worker"])
+        for url, value in self.accuracy.accuracy().items():
+            gauge.add_metric([url], value)
+        yield gauge
+        if self.multiprocess:  # then summed over processes (sync)
+            return
+        families = {
+            name: CounterMetricFamily(name, doc, labels=["worker"])
+            for name, doc in WORKER_PREDICTION_COUNTERS.values()
+        }
+        for name, url, value in self._worker_counts():
+            families[name].add_metric([url], value)
+        yield from families.values()
 
     def _child(self, kind: str, label: str, make: Callable[[str], Any]) -> Any:
         """Labelled children, looked up once: .labels() costs microseconds per call."""
@@ -263,6 +321,7 @@ class RouterMetrics:
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
+        yield from self._predictions()
         if self.kv_events is not None:
             counts = self.kv_events()
             for what, help_text in KV_EVENT_COUNTERS.items():

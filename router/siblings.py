@@ -276,8 +276,6 @@ class Siblings:
         """Pieces of text this process encoded: the siblings cache them too, so a piece is
         known to all before any tree path holding it is (sent first, on the same socket):
         a process knows whatever text a tree path it holds was made of, as one router."""
-        if self.encoder is not None:
-            self.encoder.flush_index()  # the siblings get the ends it indexes with the pieces
         ends = self.encoder.prefixes.ends if self.encoder is not None else lambda _: None
         sent = [
             (t, a.tobytes(), (e.tobytes() if (e := ends(t)) is not None else b""))

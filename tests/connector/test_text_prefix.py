@@ -133,3 +133,33 @@ def test_every_family_is_encoded_piecewise(family: str, tmp_path: Path, model_di
     assert encoder.check_guess(again.guess, full[len(again.ids) :])
     assert not encoder.check_guess(array("I", [7, 7, 7]), array("I", [7, 8, 7]))
     assert encoder.stats()["guess_mismatches"] == 1
+
+
+class _Encoded:
+    """An encode whose offsets are read at most once (and counted)."""
+
+    def __init__(self, offsets: list[tuple[int, int]]) -> None:
+        self._offsets = offsets
+        self.reads = 0
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        self.reads += 1
+        return self._offsets
+
+
+def test_ends_are_read_from_the_encode_when_a_guess_needs_them_or_on_settle() -> None:
+    index = PrefixIndex()
+    one = [(i, i + 1) for i in range(100)]
+    used, unused = _Encoded(one), _Encoded(one)
+    index.add("a" * 100, array("I", range(100)), used)
+    index.add("b" * 100, array("I", range(100)), unused)
+    assert index.unsettled == 2 and used.reads == 0
+    assert index.guess("a" * 90 + "c").tolist() == list(range(85))
+    assert used.reads == 1 and unused.reads == 0  # only the piece the guess came from
+    index.settle()
+    assert index.unsettled == 0 and unused.reads == 1 and used.reads == 1
+    assert len(index.guess("b" * 90 + "c")) == 85
+    wrong = _Encoded(one[:10])  # offsets that do not match the ids: the piece is dropped
+    index.add("c" * 100, array("I", range(100)), wrong)
+    assert index.guess("c" * 90 + "x").tolist() == [] and index.ends("c" * 100) is None
