@@ -187,7 +187,7 @@ class RouterMetrics:
             self._inc(self._shared[name], ("tree", name), value)
         for name, url, value in self._worker_counts():
             child = self._child(name, url, self._per_worker[name].labels)
-            pass
+            self._inc(child, (name, url), value)
         a = self.admission
         if a is not None:
             for counts, counter in ((a.holds, self._holds), (a.refusals, self._refusals)):

@@ -1,7 +1,8 @@
 """deploy/monitoring/grafana-dashboard.json: a dashboard Grafana loads, whose every query names
 series the router exports (its registry as `python -m router` builds it, histograms' and
 counters' suffixes included) or SGLang exports, and which shows what an operator of the
-router looks at: hit ratio, TTFT, per-worker load, decisions by reason, errors, replicas."""
+router looks at: hit ratio, TTFT, per-worker load and prediction accuracy, decisions by reason,
+errors, replicas."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def test_dashboard_shows_what_an_operator_watches(board) -> None:
         "histogram_quantile(0.5, sum by (le) (rate(sglang:time_to_first_token_seconds_bucket",
         "histogram_quantile(0.99, sum by (le) (rate(sglang:time_to_first_token_seconds_bucket",
         "max by (worker) (sgl_router_worker_load",  # per-worker load
+        # per-worker prediction accuracy: foreseen over reported cached tokens, and the gauge
+        "sum by (worker) (rate(memserve_router_worker_predicted_hit_tokens_total",
+        "sum by (worker) (rate(memserve_router_worker_reported_cached_tokens_total",
+        "memserve_router_prediction_accuracy",
         "sum by (reason) (rate(sgl_router_load_balancing_events_total",  # decisions by reason
         "sgl_router_request_errors_total",
         "memserve_router_replica_lag_seconds_bucket",  # propagation between replicas
