@@ -90,7 +90,9 @@ class CachedEncoder:
     Pieces are the text between added tokens; the cache is LRU and bounded by the total
     number of cached token ids (stored as uint32, 4 bytes each). Not thread-safe (one
     asyncio loop). `verify_every=N` also runs a full encode on every Nth call and, on a
-    mismatch, logs it, counts it and returns the full encode.
+    mismatch, logs it, counts it and returns the full encode. `guesses`: keep long pieces in
+    a prefix index, for the likely ids of new text that continues them (`Known.guess`; a
+    router's, not an engine's).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class CachedEncoder:
         tokenizer: ChatTokenizer,
         max_cached_tokens: int = 4_000_000,
         verify_every: int = 0,
+        guesses: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.renderer = SkeletonRenderer(tokenizer)  # the template once per chat shape
@@ -115,7 +118,8 @@ class CachedEncoder:
         self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
         self._encoding: dict[str, asyncio.Future[None]] = {}  # pieces on the thread now
         # long pieces encoded, by their start: a new piece's likely first ids (`Known.guess`)
-        self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1))
+        # (an engine encodes whole prompts and guesses nothing: guesses=False keeps none)
+        self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1) if guesses else 0)
         self._guesses = self._guessed_tokens = self._guess_mismatches = 0
         self._settle_timer: asyncio.TimerHandle | None = None
         # told every piece this encoder encodes and caches (a router's sibling processes
@@ -498,7 +502,7 @@ class CachedEncoder:
         read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
         lower priority could hold while preempted. With offsets when a piece is long
         enough to be indexed (`_index`), else without (faster)."""
-        if any(len(p) >= MIN_CHARS for p in pieces):
+        if self.prefixes.max_tokens and any(len(p) >= MIN_CHARS for p in pieces):
             batch = self._tok.encode_batch
         else:
             batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
@@ -510,6 +514,8 @@ class CachedEncoder:
         soon (`SETTLE_DELAY_S`). `encode_batch_fast` gives no offsets: pieces encoded so
         are short, and skipped."""
         added = False
+        if not self.prefixes.max_tokens:
+            return
         for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True):
             if len(piece) >= MIN_CHARS:
                 self.prefixes.add(piece, piece_ids, encoding)

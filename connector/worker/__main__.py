@@ -466,7 +466,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     if args.tokenizer_cache:
         from connector.token_cache import CachedEncoder
 
-        encoder = CachedEncoder(tokenizer)
+        encoder = CachedEncoder(tokenizer, guesses=False)  # it encodes whole prompts
     info = WorkerInfo(str(model_dir), name, server_args)
     server = WorkerServer(scheduler, tokenizer, info, encoder)
     return server.app(), server_args

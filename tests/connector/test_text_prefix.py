@@ -163,3 +163,11 @@ def test_ends_are_read_from_the_encode_when_a_guess_needs_them_or_on_settle() ->
     wrong = _Encoded(one[:10])  # offsets that do not match the ids: the piece is dropped
     index.add("c" * 100, array("I", range(100)), wrong)
     assert index.guess("c" * 90 + "x").tolist() == [] and index.ends("c" * 100) is None
+
+
+def test_an_engine_encoder_keeps_no_index(model_dir: Path) -> None:
+    encoder = CachedEncoder(ChatTokenizer(model_dir), guesses=False)
+    text = "word " * 2000
+    assert encoder.encode(text + "one") == encoder.tokenizer.encode(text + "one")
+    known = encoder.encode_text_known(text + "two")
+    assert known is not None and len(known.guess) == 0 and len(encoder.prefixes) == 0
