@@ -273,6 +273,10 @@ def decisions(metrics: dict[str, float]) -> dict[str, float] | None:
         "memserve_router_predicted_cached_tokens_total",
         "memserve_router_reported_cached_tokens_total",
         "memserve_router_tree_corrections_total",
+        # per worker, summed: reported cached tokens the trees had predicted (min of the
+        # two per answer), and the reported ones of those answers
+        "memserve_router_worker_predicted_hit_tokens_total",
+        "memserve_router_worker_reported_cached_tokens_total",
     ):
         if key in metrics:
             out[key.removeprefix("memserve_router_").removesuffix("_total")] = metrics[key]

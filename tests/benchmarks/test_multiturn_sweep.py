@@ -74,6 +74,9 @@ def test_sweep_quick(sweep_dir: Path) -> None:
             assert row[f"{name}/CA per seed"] == f"{per_seed['1']:.2f}"
         if row["system"].startswith("ours"):  # the trees' prediction of the cached tokens
             assert finite(row["predicted/reported cached"]), row
+            its = [r for r in runs if (r["config"], r["system"]) == (row["cell"], row["system"])]
+            if "worker_predicted_hit_tokens" in its[0]["router_decisions"]:
+                assert 0 <= row["foreseen/reported cached"] <= 1, row
     heat = sweep["heatmap"]
     assert heat["cells"] == cells
     assert heat["columns"] == ["prompt_tree mean", "prompt_tree p99", "cost mean", "cost p99"]
