@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 SMOLLM2, DEEPSEEK, SENTENCEPIECE = "smollm2", "deepseek", "sentencepiece"
@@ -32,6 +33,16 @@ _PROBES = (
     "caf\u00e9 e\u0301 \u0394\u03ad\u03bb\u03c4\u03b1",
     "\u041f\u0440\u0438\u0432\u0435\u0442 \x00\x7f\U0010fffd",
 )
+
+
+def shared_start(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items (token ids, characters) `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def package_dir(name: str) -> Path:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from connector.text_prefix import FIRST_CHARS, MIN_CHARS, PrefixIndex, token_ends
 from connector.token_cache import CachedEncoder
 from connector.tokenizer import ChatTokenizer
-from tests.tokenizer_families import FAMILIES, tokenizer_dir
+from tests.tokenizer_families import FAMILIES, shared_start, tokenizer_dir
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -31,15 +31,6 @@ def _indexed(index: PrefixIndex, tok: Tokenizer, text: str) -> list[int]:
     encoding = tok.encode(text, add_special_tokens=False)
     index.add(text, array("I", encoding.ids), token_ends(encoding.offsets))
     return list(encoding.ids)
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -59,20 +50,11 @@ def test_a_guess_is_the_start_of_the_exact_encode(
     ids_a = _indexed(index, tokenizer, a)
     ids_b = tokenizer.encode(b, add_special_tokens=False).ids
     guess = index.guess(b).tolist()
-    common = _common(ids_a, ids_b)
+    common = shared_start(ids_a, ids_b)
     assert guess == ids_a[: len(guess)]
     assert len(guess) <= common + 1  # a token at the parting point may differ (measured: rare)
-    if len(a) >= MIN_CHARS and len(b) >= MIN_CHARS and _shared_chars(a, b) >= 2 * FIRST_CHARS:
+    if len(a) >= MIN_CHARS and len(b) >= MIN_CHARS and shared_start(a, b) >= 2 * FIRST_CHARS:
         assert len(guess) >= common - (4 * 4 + 1) - 4 * FIRST_CHARS, (len(guess), common)
-
-
-def _shared_chars(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_the_longest_shared_start_wins_and_short_texts_are_not_guessed() -> None:

@@ -9,6 +9,7 @@ import pytest
 from connector.tokenizer import ChatTokenizer
 from tests.http_client import call, stream
 from tests.procs import running
+from tests.tokenizer_families import shared_start
 
 PAGE = 16
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one sentence."}
@@ -30,15 +31,6 @@ def greedy(worker, ids: list[int], max_new: int = 16) -> dict:
     return body
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def test_second_turn_reuses_first_turn_and_output_is_unchanged(worker, model_dir: Path) -> None:
     tok = ChatTokenizer(model_dir)
     turn1 = [SYSTEM, {"role": "user", "content": "Name the largest planet."}]
@@ -50,7 +42,7 @@ def test_second_turn_reuses_first_turn_and_output_is_unchanged(worker, model_dir
     ]
     ids2 = tok.encode_chat(turn2)
     computed = tok.encode_chat(turn1) + first["output_ids"][:-1]  # KV exists for these
-    expected = min(common_prefix(ids2, computed), len(ids2) - 1) // PAGE * PAGE
+    expected = min(shared_start(ids2, computed), len(ids2) - 1) // PAGE * PAGE
     hit = greedy(worker, ids2)
     assert hit["meta_info"]["cached_tokens"] == expected > len(tok.encode_chat(turn1)) - PAGE
     assert call(worker.url + "/flush_cache", method="POST", raw=b"")[0] == 200

@@ -31,7 +31,7 @@ from connector.text_prefix import MARGIN_CHARS, MARGIN_TOKENS
 from connector.tokenizer import ChatTokenizer
 from tests.http_client import call, metric
 from tests.procs import running
-from tests.tokenizer_families import FAMILIES, tokenizer_dir
+from tests.tokenizer_families import FAMILIES, shared_start, tokenizer_dir
 
 PAGE = 16
 SLACK = PAGE + 4 * MARGIN_CHARS + MARGIN_TOKENS
@@ -133,15 +133,6 @@ def _worker_count(text: str, worker: str) -> float:
     return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @settings(
     max_examples=30,
     deadline=None,
@@ -161,7 +152,7 @@ def test_a_shared_start_is_predicted_on_its_holder(
     _, holder, _ = _served(cluster, route, a)
     predicted, worker, reported = _served(cluster, route, b)
     ids_a, ids_b = _ids(cluster.tokenizer, route, a), _ids(cluster.tokenizer, route, b)
-    held = min(_common(ids_a, ids_b), len(ids_b) - 1) // PAGE * PAGE
+    held = min(shared_start(ids_a, ids_b), len(ids_b) - 1) // PAGE * PAGE
     if held >= PAGE:  # the holder has pages of it: the second request goes there
         assert worker == holder, (predicted, reported, held)
         assert reported == held
