@@ -29,6 +29,7 @@ from router.policies import Decision, Policy, RouteRequest
 from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
 from router.reply import ClientSide, Stream, Whole
 from router.request import RequestError, when_encoded
+from router.speed import Work
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -175,9 +176,9 @@ class Sender:
                 worker.request(self.pending(call.prompt, decision), begins) as flight,
             ):
                 first_byte = flight.prefill_done
-                if begins and side != "decode" and decision.modelled_s:
+                if begins and side != "decode" and decision.work is not None:
                     # (a decode's first byte waits for its prefill: not its own speed)
-                    first_byte = _timed(worker, decision.modelled_s, first_byte)
+                    first_byte = _timed(worker, decision.work, first_byte)
                 if side != "prefill" and call.streamed:  # the first token reaches the client
                     first_byte = self._first_token(call, first_byte)
                 return await forward(
@@ -197,9 +198,9 @@ class Sender:
             self.metrics.for_worker(worker.url).inc()
 
 
-def _timed(worker: Worker, modelled_s: float, then: Callable[[], None]) -> Callable[[], None]:
+def _timed(worker: Worker, work: Work, then: Callable[[], None]) -> Callable[[], None]:
     """`then`, after telling the worker's speed how long its first byte took from now
-    against the `modelled_s` the policy priced it at (router.speed)."""
+    against the `work` the policy priced it at (router.speed)."""
     sent = time.perf_counter()
     told = False
 
@@ -207,7 +208,7 @@ def _timed(worker: Worker, modelled_s: float, then: Callable[[], None]) -> Calla
         nonlocal told
         if not told:
             told = True
-            worker.speed.observe(time.perf_counter() - sent, modelled_s)
+            worker.speed.observe(time.perf_counter() - sent, work)
         then()
 
     return first_byte

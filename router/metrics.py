@@ -297,11 +297,32 @@ class RouterMetrics:
         breaker = GaugeMetricFamily(
             "sgl_router_cb_state", "0 closed, 1 open, 2 half-open", labels=["worker"]
         )
+        # each worker's learned speed (router.speed): the coefficients over the cost model's
+        # constants, and the overhead every request pays
+        speed = GaugeMetricFamily(
+            "memserve_router_worker_speed",
+            "Learned multiple of the cost model's constant per term (queue, per_token, "
+            "per_pair) on the worker; 1 is as the constants say",
+            labels=["worker", "term"],
+        )
+        overhead = GaugeMetricFamily(
+            "memserve_router_worker_overhead_seconds",
+            "Learned seconds every request pays on the worker whatever its size",
+            labels=["worker"],
+        )
         for w in self.workers.workers.values():
             health.add_metric([w.url], 1.0 if w.healthy else 0.0)
             load.add_metric([w.url], w.load)
             breaker.add_metric([w.url], w.breaker.value)
-        yield from (health, load, breaker)
+            s = w.speed
+            for term, value in (
+                ("queue", s.queue_x),
+                ("per_token", s.token_x),
+                ("per_pair", s.pair_x),
+            ):
+                speed.add_metric([w.url, term], value)
+            overhead.add_metric([w.url], s.overhead_s)
+        yield from (health, load, breaker, speed, overhead)
         yield from self._admission()
         size = GaugeMetricFamily(
             "sgl_router_tree_size", "Pages in the prompt tree", labels=["type"]

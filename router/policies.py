@@ -21,6 +21,7 @@ from typing import Any
 
 from mempool.radix import RadixTree
 from router.heat import PrefixHeat
+from router.speed import Work
 from router.trees import PrefixView, PromptTrees
 from router.workers import Worker, WorkerType
 
@@ -67,9 +68,9 @@ class Decision:
     holders: list[tuple[Worker, int]] = field(default_factory=list)
     reason: str = "policy"
     pull_from: Worker | None = None  # the holder the plan pulls from, if it pulls
-    # the work ahead of its first token at the cost model's constants (Plan.work_s; 0: the
-    # policy has no cost model): its measured time over this is the worker's slowness
-    modelled_s: float = 0.0
+    # the work ahead of its first token at the cost model's constants, by term (Plan.work;
+    # None: the policy has no cost model): the worker's speed is fitted to its measured time
+    work: Work | None = None
 
 
 @dataclass(slots=True)
@@ -91,9 +92,8 @@ class Plan:
     seconds: float
     computed: int  # prompt tokens it would compute
     pull: bool = False  # it pulls the longer prefix instead of computing it
-    # the queued and own prefill work in `seconds` at the constants, before the worker's
-    # slowness (router.speed) scales it
-    work_s: float = 0.0
+    # `seconds`' terms at the constants, before the worker's speed (router.speed) scales them
+    work: Work | None = None
 
 
 @dataclass(slots=True)
@@ -111,8 +111,8 @@ class Options:
 @dataclass(slots=True)
 class CostModel:
     """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures, scaled per
-    worker by its measured slowness (`Worker.speed`, router.speed): queue and prefill times
-    are the constants' times that slowness."""
+    worker by its learned speed (`Worker.speed`, router.speed): its queue, per-token and
+    attention coefficients over these constants, and the overhead every request pays."""
 
     prefill_s_per_token: float = 4.0e-5
     transfer_s_per_token: float = 5.2e-6  # 128 KiB per token over a 25 GB/s link
@@ -124,10 +124,14 @@ class CostModel:
     prefill_s_per_token_pair: float = 1.3e-9
 
     def prefill_s(self, new: int, cached: int) -> float:
-        """Computing `new` prompt tokens after `cached` reused ones."""
-        return (
-            new * self.prefill_s_per_token
-            + new * (cached + new / 2) * self.prefill_s_per_token_pair
+        """Computing `new` prompt tokens after `cached` reused ones, at the constants."""
+        tokens_s, pairs_s = self.prefill_terms(new, cached)
+        return tokens_s + pairs_s
+
+    def prefill_terms(self, new: int, cached: int) -> tuple[float, float]:
+        """`prefill_s`'s per-token and attention parts (learned apart: router.speed)."""
+        return new * self.prefill_s_per_token, new * (cached + new / 2) * (
+            self.prefill_s_per_token_pair
         )
 
     def queue_s(self, worker: Worker, host: int = 0, load: int | None = None) -> float:
@@ -146,10 +150,10 @@ class CostModel:
         return self._queue(worker, host, load)[0]
 
     def _queue(self, worker: Worker, host: int, load: int | None) -> tuple[float, float]:
-        """(queue_s, the modelled part of it at the constants, before the slowness)."""
+        """(queue_s, its modelled part at the constants, before the worker's speed)."""
         work = worker.queued_tokens * self.prefill_s_per_token
         work += (worker.load if load is None else load) * self.busy_s_per_request
-        modelled = work * worker.speed.slowness
+        modelled = work * worker.speed.queue_x
         if worker.type is not WorkerType.PREFILL and worker.waiting:  # else measured: 0
             modelled = max(modelled, worker.measured_wait_s())
         return modelled + host * self.host_load_s_per_token, work
@@ -169,15 +173,23 @@ class CostModel:
         shares the source's link with the pulls already planned from it. `load`: as for
         queue_s."""
         queue, work = self._queue(worker, host, load)
-        slowness = worker.speed.slowness
-        mine = self.prefill_s(tokens - cached, cached)
-        own = Plan(queue + mine * slowness, tokens - cached, False, work + mine)
+        speed = worker.speed
+        loading = host * self.host_load_s_per_token
+        tokens_s, pairs_s = self.prefill_terms(tokens - cached, cached)
+        own = Plan(
+            queue + speed.prefill_s(tokens_s, pairs_s),
+            tokens - cached,
+            False,
+            Work(work, tokens_s, pairs_s, loading),
+        )
         if source is None or best <= cached or not worker.can_pull:
             return own
         moved = (best - cached) * self.transfer_s_per_token * (1 + source.pulls_served)
-        rest = self.prefill_s(tokens - best, best)
-        pull = queue + moved + rest * slowness
-        return Plan(pull, tokens - best, True, work + rest) if pull < own.seconds else own
+        tokens_s, pairs_s = self.prefill_terms(tokens - best, best)
+        pull = queue + moved + speed.prefill_s(tokens_s, pairs_s)
+        if pull >= own.seconds:
+            return own
+        return Plan(pull, tokens - best, True, Work(work, tokens_s, pairs_s, loading + moved))
 
 
 def least_loaded(workers: list[Worker]) -> Worker:
@@ -364,7 +376,7 @@ class PromptTree(Policy):
             lacks = most - affinity[url]
             seconds = plans[url].seconds
             if lacks:
-                seconds += lacks * per_token * (1 + w.waiting) / (1 + heat)
+                seconds += lacks * per_token * w.speed.token_x * (1 + w.waiting) / (1 + heat)
             placement[url] = seconds
             if i == 0 or (seconds, loads[url]) < soonest_key:
                 soonest, soonest_key = w, (seconds, loads[url])
@@ -399,7 +411,7 @@ class PromptTree(Policy):
             )
             holders = sorted(longer, key=lambda x: -x[1])
         pull_from = o.best if plan.pull else None
-        return Decision(choice, mine, holders, reason, pull_from, plan.work_s)
+        return Decision(choice, mine, holders, reason, pull_from, plan.work)
 
 
 class Cost(PromptTree):

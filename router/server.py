@@ -471,9 +471,11 @@ class Router:
             "kv_pull": w.can_pull,
             "serves_pulls": w.agent is not None,
             "pulls_served_in_flight": w.pulls_served,
-            # measured over the cost model's constants (router.speed); 1.0 until measured
+            # its per-token prefill time over the cost model's constant (router.speed; 1.0
+            # until measured), and every coefficient the router fitted
             "slowness": round(w.speed.slowness, 4),
             "slowness_samples": w.speed.samples,
+            "speed": w.speed.as_json(),
         }
 
     async def server_info(self, request: web.Request) -> web.Response:

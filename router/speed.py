@@ -1,46 +1,166 @@
-"""Each engine's speed, learned from the times to first token the router measures.
+"""Each engine's speed, learned term by term from the times to first token the router measures.
 
 The cost model's per-token prefill, attention and step costs are one model on one GPU (the
 sim's Llama-3.1-8B on an H100). A cluster of other GPUs, another model, or two GPU
-generations mixed would be priced for a machine it is not. So each worker carries a
-`slowness`: measured seconds over the seconds those constants give for the same work. The
-cost model multiplies its modelled queue and prefill times by it (router.policies.CostModel);
-the constants are only the starting point.
+generations mixed would be priced for a machine it is not. So each worker carries its own
+coefficients over those constants, fitted online; the constants are only the starting point.
 
 What is measured: a request whose first byte marks its first token (a streamed answer, a PD
-prefill's answer) took `measured` seconds from its send; the policy modelled `modelled`
-seconds of work ahead of it and in it at slowness 1 (the work queued on the worker, the
-requests running there and its own uncached prefill). Their ratio is the worker's slowness
-in this request; a running average in log space (slow and fast errors weigh alike) follows
-it. The queue model is rough, so the ratio carries the same bias on every worker: what it
-gets right is how much slower one worker is than another, which is what routing needs.
+prefill's answer) took `measured` seconds from its send. The policy priced it in terms
+(`Work`, at the constants): the work queued and running ahead of it, its own uncached tokens
+and their attention pairs, and what is not learned here (host-tier loads, a pull's
+transfer). The model is
+
+    measured - fixed = overhead + queue_x * queue + token_x * tokens + pair_x * pairs
+
+with `overhead` the seconds every request pays whatever its size (the network, the engine's
+scheduling and first step). Fitting it as one ratio, measured over modelled, was biased where
+it mattered most: a worker holding a hot prefix serves mostly short suffixes, whose modelled
+work is a few ms against a fixed few ms of overhead, so it looked several times slower than
+it was and the policy moved hot-prefix requests off it (the sweep's Zipf 1.4 cell, issue 37).
+
+The fit is a weighted least squares with exponential forgetting (the last ~50 requests),
+weighted by the inverse square of each request's work at the constants plus 10 ms (relative
+errors: a 10 ms request's error weighs as much as a 1 s one's), and held toward a prior: the
+constants, with the queue and attention coefficients tied to the per-token one (what is
+queued is mostly other prompts' prefill, on the same engine). A term the traffic never
+exercises follows the per-token one.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-ALPHA = 0.05  # a new sample's weight once there are 20 (before: the mean of the samples)
-MIN_MODELLED_S = 0.002  # shorter work is mostly network and scheduling noise
-RATIO_RANGE = (0.05, 50.0)  # a sample outside is clamped (a hiccup, a stalled stream)
+T_REF = 0.01  # the overhead's unit in the fit (10 ms): every coefficient is of order 1
+DECAY = 0.98  # a sample's weight fades by this a request (about the last 50 weigh)
+SOLVE_EVERY = 4  # refit after this many samples (each one for the first 2 * this)
+MIN_EXPECTED_S = 0.002  # a prediction's floor for the clamp below
+RATIO_RANGE = (0.05, 20.0)  # a sample beyond this x its prediction is clamped (a stall)
+COEF_RANGE = (0.05, 50.0)  # each multiplier's bounds after a fit
+MAX_OVERHEAD_S = 1.0
+# the prior: overhead (in T_REF), queue_x, token_x, pair_x; its weight in samples per term
+# (queue_x and pair_x are held by their ties to token_x alone), and those ties' strength
+PRIOR = (0.0, 1.0, 1.0, 1.0)
+PRIOR_WEIGHT = (0.5, 0.0, 0.5, 0.0)
+TIE_WEIGHT = 2.0
+N = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """A request's time to first token at the cost model's constants, by term (seconds)."""
+
+    queue_s: float = 0.0  # the work queued and running on the worker ahead of it
+    tokens_s: float = 0.0  # its own uncached tokens, the per-token part
+    pairs_s: float = 0.0  # their attention pairs
+    fixed_s: float = 0.0  # modelled, not learned: host-tier loads, a pull's transfer
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.tokens_s + self.pairs_s + self.fixed_s
+
+
+def _prior_matrix() -> list[list[float]]:
+    """The prior's precision: a weight per coefficient, and ties of queue_x and pair_x to
+    token_x (a penalty on their differences)."""
+    r = [[0.0] * N for _ in range(N)]
+    for i, w in enumerate(PRIOR_WEIGHT):
+        r[i][i] = w
+    for j in (1, 3):  # queue_x and pair_x, each tied to token_x (index 2)
+        r[j][j] += TIE_WEIGHT
+        r[2][2] += TIE_WEIGHT
+        r[j][2] -= TIE_WEIGHT
+        r[2][j] -= TIE_WEIGHT
+    return r
+
+
+_R = _prior_matrix()
+_R_PRIOR = [sum(_R[i][j] * PRIOR[j] for j in range(N)) for i in range(N)]
 
 
 @dataclass(slots=True)
 class EngineSpeed:
-    """One worker's slowness against the cost model's constants (1.0: as they say)."""
+    """One worker's coefficients over the cost model's constants (all 1.0 and no overhead:
+    as the constants say)."""
 
-    slowness: float = 1.0
+    overhead_s: float = PRIOR[0] * T_REF
+    queue_x: float = PRIOR[1]
+    token_x: float = PRIOR[2]
+    pair_x: float = PRIOR[3]
     samples: int = 0
-    learn: bool = True  # False: stays at 1.0 (--engine-speed fixed)
+    learn: bool = True  # False: stays at the constants (--engine-speed fixed)
+    # the forgetting sums of w x x^T and w x y over the samples
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * N for _ in range(N)])
+    _xy: list[float] = field(default_factory=lambda: [0.0] * N)
 
-    def observe(self, measured_s: float, modelled_s: float) -> None:
-        """A request took `measured_s` to its first token where the constants modelled
-        `modelled_s` (at slowness 1)."""
-        if not self.learn or modelled_s < MIN_MODELLED_S or not measured_s > 0:
+    @property
+    def slowness(self) -> float:
+        """How many times the constants' per-token prefill time this engine takes (the
+        figure `/workers` shows)."""
+        return self.token_x
+
+    def prefill_s(self, tokens_s: float, pairs_s: float) -> float:
+        """A request's own prefill at this engine's speed, with the overhead it pays."""
+        return self.overhead_s + self.token_x * tokens_s + self.pair_x * pairs_s
+
+    def expected_s(self, work: Work) -> float:
+        return self.queue_x * work.queue_s + self.prefill_s(work.tokens_s, work.pairs_s)
+
+    def observe(self, measured_s: float, work: Work) -> None:
+        """A request priced at `work` took `measured_s` to its first token."""
+        if not self.learn or not measured_s > 0:
             return
         low, high = RATIO_RANGE
-        ratio = min(max(measured_s / modelled_s, low), high)
+        expected = max(self.expected_s(work), MIN_EXPECTED_S)
+        y = min(max(measured_s - work.fixed_s, expected * low), expected * high)
+        # relative to the work at the constants (not at the fit: the weights, and so the
+        # prior's pull, stay the same however slow the engine turns out to be)
+        scale = work.queue_s + work.tokens_s + work.pairs_s + T_REF
+        weight = 1.0 / (scale * scale)
+        x = (T_REF, work.queue_s, work.tokens_s, work.pairs_s)
+        xx, xy = self._xx, self._xy
+        for i in range(N):
+            wi = weight * x[i]
+            row = xx[i]
+            for j in range(N):
+                row[j] = DECAY * row[j] + wi * x[j]
+            xy[i] = DECAY * xy[i] + wi * y
         self.samples += 1
-        weight = max(ALPHA, 1.0 / self.samples)
-        self.slowness = math.exp((1 - weight) * math.log(self.slowness) + weight * math.log(ratio))
+        if self.samples <= 2 * SOLVE_EVERY or self.samples % SOLVE_EVERY == 0:
+            self._fit()
+
+    def _fit(self) -> None:
+        a = [[self._xx[i][j] + _R[i][j] for j in range(N)] for i in range(N)]
+        b = [self._xy[i] + _R_PRIOR[i] for i in range(N)]
+        theta = _solve(a, b)
+        low, high = COEF_RANGE
+        self.overhead_s = min(max(theta[0] * T_REF, 0.0), MAX_OVERHEAD_S)
+        self.queue_x, self.token_x, self.pair_x = (min(max(t, low), high) for t in theta[1:])
+
+    def as_json(self) -> dict[str, float | int]:
+        return {
+            "overhead_s": round(self.overhead_s, 6),
+            "queue": round(self.queue_x, 4),
+            "per_token": round(self.token_x, 4),
+            "per_pair": round(self.pair_x, 4),
+            "samples": self.samples,
+        }
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a symmetric positive definite `a` (the prior makes it so):
+    Gaussian elimination without pivoting, which such a matrix does not need."""
+    n = len(b)
+    for k in range(n):
+        pivot = a[k][k]
+        for i in range(k + 1, n):
+            f = a[i][k] / pivot
+            if f:
+                row_i, row_k = a[i], a[k]
+                for j in range(k, n):
+                    row_i[j] -= f * row_k[j]
+                b[i] -= f * b[k]
+    x = [0.0] * n
+    for k in range(n - 1, -1, -1):
+        x[k] = (b[k] - sum(a[k][j] * x[j] for j in range(k + 1, n))) / a[k][k]
+    return x

@@ -20,7 +20,18 @@ from benchmarks.harness import finite, markdown_table
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
 from benchmarks.multiturn.results import params_text, peers_text, publish, sim_model, target_rows
-from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
+from benchmarks.multiturn.targets import (
+    check,
+    foreseen,
+    pct,
+    prediction,
+    ratio,
+    ratio_text,
+    reasons,
+    secs,
+    tail_summary,
+    with_errors,
+)
 from benchmarks.peers import PeerStatus
 
 TARGET_MULTIPLE = 4.0
@@ -67,7 +78,18 @@ FIGURES = (
     "offered_rps",
     "gpu_utilization",
     "oracle_distinct_tokens",
+    "predicted_vs_reported",
+    "foreseen_share",
 )
+# figures of ours' router counters, computed from a run rather than recorded in it
+DERIVED: dict[str, Callable[[Run], float | None]] = {
+    "predicted_vs_reported": prediction,
+    "foreseen_share": foreseen,
+}
+
+
+def _figure(run: Run, key: str) -> Any:
+    return DERIVED[key](run) if key in DERIVED else run.get(key)
 
 
 def spread(values: Sequence[float]) -> dict[str, Any] | None:
@@ -128,7 +150,7 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 kept = {s: v for s, v in per_seed.items() if finite(v)}
                 entry[name] = {**(spread(list(kept.values())) or {}), "per_seed": kept}
             for key in FIGURES:
-                values = [r[key] for r in mine.values() if finite(r.get(key))]
+                values = [v for r in mine.values() if finite(v := _figure(r, key))]
                 entry[key] = statistics.median(values) if values else None
                 entry[f"{key}_range"] = [min(values), max(values)] if values else None
             cluster = next(iter(mine.values())).get("cluster_kv_tokens")
@@ -332,6 +354,8 @@ def figure_rows(summary: Sequence[dict[str, Any]], config: Config) -> list[dict[
                 "host": pct(e.get("host_share")),
                 "pulled": pct(e.get("pulled_share")),
                 "recomputed": pct(e.get("recomputed_share")),
+                "predicted/reported": ratio_text(e.get("predicted_vs_reported")),
+                "foreseen": pct(e["foreseen_share"]) if finite(e.get("foreseen_share")) else None,
                 "TTFT mean": _r(e.get("ttft_mean_s")),
                 "p50": _r(e.get("ttft_p50_s")),
                 "p99": _r(e.get("ttft_p99_s")),

@@ -30,7 +30,18 @@ from benchmarks.multiturn.results import (
     sim_text,
     target_rows,
 )
-from benchmarks.multiturn.targets import check, pct, ratio, reasons, secs, tail_summary, with_errors
+from benchmarks.multiturn.targets import (
+    check,
+    foreseen,
+    pct,
+    prediction,
+    ratio,
+    ratio_text,
+    reasons,
+    secs,
+    tail_summary,
+    with_errors,
+)
 from benchmarks.peers import PeerStatus
 
 Run = dict[str, Any]
@@ -119,6 +130,8 @@ def derived(run: Run) -> dict[str, Any]:
         "busy_balance": busy_balance(run),
         # client, routers and workers: what the time scale must leave room for on 2 cores
         "cpu_ms_per_request": ratio(cpu * 1e3, run.get("requests")),
+        "predicted_vs_reported": prediction(run),
+        "foreseen_share": foreseen(run),
     }
 
 
@@ -150,6 +163,8 @@ FIGURES = (
     "gpu_utilization",
     "busy_balance",
     "cpu_ms_per_request",
+    "predicted_vs_reported",
+    "foreseen_share",
 )
 
 
@@ -457,6 +472,7 @@ def rows_of(
 
 
 def latency_row(e: dict[str, Any]) -> dict[str, Any]:
+    seen = med(e, "foreseen_share")
     return {
         "TTFT mean": spread_text(e.get("ttft_mean_s"), 3),
         "p50": _r(med(e, "ttft_p50_s")),
@@ -475,6 +491,9 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
         "pulled": pct(med(e, "pulled_share")),
         "written back": written_back_text(e),
         "recomputed": pct(med(e, "recomputed_share")),
+        # ours: what its trees foresaw of what the workers reported (peers count neither)
+        "predicted/reported": ratio_text(med(e, "predicted_vs_reported")),
+        "foreseen": pct(seen) if finite(seen) else None,
     }
 
 

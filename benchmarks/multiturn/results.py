@@ -11,7 +11,7 @@ from benchmarks.harness import finite, markdown_table, write_results
 from benchmarks.multiturn import replicas_report
 from benchmarks.multiturn.plan import Plan
 from benchmarks.multiturn.plots import plot_all
-from benchmarks.multiturn.targets import all_targets
+from benchmarks.multiturn.targets import all_targets, foreseen, prediction, ratio_text
 from benchmarks.peers import PeerStatus
 
 NAME = "results"
@@ -75,6 +75,9 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
             "hit": _pct(run.get("hit_ratio")),
             "oracle": _pct(run.get("oracle_hit_ratio")),
             "GPU busy": _pct(run.get("gpu_utilization")),
+            # ours: its trees' cached tokens over the workers' (peers count neither)
+            "predicted/reported": ratio_text(prediction(run)),
+            "foreseen": _pct(foreseen(run)),
         }
     )
     if run.get("kv_bytes_moved"):

@@ -280,4 +280,12 @@ def decisions(metrics: dict[str, float]) -> dict[str, float] | None:
     ):
         if key in metrics:
             out[key.removeprefix("memserve_router_").removesuffix("_total")] = metrics[key]
+    # each worker's learned speed at the end of the run (router.speed), by its URL
+    for name, value in metrics.items():
+        for family in ("memserve_router_worker_speed{", "memserve_router_worker_overhead_seconds{"):
+            if name.startswith(family):
+                labels = name[len(family) : -1]
+                worker = labels.split('worker="', 1)[1].split('"', 1)[0]
+                term = labels.split('term="', 1)[1].split('"', 1)[0] if "term=" in labels else ""
+                out[f"speed:{worker}:{term or 'overhead_s'}"] = value
     return out

@@ -31,7 +31,7 @@ from benchmarks.multiturn.sweep_preset import (
     cell_of,
     targets_for,
 )
-from benchmarks.multiturn.targets import pct, ratio
+from benchmarks.multiturn.targets import foreseen, pct, prediction, ratio
 from benchmarks.multiturn.workloads import CHAT
 
 HEATMAP = "sweep_heatmap.png"
@@ -46,23 +46,6 @@ def per_seed_ratios(mine: dict[int, Run], theirs: dict[int, Run], figure: str) -
         if finite(value) and not run.get("errors") and not theirs[seed].get("errors"):
             out[seed] = value
     return out
-
-
-def prediction(run: Run) -> float | None:
-    """Ours: the cached tokens its trees predicted over those the workers reported."""
-    decisions = run.get("router_decisions") or {}
-    return ratio(decisions.get("predicted_cached_tokens"), decisions.get("reported_cached_tokens"))
-
-
-def foreseen(run: Run) -> float | None:
-    """Ours, where its router counts them: the reported cached tokens its trees had
-    predicted (per answer the lesser of the two) over the reported ones; 1 is exact, and
-    unlike `prediction` an over-prediction cannot make up for an under-prediction."""
-    decisions = run.get("router_decisions") or {}
-    return ratio(
-        decisions.get("worker_predicted_hit_tokens"),
-        decisions.get("worker_reported_cached_tokens"),
-    )
 
 
 def median_of(values: Sequence[float]) -> float | None:

@@ -32,6 +32,29 @@ def ratio(a: Any, b: Any) -> float | None:
     return a / b if finite(a) and finite(b) and b else None
 
 
+def prediction(run: dict[str, Any]) -> float | None:
+    """Ours: the cached tokens its trees predicted over those the workers reported (None
+    for peers, which count neither)."""
+    decisions = run.get("router_decisions") or {}
+    return ratio(decisions.get("predicted_cached_tokens"), decisions.get("reported_cached_tokens"))
+
+
+def foreseen(run: dict[str, Any]) -> float | None:
+    """Ours, where its router counts them: the reported cached tokens its trees had
+    predicted (per answer the lesser of the two) over the reported ones; 1 is exact, and
+    unlike `prediction` an over-prediction cannot make up for an under-prediction."""
+    decisions = run.get("router_decisions") or {}
+    return ratio(
+        decisions.get("worker_predicted_hit_tokens"),
+        decisions.get("worker_reported_cached_tokens"),
+    )
+
+
+def ratio_text(x: Any) -> str | None:
+    """A ratio such as predicted/reported to two decimals (None: not measured)."""
+    return f"{x:.2f}" if finite(x) else None
+
+
 def pct(x: Any) -> str:
     return f"{x:.0%}" if finite(x) else "?"
 
