@@ -152,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         default=[],
         metavar="DIR",
-        help="with --report-only and --capacity results: add the runs of these other "
-        "capacity runs (say, another multiple) to OUT's before reporting",
+        help="with --report-only and --capacity or --sweep results: add the runs of these "
+        "other runs of the preset (say, another multiple, or other sweep cells) to OUT's "
+        "before reporting",
     )
     parser.add_argument(
         "--max-total-tokens",
@@ -412,33 +413,53 @@ def report_only(
 
 
 def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Capacity results of several invocations as one: their runs side by side, each
-    workload's sizing per multiple and seed united, the commands and times added up. Runs of
-    one configuration must not appear twice, and the sim's model must be the same."""
-    if not all(str(f["preset"]).startswith("capacity") for f in (base, *others)):
-        raise ValueError("only capacity results merge")
+    """Results of several invocations of one preset as one (capacity multiples, or sweep
+    cells run apart): their runs side by side, the setups and calibrations united, the
+    commands and times added up. Runs of one configuration must not appear twice, and the
+    sim's model must be the same."""
+    kind = _merge_kind(base)
+    if any(_merge_kind(f) != kind for f in others):
+        raise ValueError(f"only results of one kind merge (these are {kind} results)")
     out = copy.deepcopy(base)
-    seen = {run_key(r) for r in out["runs"]}
+    key = run_key if kind == "capacity" else paired_run_key
+    seen = {key(r) for r in out["runs"]}
     for other in others:
         if other.get("sim_model") != out.get("sim_model"):
             raise ValueError("the runs were made with different sim latency models")
         for run in other["runs"]:
-            if run_key(run) in seen:
-                raise ValueError(f"two results hold the same run: {run_key(run)}")
-            seen.add(run_key(run))
+            if key(run) in seen:
+                raise ValueError(f"two results hold the same run: {key(run)}")
+            seen.add(key(run))
             out["runs"].append(run)
         for name, setup in (other.get("setup") or {}).items():
-            mine = out["setup"].setdefault(name, copy.deepcopy(setup))
-            for key in ("instance_kv_tokens", "working_set_estimates"):
-                mine.setdefault(key, {}).update(setup.get(key) or {})
+            mine = out.setdefault("setup", {}).setdefault(name, copy.deepcopy(setup))
+            if kind == "capacity":  # a workload's sizing, per multiple and seed
+                for part in ("instance_kv_tokens", "working_set_estimates"):
+                    mine.setdefault(part, {}).update(setup.get(part) or {})
+        out.setdefault("calibration", {}).update(other.get("calibration") or {})
+        # where and at which commit the added runs were measured (`machine` stays the base's)
+        out.setdefault("merged_machines", []).append(other.get("machine"))
         out["missing"] = list(dict.fromkeys([*out.get("missing", []), *other.get("missing", [])]))
         out["elapsed_s"] = out.get("elapsed_s", 0.0) + other.get("elapsed_s", 0.0)
         out["command"] = f"{out.get('command', '')}; {other.get('command', '')}"
     return out
 
 
+def _merge_kind(figures: dict[str, Any]) -> str:
+    preset = str(figures["preset"])
+    if preset.startswith("capacity"):
+        return "capacity"
+    if preset.startswith("sweep"):  # the sweep, or its quick form: each with its own
+        return preset
+    raise ValueError(f"only capacity and sweep results merge, not {preset!r}")
+
+
 def run_key(run: dict[str, Any]) -> tuple[Any, ...]:
     return (run["workload"], run["multiple"], run["hicache_ratio"], run["seed"], run["system"])
+
+
+def paired_run_key(run: dict[str, Any]) -> tuple[Any, ...]:
+    return (run["config"], run["seed"], run["system"])
 
 
 if __name__ == "__main__":

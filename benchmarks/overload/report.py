@@ -12,6 +12,7 @@ from typing import Any
 
 from benchmarks.harness import finite, markdown_table, table_section
 from benchmarks.multiturn.results import publish, sim_text, target_rows
+from benchmarks.multiturn.targets import ratio
 from benchmarks.overload import plots
 from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADLINE
 from benchmarks.overload.targets import Workers, all_targets, by_step, paired_ratios
@@ -127,6 +128,10 @@ def run_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
             "wait p99": _r(r.get("wait_p99_s")),
             "wait max": _r(r.get("wait_max_s")),
             "retracted": r.get("retracted"),
+            # ours: the cached tokens its trees predicted over those the workers reported
+            "predicted/reported": _r(
+                ratio(r.get("router_predicted_cached"), r.get("router_reported_cached"))
+            ),
             "load avg": _r(r.get("loadavg_1m"), 1),
         }
         for r in runs

@@ -56,3 +56,29 @@ def quick_results(name: str, timeout: float, json_name: str | None = None) -> tu
         return read_json(out_dir / f"{json_name or name}.json")
 
     return out_dir, figures
+
+
+def column_of(md: str, column: str, system: str) -> list[str]:
+    """Every value of `column` in `system`'s rows of the Markdown tables that have it."""
+    out: list[str] = []
+    header: list[str] | None = None
+    for line in md.splitlines():
+        cells = (
+            [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        )
+        if column in cells:
+            header = cells
+        elif not cells:
+            header = None
+        elif header is not None and cells[0] == system and len(cells) == len(header):
+            out.append(cells[header.index(column)])
+    return out
+
+
+def check_prediction_column(md: str) -> None:
+    """Ours' rows show the cached tokens its trees predicted over those the workers reported
+    (near 1 on these workloads); the peers', which count neither, show nothing."""
+    ours = [v for v in column_of(md, "predicted/reported", "ours prompt_tree") if v != "—"]
+    assert ours and all(0.5 <= float(v) <= 1.5 for v in ours), ours
+    theirs = column_of(md, "predicted/reported", "sglang-router cache_aware")
+    assert theirs and all(v in ("", "—") for v in theirs), theirs

@@ -15,7 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.benchmarks.runs import PNG_MAGIC, benchmark, finite, quick_results
+from tests.benchmarks.runs import (
+    PNG_MAGIC,
+    benchmark,
+    check_prediction_column,
+    finite,
+    quick_results,
+)
 
 REQUIRED = (
     "system",
@@ -174,6 +180,7 @@ def test_markdown_and_plots(out_dir: Path, results: dict[str, Any]) -> None:
     md = (out_dir / "results.md").read_text()
     assert "## Targets" in md and "## Notes" in md and "oracle" in md
     assert "KV capacity per instance" in md
+    check_prediction_column(md)
     for name in PLOTS:
         path = out_dir / name
         assert path.exists(), name

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.benchmarks.runs import PNG_MAGIC, benchmark, finite
+from tests.benchmarks.runs import PNG_MAGIC, benchmark, check_prediction_column, finite
 
 
 def quick(tmp_path_factory: pytest.TempPathFactory, flag: str) -> Path:
@@ -93,6 +93,7 @@ def check_report(out: Path, figures: dict[str, Any]) -> None:
     ):
         assert text in md, text
     assert "/work/" not in md and figures["command"].startswith("python -m benchmarks.multiturn")
+    check_prediction_column(md)
     for name in ("ttft_cdf.png", "worker_busy.png"):
         assert name in figures["plots"]
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name

@@ -124,6 +124,33 @@ def test_sweep_report_only(sweep_dir: Path, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the parts
 
 
+def test_sweep_cells_run_apart_merge_into_one_report(sweep_dir: Path, tmp_path: Path) -> None:
+    """Cells run by two invocations (`--cells`, the same calibrations) report as one: the
+    same runs, targets and table as the run that had them all; the same run twice is
+    refused with a reason."""
+    figures = json.loads((sweep_dir / "results.json").read_text())
+    cells = sorted({r["config"] for r in figures["runs"]})
+    assert len(cells) == 2
+    first, second = tmp_path / "first", tmp_path / "second"
+    for where, cell in ((first, cells[0]), (second, cells[1])):
+        where.mkdir()
+        part = {
+            **figures,
+            "runs": [r for r in figures["runs"] if r["config"] == cell],
+            "setup": {k: v for k, v in figures["setup"].items() if k == cell},
+        }
+        (where / "results.json").write_text(json.dumps(part))
+    done = benchmark("multiturn", first, "--report-only", "--merge", str(second), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads((first / "results.json").read_text())
+    assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, figures["runs"]))
+    assert again["targets"] == figures["targets"] and again["setup"] == figures["setup"]
+    assert again["sweep"] == figures["sweep"]  # the table and heat map's figures
+    assert "; " in again["command"] and len(again["merged_machines"]) == 1
+    twice = benchmark("multiturn", first, "--report-only", "--merge", str(first), timeout=120)
+    assert twice.returncode == 2 and "two results hold the same run" in twice.stderr
+
+
 def test_the_sweep_moves_one_factor_at_a_time() -> None:
     from dataclasses import asdict
 

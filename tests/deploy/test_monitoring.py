@@ -76,6 +76,9 @@ def test_dashboard_shows_what_an_operator_watches(board) -> None:
         "sum by (worker) (rate(memserve_router_worker_predicted_hit_tokens_total",
         "sum by (worker) (rate(memserve_router_worker_reported_cached_tokens_total",
         "memserve_router_prediction_accuracy",
+        # each worker's learned speed: per-token multiple and overhead (router.speed)
+        'memserve_router_worker_speed{instance=~"$router", term="per_token"}',
+        "memserve_router_worker_overhead_seconds",
         "sum by (reason) (rate(sgl_router_load_balancing_events_total",  # decisions by reason
         "sgl_router_request_errors_total",
         "memserve_router_replica_lag_seconds_bucket",  # propagation between replicas
