@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["learned", "fixed"],
         default="learned",
         help="cost model: learn each worker's speed from the times to first token the router "
-        "measures (its slowness scales the per-token figures below), or take those figures "
-        "as every worker's",
+        "measures (a multiple of each figure below per worker, and the overhead every request "
+        "pays there), or take those figures as every worker's",
     )
     a(
         "--prefill-secs-per-token",

@@ -437,8 +437,6 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
                 for part in ("instance_kv_tokens", "working_set_estimates"):
                     mine.setdefault(part, {}).update(setup.get(part) or {})
         out.setdefault("calibration", {}).update(other.get("calibration") or {})
-        # where and at which commit the added runs were measured (`machine` stays the base's)
-        out.setdefault("merged_machines", []).append(other.get("machine"))
         out["missing"] = list(dict.fromkeys([*out.get("missing", []), *other.get("missing", [])]))
         out["elapsed_s"] = out.get("elapsed_s", 0.0) + other.get("elapsed_s", 0.0)
         out["command"] = f"{out.get('command', '')}; {other.get('command', '')}"

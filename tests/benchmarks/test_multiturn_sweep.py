@@ -146,7 +146,7 @@ def test_sweep_cells_run_apart_merge_into_one_report(sweep_dir: Path, tmp_path: 
     assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, figures["runs"]))
     assert again["targets"] == figures["targets"] and again["setup"] == figures["setup"]
     assert again["sweep"] == figures["sweep"]  # the table and heat map's figures
-    assert "; " in again["command"] and len(again["merged_machines"]) == 1
+    assert "; " in again["command"]  # both invocations' commands
     twice = benchmark("multiturn", first, "--report-only", "--merge", str(first), timeout=120)
     assert twice.returncode == 2 and "two results hold the same run" in twice.stderr
 
