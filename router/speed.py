@@ -30,6 +30,7 @@ exercises follows the per-token one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 T_REF = 0.01  # the overhead's unit in the fit (10 ms): every coefficient is of order 1
 DECAY = 0.98  # a sample's weight fades by this a request (about the last 50 weigh)
@@ -46,9 +47,9 @@ TIE_WEIGHT = 2.0
 N = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Work:
-    """A request's time to first token at the cost model's constants, by term (seconds)."""
+class Work(NamedTuple):
+    """A request's time to first token at the cost model's constants, by term (seconds).
+    A tuple: the cost model builds one per candidate worker on every request."""
 
     queue_s: float = 0.0  # the work queued and running on the worker ahead of it
     tokens_s: float = 0.0  # its own uncached tokens, the per-token part
