@@ -3,7 +3,10 @@
 A prefix one conversation reuses (its history) is not worth copying to another worker: the
 copy displaces other cache there and serves nobody else. A prefix many requests share (a
 system or tool prompt) is: each copy spreads its traffic over one more worker. The policy
-divides the price of moving a prefix by its heat.
+divides the price of moving a prefix by its heat, while the prefix has fewer copies than
+its share of all requests needs workers: once it has as many, another copy only displaces
+other prefixes' cache (measured: with 10 hot prefixes on 4 workers, discounting every move
+of a hot prefix moved 45% of requests off their holders, hit 86% against cache_aware's 92%).
 """
 
 from __future__ import annotations
@@ -30,15 +33,25 @@ class PrefixHeat:
         self.max_entries = max_entries
         self.clock = clock
         self._counts: OrderedDict[tuple[int, bytes], tuple[float, float]] = OrderedDict()
+        self.before = 0.0  # decayed count of all requests before the last one bumped
+        self._total, self._total_at = 0.0, clock()
+
+    def share(self, heat: float) -> float:
+        """The part of the requests before the last one that a prefix of this heat served
+        (0 before any)."""
+        return heat / self.before if self.before > 0 else 0.0
 
     def bump(self, tokens: Sequence[int], length: int) -> float:
         """Requests that reused the first `length` tokens before this one (decayed); this
-        one is counted. 0 for a prefix under a page."""
+        one is counted, among all requests as well (any length, 0 included). 0 for a prefix
+        under a page."""
+        now = self.clock()
+        self.before = self._total * math.exp(-self.rate * (now - self._total_at))
+        self._total, self._total_at = self.before + 1.0, now
         if length < self.page_size:
             return 0.0
         last = tokens[length - self.page_size : length]
         key = (length, last.tobytes() if isinstance(last, array) else array("I", last).tobytes())
-        now = self.clock()
         count, at = self._counts.pop(key, (0.0, now))
         count *= math.exp(-self.rate * (now - at))
         self._counts[key] = (count + 1.0, now)

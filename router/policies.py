@@ -367,8 +367,12 @@ class PromptTree(Policy):
         # more frequent (measured: scoring pulls as free moved 42% of multi-round QA turns off
         # their holders and halved the host-tier hits).
         # Recomputed on a worker with requests waiting, the prefix delays each of them; a
-        # prefix many requests reuse pays for its copy on every one of them (router.heat).
-        heat = self.heat.bump(request.tokens or [], most) if most else 0.0
+        # prefix many requests reuse pays for its copy on every one of them, while it has
+        # fewer copies than its share of the traffic needs workers (router.heat).
+        heat = self.heat.bump(request.tokens or (), most)
+        copies = sum(1 for a in affinity.values() if a >= most)
+        if heat and copies >= self.heat.share(heat) * len(workers):
+            heat = 0.0  # copies enough: one more only displaces other prefixes' cache
         placement: dict[str, float] = {}
         soonest, soonest_key = workers[0], (0.0, 0)
         for i, w in enumerate(workers):

@@ -49,3 +49,32 @@ def test_a_hot_prefix_leaves_a_busy_holder_where_a_cold_one_stays() -> None:
     for _ in range(8):  # the same prefix, again and again: hot
         choose()
     assert choose() is ws[1]
+
+
+def test_share_is_a_prefix_part_of_all_recent_requests() -> None:
+    clock = Clock()
+    heat = PrefixHeat(page_size=4, half_life_s=10.0, clock=clock)
+    a, b = list(range(16)), list(range(100, 116))
+    assert heat.bump(a, 16) == 0.0 and heat.share(0.0) == 0.0  # nothing before it
+    heat.bump(b, 16)
+    heat.bump(a, 0)  # a request that matched nothing still counts among all of them
+    assert heat.bump(a, 16) == pytest.approx(1.0)
+    assert heat.share(1.0) == pytest.approx(1 / 3)  # a was 1 of the 3 requests before
+
+
+def test_a_hot_prefix_with_copies_enough_for_its_share_stays_on_its_holder() -> None:
+    """Among many hot prefixes, one with its fair share of workers already stays behind a
+    queue its only-prefix twin would leave: another copy would only evict other prefixes
+    (caches full of hot prefixes, the 10-prefix sweep cell)."""
+    trees = PromptTrees(page_size=16)
+    ws = [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    prompts = [list(range(k * 10_000, k * 10_000 + 3000)) for k in range(4)]
+    for k, tokens in enumerate(prompts):
+        trees.record(WorkerType.COLOCATED, ws[k % 2].url, tokens[:2992])
+    policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
+    for _ in range(8):  # four prefixes, equally hot: each is a quarter of the traffic
+        for tokens in prompts:
+            policy.select(RouteRequest(tokens, "", None), ws)
+    ws[0].in_flight_tokens = 10_000  # 0.4 s of queued prefill on the holder of 0 and 2
+    ws[1].reported_waiting = 2
+    assert policy.select(RouteRequest(prompts[0], "", None), ws).worker is ws[0]

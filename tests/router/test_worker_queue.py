@@ -52,6 +52,23 @@ def test_the_measured_wait_is_waiting_requests_over_the_service_rate() -> None:
     assert cost.queue_s(worker) == pytest.approx(0.0)
 
 
+def test_one_request_in_prefill_is_no_wait_beyond_its_modelled_work() -> None:
+    """The only request not begun is the one being prefilled: the next waits for its prefill
+    (the model's queued tokens), not for a whole request's service time; counted as waiting,
+    hot prefixes left holders that were about to be free."""
+    worker = Worker("http://127.0.0.1:1")
+    now = time.monotonic()
+    finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
+    cost = CostModel()
+    with worker.request(100, begins_at_first_byte=True):
+        assert worker.waiting == 1 and worker.measured_wait_s(now) == 0.0
+        assert cost.queue_s(worker) == pytest.approx(
+            100 * cost.prefill_s_per_token + cost.busy_s_per_request
+        )
+        with worker.request(100, begins_at_first_byte=True):  # one behind it: measured
+            assert worker.measured_wait_s(now) == pytest.approx(0.5)
+
+
 def test_a_pd_prefills_expected_wait_is_the_work_sent_there() -> None:
     """A prefill answers when its prefill ends, so the router counts each request it sent
     there as not begun until then: measured as a count over the rate, two small hot-prefix
@@ -63,9 +80,10 @@ def test_a_pd_prefills_expected_wait_is_the_work_sent_there() -> None:
     for worker in (prefill, colocated):
         finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
     with prefill.request(100, True), prefill.request(100, True):
-        assert prefill.waiting == 2 and prefill.measured_wait_s() == pytest.approx(1.0)
+        # the oldest is being prefilled: one waits behind it, half a second at 2/s
+        assert prefill.waiting == 2 and prefill.measured_wait_s() == pytest.approx(0.5)
         modelled = 200 * cost.prefill_s_per_token + 2 * cost.busy_s_per_request
         assert cost.queue_s(prefill) == pytest.approx(modelled)
         assert cost.queue_s(prefill) < 0.1
     with colocated.request(100, True), colocated.request(100, True):
-        assert cost.queue_s(colocated) == pytest.approx(1.0)  # the longer: the measurement
+        assert cost.queue_s(colocated) == pytest.approx(0.5)  # the longer: the measurement
