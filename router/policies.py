@@ -393,7 +393,10 @@ class PromptTree(Policy):
             )
             return self._decide(o, lightest, "overload")
         if soonest is not best and placement[soonest.url] < placement[best.url]:
-            # off a busy holder; or, nothing being held anywhere, off the prefix's busy home
+            # to another holder of as much; off a busy holder; or, nothing being held
+            # anywhere, off the prefix's busy home
+            if held[soonest.url] >= most:
+                return self._decide(o, soonest, "cache_hit")
             return self._decide(o, soonest, "overload" if held[best.url] else "home_busy")
         return self._decide(o, best, "cache_hit" if held[best.url] else "home")
 

@@ -228,6 +228,21 @@ def test_a_dropped_prefix_stays_its_workers_home_until_forgotten() -> None:
     assert trees.match(C, list(range(16))).home == {}
 
 
+def test_a_move_between_two_holders_of_the_prefix_is_a_cache_hit() -> None:
+    """The least loaded holder has the longer queue of work: the other holder serves it, a
+    hit (not an overload: nothing is recomputed or copied)."""
+    trees = PromptTrees(page_size=4)
+    ws = workers(3)
+    tokens = list(range(400))
+    for w in ws[:2]:
+        trees.record(C, w.url, tokens[:396])
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    ws[0].reported_pending_tokens = 50_000  # 2 s of prefill queued, no request counted
+    ws[1].in_flight = 1
+    d = policy.select(RouteRequest(tokens, "", None), ws)
+    assert d.worker is ws[1] and d.reason == "cache_hit" and d.predicted_cached == 396
+
+
 def test_a_prefix_evicted_everywhere_goes_back_where_it_lived() -> None:
     """Scattering it to whichever worker is least loaded would fill the caches with copies
     of the same prefixes; its home computes it again unless its queue costs more."""
