@@ -22,7 +22,7 @@ from pathlib import Path
 from connector.pd_caching import Caching
 from connector.token_cache import CachedEncoder
 from router.http_app import RouterApp
-from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes
+from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
 from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
@@ -504,7 +504,7 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
     siblings = router.config.siblings
     app = RouterApp(router, router.routes(), router.process_headers())
     timeout = args.header_read_timeout_secs
-    servers = [HttpServer(app, args.host, args.port, timeout, shared=siblings is not None)]
+    servers = [HttpServer(app, args.host, args.port, timeout)]
     try:
         await servers[0].start()
         settle_heap()
@@ -563,6 +563,10 @@ def main(argv: list[str] | None = None) -> None:
     count = 1 if args.process_index is not None else processes(args)
     if count > 1:
         check_args(args)
+    if args.process_index is None:  # the processes of one router share it; nobody else may
+        for host, port in ((args.host, args.port), (args.prometheus_host, args.prometheus_port)):
+            if port and not port_is_free(host, port):
+                raise SystemExit(f"{host}:{port} is already in use")
     cluster = None
     urls = list(args.worker_urls)
     if not urls and not args.prefill and not args.decode:

@@ -218,7 +218,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 class HttpServer:
-    """One granian server in this process, on this event loop, for one RSGI app."""
+    """One granian server in this process, on this event loop, for one RSGI app. It binds
+    with SO_REUSEPORT (router processes share a port): check `port_is_free` first."""
 
     def __init__(
         self,
@@ -226,10 +227,7 @@ class HttpServer:
         host: str,
         port: int,
         header_read_timeout_s: float = HEADER_READ_TIMEOUT_S,
-        shared: bool = False,
     ) -> None:
-        if not shared and not port_is_free(host, port):
-            raise OSError(errno.EADDRINUSE, f"{host}:{port} is already in use")
         self.server = Server(
             app,
             address=host,

@@ -25,6 +25,13 @@ from router.procs import Launch, Server, free_port, http_ok, module_command, sto
 
 WORKERS = 2
 FLOOR = "python floor"
+# The floor on the other HTTP libraries (issue 35: the router's server and client chosen by
+# these figures), on the 1-core set: (label, floor_proxy's flags)
+FLOOR_VARIANTS = [
+    ("python floor [granian]", ["--server", "granian"]),
+    ("python floor [uvicorn]", ["--server", "uvicorn"]),
+    ("python floor [aiohttp client]", ["--client", "aiohttp"]),
+]
 FLOOR_MODULE = "benchmarks.router_overhead.floor_proxy"
 WORKER_ARGS = ["--backend", "sim", "--time-scale", "0", "--tokenizer-cache"]
 
@@ -116,19 +123,22 @@ def make_systems(
         runs.append((FLOOR, "round_robin", None))
         if cpus is sets[-1]:
             runs += [("ours", "round_robin", 1), (SGLANG_ROUTER, "round_robin", None)]
+        if cpus is sets[0]:
+            runs += [(label, "round_robin", None) for label, _ in FLOOR_VARIANTS]
         for router, policy, procs in runs:
             name = system_name(router, policy, n, procs)
-            tag = name.replace(" ", "-").replace("@", "")
+            tag = name.replace(" ", "-").replace("@", "").replace("[", "").replace("]", "")
             port = free_port()
             if router == "ours":
                 args = ["--worker-urls", *urls, "--policy", policy, "--log-level", "warning"]
                 command = module_command("router", port, [*args, "--processes", str(procs)])
                 proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
                 system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
-            elif router == FLOOR:
-                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls])
+            elif router.startswith(FLOOR):
+                flags = dict(FLOOR_VARIANTS).get(router, [])
+                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls, *flags])
                 proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
-                system = System(name, "reference", FLOOR, policy, n, launch=proc)
+                system = System(name, "reference", router, policy, n, launch=proc)
             else:
                 system = System(name, "peer", router, policy, n)
                 if peers[router].importable:
