@@ -59,7 +59,10 @@ class RouterApp:
             ):
                 raise RequestRefused(Whole.error(401, UNAUTHORIZED))
             request = HttpRequest(method, path, scope.query_string, headers, proto, self.max_body)
-            if self.inference and method == "POST" and path in INFERENCE_ROUTES:
+            if self.inference and path in INFERENCE_ROUTES:
+                if method != "POST":
+                    message = f"{method} is not allowed on {path}"
+                    raise RequestRefused(Whole.error(405, message, {"allow": "POST"}))
                 raw = await request.read()
                 client = RSGIClient(proto, extra)
                 answer = await self.router.serve_inference(path, headers, raw, client)

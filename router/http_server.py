@@ -29,6 +29,7 @@ from granian._granian import RSGIHTTPStreamTransport
 from granian.http import HTTP1Settings
 from granian.rsgi import HTTPProtocol as RSGIHTTPProtocol
 from granian.rsgi import ProtocolClosed as RSGIProtocolClosed
+from granian.rsgi import ProtocolError as RSGIProtocolError
 from granian.rsgi import Scope as RSGIHTTPScope
 from granian.server.common import HTTPModes, Interfaces, LogLevels
 from granian.server.embed import Server
@@ -78,16 +79,19 @@ class HttpRequest:
         declared = self.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise RequestRefused(too_large(self.max_body))
-        if declared is not None:
-            return await self.proto()
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in self.proto:
-            size += len(chunk)
-            if size > self.max_body:
-                raise RequestRefused(too_large(self.max_body))
-            parts.append(chunk)
-        return b"".join(parts)
+        try:
+            if declared is not None:
+                return await self.proto()
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in self.proto:
+                size += len(chunk)
+                if size > self.max_body:
+                    raise RequestRefused(too_large(self.max_body))
+                parts.append(chunk)
+            return b"".join(parts)
+        except (RSGIProtocolError, RSGIProtocolClosed) as exc:  # the client stopped sending
+            raise RequestRefused(Whole.error(400, f"the request body ended early: {exc}")) from exc
 
 
 def too_large(limit: int) -> Whole:
