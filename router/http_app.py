@@ -79,9 +79,11 @@ class RouterApp:
             answer = Whole.error(exc.status, str(exc), exc.headers)
         except Refused as exc:
             answer = Whole.error(429, str(exc), {"retry-after": str(exc.retry_after_s)})
-        except Exception:
-            if client is not None and client.stream is not None:
-                raise  # the answer has begun: granian ends it
+        except Exception as exc:
+            if client is not None and client.stream is not None:  # the answer has begun
+                if not isinstance(exc, ConnectionResetError):  # (else: the client left)
+                    log.exception("%s %s failed mid-answer", scope.method, scope.path)
+                return
             log.exception("%s %s failed", scope.method, scope.path)
             answer = Whole.error(500, "internal error in the router (see its log)")
         finally:

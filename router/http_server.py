@@ -190,8 +190,11 @@ def check_head(scope: RSGIHTTPScope) -> Headers:
         message = f"request line longer than {MAX_LINE_BYTES} bytes"
         raise RequestRefused(Whole.error(400, message, {"connection": "close"}))
     headers = Headers()
+    total = line
     for name, value in scope.headers.items():
-        if len(name) + len(value) + 2 > MAX_LINE_BYTES:
+        size = len(name) + len(value) + 2
+        total += size + 2
+        if size > MAX_LINE_BYTES:
             raise RequestRefused(
                 Whole.error(
                     431,
@@ -200,6 +203,9 @@ def check_head(scope: RSGIHTTPScope) -> Headers:
                 )
             )
         headers[name] = value
+    if total > MAX_HEAD_BYTES:  # (hyper's own bound may let one read more through)
+        message = f"request headers larger than {MAX_HEAD_BYTES} bytes in all"
+        raise RequestRefused(Whole.error(431, message, {"connection": "close"}))
     return headers
 
 
