@@ -17,6 +17,7 @@ Handlers take an `HttpRequest` and return a `Whole`; the inference routes may an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -41,6 +42,10 @@ MAX_LINE_BYTES = 8190  # a request line or one header (aiohttp's and nginx's 8 K
 MAX_HEAD_BYTES = 64 * 1024  # the whole head: hyper answers 431 beyond it
 HEADER_READ_TIMEOUT_S = 30.0  # a head must arrive within this; also the idle keep-alive
 MAX_CONNECTIONS = 16_384  # per process (granian's default would be 128, then the backlog)
+# A body over the limit is still read (and dropped) up to this much and this long before the
+# 413, so that the client reads the answer; larger ones are answered at once.
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
+DRAIN_S = 10.0
 SHUTDOWN_GRACE_S = 60.0  # answers in flight may finish this long on shutdown (aiohttp's)
 JSON = {"content-type": "application/json; charset=utf-8"}
 
@@ -77,9 +82,12 @@ class HttpRequest:
     async def read(self) -> bytes:
         """The body, refused with 413 once it passes the limit (RequestRefused)."""
         declared = self.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            raise RequestRefused(too_large(self.max_body))
         try:
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+                expect = (self.headers.get("expect") or "").lower()
+                if int(declared) <= DRAIN_MAX_BYTES and expect != "100-continue":
+                    await self._drain(0)  # (asked to, the client sends nothing before a 100)
+                raise RequestRefused(too_large(self.max_body))
             if declared is not None:
                 return await self.proto()
             parts: list[bytes] = []
@@ -87,11 +95,27 @@ class HttpRequest:
             async for chunk in self.proto:
                 size += len(chunk)
                 if size > self.max_body:
+                    await self._drain(size)
                     raise RequestRefused(too_large(self.max_body))
                 parts.append(chunk)
             return b"".join(parts)
         except (RSGIProtocolError, RSGIProtocolClosed) as exc:  # the client stopped sending
             raise RequestRefused(Whole.error(400, f"the request body ended early: {exc}")) from exc
+
+    async def _drain(self, size: int) -> None:
+        """Read what the client still sends of a refused body, discarded, up to
+        DRAIN_MAX_BYTES and DRAIN_S: a client that writes its whole body before reading (most
+        do) then reads the 413 instead of a broken pipe (hyper does not linger)."""
+
+        async def discard() -> None:
+            nonlocal size
+            async for chunk in self.proto:
+                size += len(chunk)
+                if size > DRAIN_MAX_BYTES:
+                    return
+
+        with contextlib.suppress(TimeoutError, RSGIProtocolError, RSGIProtocolClosed):
+            await asyncio.wait_for(discard(), DRAIN_S)
 
 
 def too_large(limit: int) -> Whole:

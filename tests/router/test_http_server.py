@@ -170,13 +170,17 @@ def test_http_1_0_is_answered_then_closed(routed: Server) -> None:
         assert closed(sock, f)
 
 
-def test_a_body_over_the_limit_is_413_before_it_is_read(routed: Server) -> None:
-    with connect(routed) as (sock, f):
-        big = b'{"text": "' + b"a" * 5000 + b'"}'
-        sock.sendall(post("/generate", big)[: -len(big)])  # the headers announce 5,012 bytes
+def test_a_body_over_the_limit_is_413_and_the_client_reads_it(routed: Server) -> None:
+    big = b'{"text": "' + b"a" * 5000 + b'"}'
+    with connect(routed) as (sock, f):  # asked first: answered before a byte of the body
+        sock.sendall(post("/generate", big, "Expect: 100-continue")[: -len(big)])
         status, _, body = read_response(f)
         assert status == 413 and "--max-payload-size (4096 bytes)" in as_json(body)["message"]
         assert closed(sock, f)
+    with connect(routed) as (sock, f):  # sent whole before reading: read and dropped, 413
+        sock.sendall(post("/generate", big))
+        status, _, body = read_response(f)
+        assert status == 413 and as_json(body)["code"] == 413
     with connect(routed) as (sock, f):  # chunked: counted as it arrives
         head = "POST /generate HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
         sock.sendall(head.encode() + b"1000\r\n" + b"a" * 4096 + b"\r\n10\r\n" + b"b" * 16)
