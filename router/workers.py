@@ -160,8 +160,7 @@ class Worker:
         waiting ahead of it over the rate it serves them (0 when none wait). Of this router's
         requests not begun, the oldest is taken as being prefilled (the cost model's queued
         work prices its rest): counted, one request in prefill read as a whole service time
-        of wait (1/rate, 0.2-0.4 s on the sweep's workers against 5-175 ms of prefill) and
-        moved hot prefixes off holders that were about to be free."""
+        of wait (1/rate, 0.2-0.4 s on the sweep's workers against 5-175 ms of prefill)."""
         waiting = max(self.unstarted - 1, self.reported_waiting)
         if not waiting:
             return 0.0
