@@ -370,9 +370,10 @@ class PromptTree(Policy):
         # prefix many requests reuse pays for its copy on every one of them, while it has
         # fewer copies than its share of the traffic needs workers (router.heat).
         heat = self.heat.bump(request.tokens or (), most)
-        copies = sum(1 for a in affinity.values() if a >= most)
-        if heat and copies >= self.heat.share(heat) * len(workers):
-            heat = 0.0  # copies enough: one more only displaces other prefixes' cache
+        if heat:  # counted only for a hot prefix (most requests on a cold one)
+            copies = sum(a >= most for a in affinity.values())
+            if copies >= self.heat.share(heat) * len(workers):
+                heat = 0.0  # copies enough: one more only displaces other prefixes' cache
         placement: dict[str, float] = {}
         soonest, soonest_key = workers[0], (0.0, 0)
         for i, w in enumerate(workers):

@@ -11,6 +11,6 @@ python3 -m mypy  # pyproject.toml: every package and the tests; strict on mempoo
 # Built into a temporary directory, never into the repository.
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
-NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --site-dir "$site"
 # pytest exits 5 when no test ran: with set -e that fails the run, as it should.
 python3 -m pytest -p no:cacheprovider "$@"

@@ -54,8 +54,7 @@ def test_the_measured_wait_is_waiting_requests_over_the_service_rate() -> None:
 
 def test_one_request_in_prefill_is_no_wait_beyond_its_modelled_work() -> None:
     """The only request not begun is the one being prefilled: the next waits for its prefill
-    (the model's queued tokens), not for a whole request's service time; counted as waiting,
-    hot prefixes left holders that were about to be free."""
+    (the model's queued tokens), not for a whole request's service time."""
     worker = Worker("http://127.0.0.1:1")
     now = time.monotonic()
     finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
