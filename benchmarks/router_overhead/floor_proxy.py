@@ -221,10 +221,8 @@ async def serve(
             backlog=1024,
             timeout_keep_alive=75,
         )
-        asgi = uvicorn.Server(config)
-        await asgi.startup()
-        await stop.wait()
-        await asgi.shutdown()
+        # uvicorn's own serve loop: it takes SIGTERM/SIGINT over and returns on them
+        await uvicorn.Server(config).serve()
     else:
         listener = await loop.create_server(lambda: _Client(proxy), host, port, backlog=1024)
         async with listener:
