@@ -239,9 +239,11 @@ def respond(proto: RSGIHTTPProtocol, answer: Whole, extra: list[tuple[str, str]]
 
 def port_is_free(host: str, port: int) -> bool:
     """granian binds with SO_REUSEPORT: a second router on a taken port would share it
-    without a word. A plain bind first tells."""
+    without a word. A bind first tells: with SO_REUSEADDR, which only a listener on the
+    port refuses (not the TIME_WAIT connections a router killed a moment ago leaves)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

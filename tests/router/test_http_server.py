@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
+from router.http_server import port_is_free
 from tests.procs import ROOT, TEST_ENV, Server
 from tests.router.test_router import cluster
 
@@ -325,3 +326,18 @@ def test_a_second_router_on_a_taken_port_says_so(routed: Server, tmp_path: Path)
         timeout=60,
     )
     assert done.returncode != 0 and "already in use" in done.stderr
+
+
+def test_a_port_left_in_time_wait_by_a_killed_router_is_free() -> None:
+    """A router restarted right after a crash finds its port free: the connections the dead
+    one closed linger in TIME_WAIT on it, and only a listener makes a port taken."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server side closes first: its end waits in TIME_WAIT
+    time.sleep(0.05)
+    client.close()
+    assert not port_is_free("127.0.0.1", port)  # still listening
+    listener.close()
+    assert port_is_free("127.0.0.1", port)
