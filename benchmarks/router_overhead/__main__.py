@@ -62,7 +62,7 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix="router_overhead-") as tmp, progress_bar() as progress:
         log_dir = Path(tmp)
         launches = worker_launches(model_dir, log_dir)
-        systems = make_systems([w.url for w in launches], log_dir, peers, before)
+        systems = make_systems([w.url for w in launches], log_dir, peers, before, not quick)
         workers: list[Server] = []
         try:
             boot = progress.add_task(f"start {WORKERS} workers and the routers", total=2)

@@ -109,13 +109,15 @@ def make_systems(
     log_dir: Path,
     peers: dict[str, PeerStatus],
     before: Path | None = None,
+    floor_variants: bool = True,
 ) -> list[System]:
     """Direct (the baseline), then on each CPU set: ours prompt_tree with one process and
     with one per core, sglang-router and smg cache_aware, the Python floor; on the largest
     set also ours and sglang-router round_robin (a peer that cannot be imported is listed,
     unavailable, with the reason). With `before` (a checkout of an earlier commit), also
     that commit's router, one process, on every set and policy ours runs with: a
-    before/after comparison in one run."""
+    before/after comparison in one run. `floor_variants`: the floor on the other HTTP
+    libraries too (full runs only: they were measured to choose the server)."""
     urls = worker_urls
     systems = [System("direct", "baseline", "none", "-", url=urls[0], rps_urls=urls)]
     sets = cpu_sets()
@@ -133,7 +135,7 @@ def make_systems(
             runs += [("ours", "round_robin", 1), (SGLANG_ROUTER, "round_robin", None)]
             if before is not None:
                 runs.append((BEFORE, "round_robin", 1))
-        if cpus is sets[0]:
+        if cpus is sets[0] and floor_variants:
             runs += [(label, "round_robin", None) for label, _ in FLOOR_VARIANTS]
         for router, policy, procs in runs:
             name = system_name(router, policy, n, procs)
