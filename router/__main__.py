@@ -19,18 +19,17 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from aiohttp import web
-
 from connector.pd_caching import Caching
 from connector.token_cache import CachedEncoder
-from router.fast_http import FastServer
+from router.http_app import RouterApp
+from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
 from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
-from router.server import PROCESS_HEADER, Router, RouterConfig
+from router.server import Router, RouterConfig
 from router.siblings import SiblingConfig
 from router.supervisor import die_with_supervisor, supervise, usable_cores
 from router.trees import PromptTrees
@@ -59,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
     a(
-        "--http-server",
-        choices=["fast", "aiohttp"],
-        default="fast",
-        help="fast: the inference routes on httptools, every other route on aiohttp "
-        "(router.fast_http); aiohttp: every route on aiohttp",
+        "--header-read-timeout-secs",
+        type=float,
+        default=HEADER_READ_TIMEOUT_S,
+        help="a request's head must arrive within this, and an idle keep-alive connection "
+        "is closed after it (router.http_server)",
     )
     a("--request-timeout-secs", type=float, default=1800)
     a("--max-concurrent-requests", type=int, default=0, help="0: unlimited")
@@ -304,6 +303,7 @@ def check_limits(args: argparse.Namespace) -> None:
         ("--queue-timeout-secs", args.queue_timeout_secs),
         ("--request-timeout-secs", args.request_timeout_secs),
         ("--max-payload-size", args.max_payload_size),
+        ("--header-read-timeout-secs", args.header_read_timeout_secs),
         ("--health-check-interval-secs", args.health_check_interval_secs),
     ):
         if not value > 0:
@@ -500,33 +500,33 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 
 
 async def serve(router: Router, args: argparse.Namespace) -> None:
-    runner = web.AppRunner(router.app(), access_log=None)
-    await runner.setup()  # with siblings: once they all hear each other
+    await router.start()  # with siblings: once they all hear each other
     siblings = router.config.siblings
-    reuse_port = siblings is not None
-    fast = None
-    if args.http_server == "fast":
-        named = {} if siblings is None else {PROCESS_HEADER: str(siblings.index)}
-        assert runner.server is not None
-        fast = FastServer(router, runner.server, named)
-        await fast.start(args.host, args.port, reuse_port)
-    else:
-        await web.TCPSite(runner, args.host, args.port, reuse_port=reuse_port).start()
-    settle_heap()
-    if siblings is not None and siblings.index:  # the first process speaks for the router
-        await _wait_for_signal(runner, fast)
-        return
-    if args.prometheus_port:
-        metrics = web.Application()
-        metrics.router.add_get("/metrics", router.metrics_text)
-        metrics_runner = web.AppRunner(metrics, access_log=None)
-        await metrics_runner.setup()
-        await web.TCPSite(metrics_runner, args.prometheus_host, args.prometheus_port).start()
-    workers = ", ".join(router.registry.workers)
-    print(
-        f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}", flush=True
-    )
-    await _wait_for_signal(runner, fast)
+    app = RouterApp(router, router.routes(), router.process_headers())
+    timeout = args.header_read_timeout_secs
+    servers = [HttpServer(app, args.host, args.port, timeout)]
+    try:
+        await servers[0].start()
+        settle_heap()
+        if siblings is None or not siblings.index:  # the first process speaks for the router
+            if args.prometheus_port:
+                metrics = Routes()
+                metrics.add("GET", "/metrics", router.metrics_text)
+                scrape = RouterApp(router, metrics, inference=False)
+                servers.append(
+                    HttpServer(scrape, args.prometheus_host, args.prometheus_port, timeout)
+                )
+                await servers[1].start()
+            workers = ", ".join(router.registry.workers)
+            print(
+                f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}",
+                flush=True,
+            )
+        await _wait_for_signal()
+    finally:
+        for server in servers:
+            await server.stop()
+        await router.stop()
 
 
 # A request leaves a few container objects to the cyclic collector (tree nodes, futures);
@@ -544,17 +544,12 @@ def settle_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
-async def _wait_for_signal(runner: web.AppRunner, fast: FastServer | None) -> None:
+async def _wait_for_signal() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: local workers are stopped too
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        if fast is not None:
-            await fast.close()
-        await runner.cleanup()
+    await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -568,6 +563,10 @@ def main(argv: list[str] | None = None) -> None:
     count = 1 if args.process_index is not None else processes(args)
     if count > 1:
         check_args(args)
+    if args.process_index is None:  # the processes of one router share it; nobody else may
+        for host, port in ((args.host, args.port), (args.prometheus_host, args.prometheus_port)):
+            if port and not port_is_free(host, port):
+                raise SystemExit(f"{host}:{port} is already in use")
     cluster = None
     urls = list(args.worker_urls)
     if not urls and not args.prefill and not args.decode:

@@ -1,4 +1,4 @@
-"""Where an inference answer goes: aiohttp's response objects, or the fast path's socket.
+"""Where an inference answer goes, whichever HTTP server took the request.
 
 The dispatcher and the relay do not know which HTTP server took the request. A whole answer
 comes back as a `Whole` (status, headers, body) for the server to write; a streamed one is
@@ -11,7 +11,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import msgspec
-from aiohttp import web
 
 from connector.http_errors import error_body
 
@@ -51,35 +50,3 @@ class ClientSide(ABC):
     @abstractmethod
     async def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
         """Send the status and headers of a streamed answer."""
-
-
-class _AiohttpStream(Stream):
-    def __init__(self, response: web.StreamResponse) -> None:
-        self.response = response
-
-    async def write(self, chunk: bytes) -> None:
-        await self.response.write(chunk)
-
-    async def write_eof(self) -> None:
-        await self.response.write_eof()
-
-
-class AiohttpClient(ClientSide):
-    """A request aiohttp's server took (management routes share its connection)."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None  # once a stream has begun
-
-    async def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
-        response = web.StreamResponse(status=status, headers=headers)
-        await response.prepare(self.request)
-        self.response = response
-        return _AiohttpStream(response)
-
-    def answer(self, result: Whole | Stream) -> web.StreamResponse:
-        """What aiohttp's handler returns for `result`."""
-        if isinstance(result, Whole):
-            return web.Response(status=result.status, body=result.body, headers=result.headers)
-        assert isinstance(result, _AiohttpStream)
-        return result.response

@@ -13,18 +13,17 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
-from aiohttp import web
 
-from connector.http_errors import json_error
 from connector.token_cache import CachedEncoder
-from router.admission import Admission, Limits, Refused
+from router.admission import Admission, Limits
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
+from router.http_server import HttpRequest, Routes, json_reply
 from router.kv_events import (
     EventSource,
     FeedStats,
@@ -40,9 +39,8 @@ from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
-from router.reply import AiohttpClient, ClientSide, Stream, Whole
+from router.reply import ClientSide, Stream, Whole
 from router.request import (
-    INFERENCE_ROUTES,
     RequestError,
     check_model,
     full_tokens,
@@ -63,9 +61,7 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
 VERSION = "0.1.0"
 PROCESS_HEADER = "X-Router-Process"  # --processes: the index of the process that answered
-UNAUTHORIZED = "missing or wrong API key (Authorization: Bearer ...)"
 METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(slots=True)
@@ -175,37 +171,30 @@ class Router:
 
     # ----------------------------------------------------------------- app
 
-    def app(self) -> web.Application:
-        app = web.Application(
-            middlewares=[self._guard], client_max_size=self.config.max_payload_bytes
-        )
-        r = app.router
-        for route in INFERENCE_ROUTES:
-            r.add_post(route, self.inference)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_get("/liveness", self.health)
-        r.add_get("/readiness", self.readiness)
-        r.add_get("/get_model_info", self.first_worker_get)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_get("/get_loads", self.loads)
-        r.add_post("/workers", self.add_worker)
-        r.add_get("/workers", self.list_workers)
-        r.add_get("/workers/{url:.+}", self.get_worker)
-        r.add_delete("/workers/{url:.+}", self.delete_worker)
-        r.add_get("/metrics", self.metrics_text)
-        r.add_get("/openapi.json", self.openapi)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        if self.config.siblings is not None:
-            app.on_response_prepare.append(self._name_process)
-        return app
+    def routes(self) -> Routes:
+        """Every route but the inference ones (router.http_app serves those first)."""
+        r = Routes()
+        r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/liveness", self.health)
+        r.add("GET", "/readiness", self.readiness)
+        r.add("GET", "/get_model_info", self.first_worker_get)
+        r.add("GET", "/get_server_info", self.server_info)
+        r.add("*", "/flush_cache", self.flush_cache)
+        r.add("GET", "/get_loads", self.loads)
+        r.add("POST", "/workers", self.add_worker)
+        r.add("GET", "/workers", self.list_workers)
+        r.add("GET", "/workers/{url:.+}", self.get_worker)
+        r.add("DELETE", "/workers/{url:.+}", self.delete_worker)
+        r.add("GET", "/metrics", self.metrics_text)
+        r.add("GET", "/openapi.json", self.openapi)
+        return r
 
-    async def _name_process(self, request: web.Request, response: web.StreamResponse) -> None:
-        """--processes: which process answered, in a header (tests, debugging)."""
-        assert self.config.siblings is not None
-        response.headers[PROCESS_HEADER] = str(self.config.siblings.index)
+    def process_headers(self) -> list[tuple[str, str]]:
+        """--processes: which process answered, in a header on every answer (tests,
+        debugging)."""
+        siblings = self.config.siblings
+        return [] if siblings is None else [(PROCESS_HEADER, str(siblings.index))]
 
     @property
     def checks(self) -> bool:
@@ -213,7 +202,8 @@ class Router:
         (one process per router does)."""
         return self.config.siblings is None or self.config.siblings.checks
 
-    async def _start(self, app: web.Application) -> None:
+    async def start(self) -> None:
+        """Before serving: sessions, health checks, the workers learned, background tasks."""
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self.registry.start(self.session, self.checks)
         if self.config.kv_events_subscribe:
@@ -247,7 +237,7 @@ class Router:
             )
             self.replicator.start()
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         if self.replicator is not None:
             await self.replicator.stop()
         if self.siblings is not None:
@@ -340,30 +330,6 @@ class Router:
         await self.registry.check(worker)
         await self._learn_model(worker)
 
-    @web.middleware
-    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """API key on protected routes; every error as JSON."""
-        if not self.authorized(request.path, request.headers.get("Authorization", "")):
-            return json_error(401, UNAUTHORIZED)
-        try:
-            return await handler(request)
-        except RequestError as exc:
-            return json_error(exc.status, str(exc), headers=exc.headers)
-        except Refused as exc:
-            return json_error(429, str(exc), headers={"Retry-After": str(exc.retry_after_s)})
-        except web.HTTPRequestEntityTooLarge:
-            return json_error(413, self.too_large())
-        except web.HTTPException as exc:
-            if exc.status >= 400:  # its headers too (405 names the allowed methods)
-                kept = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-                return json_error(exc.status, exc.reason, headers=kept)
-            raise
-
-    def too_large(self) -> str:
-        """Why a request body over the limit is refused (413)."""
-        limit = self.config.max_payload_bytes
-        return f"request body larger than --max-payload-size ({limit} bytes)"
-
     # ----------------------------------------------------------------- inference
 
     def _smallest_wait(self) -> float | None:
@@ -377,13 +343,6 @@ class Router:
         known); a refused request's Retry-After counts the queue ahead at this rate."""
         rates = [r for w in self.strategy.eligible() if (r := w.service_rate()) is not None]
         return sum(rates) if rates else None
-
-    async def inference(self, request: web.Request) -> web.StreamResponse:
-        """An inference route on a connection aiohttp's server holds (the fast path hands a
-        connection over when a management request arrives on it)."""
-        raw = await request.read()
-        client = AiohttpClient(request)
-        return client.answer(await self.serve_inference(request.path, request.headers, raw, client))
 
     async def serve_inference(
         self, route: str, headers: Mapping[str, str], raw: bytes, client: ClientSide
@@ -431,31 +390,30 @@ class Router:
 
     # ----------------------------------------------------------------- management
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="OK")
+    async def health(self, request: HttpRequest) -> Whole:
+        return Whole(200, b"OK", {"content-type": "text/plain; charset=utf-8"})
 
-    async def readiness(self, request: web.Request) -> web.Response:
+    async def readiness(self, request: HttpRequest) -> Whole:
         """Ready when a request could be served: a healthy worker of every kind needed."""
         missing = [k.value for k in self.strategy.kinds() if not self.registry.available(k)]
         if not missing:
-            return web.json_response({"status": "ready"})
-        return json_error(503, f"no healthy {' or '.join(missing)} worker")
+            return json_reply({"status": "ready"})
+        return Whole.error(503, f"no healthy {' or '.join(missing)} worker")
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: HttpRequest) -> Whole:
         return await self.first_worker_get(request)
 
-    async def first_worker_get(self, request: web.Request) -> web.Response:
+    async def first_worker_get(self, request: HttpRequest) -> Whole:
         for worker in self.registry.available():
             try:
                 async with self._http().get(
                     worker.url + request.path, timeout=aiohttp.ClientTimeout(total=10)
                 ) as resp:
-                    return web.Response(
-                        status=resp.status, body=await resp.read(), content_type="application/json"
-                    )
+                    kind = {"content-type": "application/json"}
+                    return Whole(resp.status, await resp.read(), kind)
             except (aiohttp.ClientError, TimeoutError):
                 continue
-        return json_error(503, "no healthy worker")
+        return Whole.error(503, "no healthy worker")
 
     def _worker_json(self, w: Worker) -> dict[str, Any]:
         return {
@@ -478,8 +436,8 @@ class Router:
             "speed": w.speed.as_json(),
         }
 
-    async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(
+    async def server_info(self, request: HttpRequest) -> Whole:
+        return json_reply(
             {
                 "router": "memserve-router",
                 "policy": self.policy.name,
@@ -545,7 +503,7 @@ class Router:
             out["replica"] = self.replicator.info()
         return out
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
+    async def flush_cache(self, request: HttpRequest) -> Whole:
         """Fan out to every worker; the trees forget everything."""
 
         async def one(w: Worker) -> tuple[str, int]:
@@ -560,10 +518,10 @@ class Router:
         results = dict(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
         self.trees.clear()
         ok = all(status == 200 for status in results.values())
-        return web.json_response({"flushed": ok, "workers": results}, status=200 if ok else 400)
+        return json_reply({"flushed": ok, "workers": results}, 200 if ok else 400)
 
-    async def loads(self, request: web.Request) -> web.Response:
-        return web.json_response(
+    async def loads(self, request: HttpRequest) -> Whole:
+        return json_reply(
             {
                 "workers": [
                     {
@@ -579,7 +537,7 @@ class Router:
             }
         )
 
-    async def add_worker(self, request: web.Request) -> web.Response:
+    async def add_worker(self, request: HttpRequest) -> Whole:
         body = parse_json_object(await request.read())
         url = body.get("url")
         if not isinstance(url, str):
@@ -597,24 +555,24 @@ class Router:
             self.siblings.worker_added(worker)
         await self.registry.check(worker)
         await self._learn_model(worker)
-        return web.json_response(self._worker_json(worker))
+        return json_reply(self._worker_json(worker))
 
-    async def list_workers(self, request: web.Request) -> web.Response:
-        return web.json_response(
+    async def list_workers(self, request: HttpRequest) -> Whole:
+        return json_reply(
             {"workers": [self._worker_json(w) for w in self.registry.workers.values()]}
         )
 
-    def _find(self, request: web.Request) -> str:
-        return unquote(request.match_info["url"])
+    def _find(self, request: HttpRequest) -> str:
+        return unquote(request.params["url"])
 
-    async def get_worker(self, request: web.Request) -> web.Response:
+    async def get_worker(self, request: HttpRequest) -> Whole:
         try:
             worker = self.registry.workers[normalize_url(self._find(request))]
         except (KeyError, ValueError):
             raise RequestError(404, f"no worker {self._find(request)}") from None
-        return web.json_response(self._worker_json(worker))
+        return json_reply(self._worker_json(worker))
 
-    async def delete_worker(self, request: web.Request) -> web.Response:
+    async def delete_worker(self, request: HttpRequest) -> Whole:
         try:
             worker = self.registry.remove(self._find(request))
         except (KeyError, ValueError) as exc:
@@ -623,13 +581,10 @@ class Router:
             self.replicator.worker_removed(worker.url)
         if self.siblings is not None:
             self.siblings.worker_removed(worker.url)
-        return web.json_response({"removed": worker.url})
+        return json_reply({"removed": worker.url})
 
-    async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(self._openapi)
+    async def openapi(self, request: HttpRequest) -> Whole:
+        return json_reply(self._openapi)
 
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics.exposition(),
-            headers={"Content-Type": "text/plain; version=0.0.4"},
-        )
+    async def metrics_text(self, request: HttpRequest) -> Whole:
+        return Whole(200, self.metrics.exposition(), {"content-type": "text/plain; version=0.0.4"})

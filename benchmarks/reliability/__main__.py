@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.harness import REPO_ROOT, progress_bar, step
-from benchmarks.reliability import bad_inputs, faults, pd_faults, pressure
+from benchmarks.reliability import bad_inputs, faults, http_limits, pd_faults, pressure
 from benchmarks.reliability.cluster import Cluster, cluster
 from benchmarks.reliability.faults import Settings
+from benchmarks.reliability.http_limits import LimitResult
 from benchmarks.reliability.report import FaultResult, InputResult, counts, publish
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "reliability"
@@ -28,7 +29,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         nargs="+",
-        choices=[s.__name__ for s in ALL] + ["bad_inputs"],
+        choices=[s.__name__ for s in ALL] + ["bad_inputs", "http_limits"],
         help="run these scenarios only",
     )
     p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
@@ -59,6 +60,12 @@ def run_inputs(logs: Path, model_dir: Path) -> list[InputResult]:
         return bad_inputs.run_all(router.url, worker.url)
 
 
+def run_limits(logs: Path, model_dir: Path) -> list[LimitResult]:
+    with cluster(logs / "http_limits", model_dir) as c:
+        (worker,) = c.workers(1)
+        return http_limits.run_all(c.colocated_router([worker], *http_limits.ROUTER_ARGS))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     from connector.model_files import ensure_hf_model
@@ -69,12 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     chosen = [s for s in ALL if args.only is None or s.__name__ in args.only]
     with_inputs = args.only is None or "bad_inputs" in args.only
+    with_limits = args.only is None or "http_limits" in args.only
     logs = args.logs or Path(tempfile.mkdtemp(prefix="reliability-"))
     started = time.monotonic()
     results: list[FaultResult] = []
     inputs: list[InputResult] = []
+    limits: list[LimitResult] = []
     with progress_bar() as progress:
-        task = progress.add_task("faults and bad inputs", total=len(chosen) + with_inputs)
+        steps = len(chosen) + with_inputs + with_limits
+        task = progress.add_task("faults, bad inputs, attacks", total=steps)
         for scenario in chosen:
             progress.update(task, description=scenario.__name__)
             results.append(run_scenario(scenario, logs, model_dir, settings))
@@ -83,12 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.update(task, description="bad inputs")
             inputs = run_inputs(logs, model_dir)
             step(progress, task)
+        if with_limits:
+            progress.update(task, description="attacks on the HTTP server")
+            limits = run_limits(logs, model_dir)
+            step(progress, task)
     mode = "quick" if args.quick else "full"
-    publish(args.out, mode, results, inputs, time.monotonic() - started)
-    total = counts(results, inputs)
+    publish(args.out, mode, results, inputs, limits, time.monotonic() - started)
+    total = counts(results, inputs, limits)
     print(
         f"reliability ({mode}): faults {total['faults_passed']}/{total['faults_tried']} passed, "
-        f"bad inputs {total['inputs_passed']}/{total['inputs_tried']} passed -> {args.out} "
+        f"bad inputs {total['inputs_passed']}/{total['inputs_tried']} passed, attacks "
+        f"{total['attacks_passed']}/{total['attacks_tried']} passed -> {args.out} "
         f"(server logs in {logs})"
     )
     print((args.out / "results.md").read_text().split("### What each")[0])

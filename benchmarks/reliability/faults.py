@@ -340,13 +340,15 @@ def flapping(c: Cluster, s: Settings) -> FaultResult:
     watcher.start()
     with ThreadPoolExecutor(s.load_threads) as pool:
         loads = [pool.submit(load, k) for k in range(s.load_threads)]
-        for _ in range(s.flaps):
-            time.sleep(FLAP_UP_S)
-            c.freeze(victim)
-            time.sleep(FLAP_DOWN_S)
-            c.thaw(victim)
-        time.sleep(1.0)
-        stop.set()
+        try:
+            for _ in range(s.flaps):
+                time.sleep(FLAP_UP_S)
+                c.freeze(victim)
+                time.sleep(FLAP_DOWN_S)
+                c.thaw(victim)
+            time.sleep(1.0)
+        finally:
+            stop.set()
         tallies = [f.result() for f in loads]
     watcher.join()
     tally = Tally([seen for t in tallies for seen in t.seen])
@@ -392,12 +394,14 @@ def router_restarted(c: Cluster, s: Settings) -> FaultResult:
 
     with ThreadPoolExecutor(s.load_threads) as pool:
         loads = [pool.submit(load, k) for k in range(s.load_threads)]
-        time.sleep(2.0)
-        c.kill(router)
-        time.sleep(0.5)
-        router = c.restart(router)
-        time.sleep(2.0)
-        stop.set()
+        try:
+            time.sleep(2.0)
+            c.kill(router)
+            time.sleep(0.5)
+            router = c.restart(router)
+            time.sleep(2.0)
+        finally:  # (a restart that fails must not leave the clients sending forever)
+            stop.set()
         tallies = [f.result() for f in loads]
     tally = Tally([seen for t in tallies for seen in t.seen])
     tally_into(r, tally)

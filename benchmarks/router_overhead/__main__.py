@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import statistics
 import sys
@@ -48,7 +50,7 @@ from benchmarks.router_overhead.text import (
 from router.procs import Server, start_all
 
 
-def run(out_dir: Path, quick: bool) -> dict[str, Any]:
+def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any]:
     settings = QUICK if quick else FULL
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
@@ -60,7 +62,7 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="router_overhead-") as tmp, progress_bar() as progress:
         log_dir = Path(tmp)
         launches = worker_launches(model_dir, log_dir)
-        systems = make_systems([w.url for w in launches], log_dir, peers)
+        systems = make_systems([w.url for w in launches], log_dir, peers, before, not quick)
         workers: list[Server] = []
         try:
             boot = progress.add_task(f"start {WORKERS} workers and the routers", total=2)
@@ -164,8 +166,18 @@ def _median(values: Sequence[float] | None) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The shared `--out DIR [--quick]`, and `--before DIR`: also run the router from DIR (a
+    worktree of an earlier commit, e.g. `git worktree add ../before HEAD~1`) beside this
+    one, for a before/after in the same run."""
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--before", type=Path, default=None)
+    known, rest = extra.parse_known_args(argv)
+    before = known.before.resolve() if known.before is not None else None
+    if before is not None and not (before / "router" / "__main__.py").is_file():
+        raise SystemExit(f"--before {known.before}: no router/__main__.py there")
     quick = "fewer requests, shorter rps runs"
-    return benchmark_main(argv, NAME, package.__doc__, run, quick)
+    bound = functools.partial(run, before=before)
+    return benchmark_main(rest, NAME, package.__doc__, bound, quick)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""`python -m benchmarks.router_overhead.floor_proxy --port P --worker-urls URL [URL ...]`:
-the least CPU a Python router can spend on a request, as a reference row.
+"""`python -m benchmarks.router_overhead.floor_proxy --port P --worker-urls URL [URL ...]
+[--server httptools|granian|uvicorn] [--client upstream|aiohttp]`: the least CPU a Python
+router can spend on a request, as a reference row.
 
-It does only what every router must: parse the client's HTTP/1.1 request (httptools), send
-its body to the next worker in turn over a pooled keep-alive connection (the router's own
-`UpstreamPool`) and write the worker's answer back. No JSON, no tokenizing, no tree, no
-metrics, no retries. Whatever a Python router does beyond this costs more. Where this row
-spends more CPU a request than a Rust router, no Python router can match that router on the
-same cores; where it spends less, the difference between ours and this row is ours to cut.
+It does only what every router must: parse the client's HTTP/1.1 request, send its body to
+the next worker in turn over a pooled keep-alive connection and write the worker's answer
+back. No JSON, no tokenizing, no tree, no metrics, no retries. Whatever a Python router does
+beyond this costs more. Where this row spends more CPU a request than a Rust router, no
+Python router can match that router on the same cores; where it spends less, the difference
+between ours and this row is ours to cut.
+
+`--server` and `--client` put the HTTP libraries side by side with nothing else around
+them: the hand-written httptools server against granian (RSGI, the router's server since
+issue 35) and uvicorn (httptools, a bare ASGI app); the router's `UpstreamPool` against
+aiohttp's client with a tuned connector.
 """
 
 from __future__ import annotations
@@ -17,11 +23,17 @@ import itertools
 import signal
 from collections.abc import Sequence
 from http import HTTPStatus
+from typing import Any
 
+import aiohttp
 import httptools
 import uvloop
 
 from router.upstream import UpstreamError, UpstreamPool
+
+SERVERS = ("httptools", "granian", "uvicorn")
+UNREACHABLE = b'{"error": {"message": "worker unreachable", "code": 502}}'
+CLIENTS = ("upstream", "aiohttp")
 
 
 def _answer(status: int, body: bytes, kind: str = "application/json") -> bytes:
@@ -44,7 +56,6 @@ def _error(status: int, message: str) -> bytes:
 
 
 _HEALTHY = _answer(200, b"{}")
-_BAD_GATEWAY = _error(502, "worker unreachable")
 _NOT_ALLOWED = _error(405, "the python floor forwards POST requests only")
 
 
@@ -99,32 +110,124 @@ class _Client(asyncio.Protocol):
 class FloorProxy:
     """Round robin over the workers, bytes in and bytes out."""
 
-    def __init__(self, worker_urls: Sequence[str]) -> None:
+    def __init__(self, worker_urls: Sequence[str], client: str = "upstream") -> None:
         self.workers = itertools.cycle([u.rstrip("/") for u in worker_urls])
-        self.pool = UpstreamPool()
+        self.pool = UpstreamPool() if client == "upstream" else None
+        self.session: aiohttp.ClientSession | None = None
+        if client == "aiohttp":  # tuned as a gateway would: no connection cap, no decoding
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+            self.session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, read_bufsize=2**16
+            )
 
-    async def forward(self, path: bytes, body: bytes) -> bytes:
+    async def relay(self, path: str, body: bytes) -> tuple[int, bytes, str]:
+        """The worker's status, body and content type (502 when it cannot be reached)."""
+        url = next(self.workers) + path
+        if self.session is not None:
+            try:
+                async with self.session.post(url, data=body) as resp:
+                    payload = await resp.read()
+                    return resp.status, payload, resp.headers.get("content-type", "")
+            except aiohttp.ClientError:
+                return 502, UNREACHABLE, "application/json"
+        assert self.pool is not None
         try:
-            response = await self.pool.post(next(self.workers) + path.decode("latin-1"), body)
+            response = await self.pool.post(url, body)
             payload = await response.read()
             response.release()
         except UpstreamError:
-            return _BAD_GATEWAY
-        return _answer(
-            response.status, payload, response.headers.get("content-type", "application/json")
-        )
+            return 502, UNREACHABLE, "application/json"
+        return response.status, payload, response.headers.get("content-type", "application/json")
+
+    async def forward(self, path: bytes, body: bytes) -> bytes:
+        status, payload, kind = await self.relay(path.decode("latin-1"), body)
+        return _answer(status, payload, kind or "application/json")
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+        if self.session is not None:
+            await self.session.close()
 
 
-async def serve(host: str, port: int, worker_urls: Sequence[str]) -> None:
-    proxy = FloorProxy(worker_urls)
+class RSGIFloor:
+    """The floor as an RSGI app on granian (router.http_server's settings)."""
+
+    def __init__(self, proxy: FloorProxy) -> None:
+        self.proxy = proxy
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        if scope.method == "POST":
+            status, payload, kind = await self.proxy.relay(scope.path, await proto())
+            proto.response_bytes(status, [("content-type", kind or "application/json")], payload)
+        else:
+            proto.response_bytes(200, [("content-type", "application/json")], b"{}")
+
+
+class ASGIFloor:
+    """The floor as a bare ASGI app (no framework) on uvicorn with httptools."""
+
+    def __init__(self, proxy: FloorProxy) -> None:
+        self.proxy = proxy
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        status, payload, kind = 200, b"{}", "application/json"
+        if scope["method"] == "POST":
+            parts, more = [], True
+            while more:
+                message = await receive()
+                parts.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            status, payload, kind = await self.proxy.relay(scope["path"], b"".join(parts))
+        headers = [(b"content-type", kind.encode()), (b"content-length", b"%d" % len(payload))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def serve(
+    host: str,
+    port: int,
+    worker_urls: Sequence[str],
+    server: str = "httptools",
+    client: str = "upstream",
+) -> None:
+    proxy = FloorProxy(worker_urls, client)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Client(proxy), host, port, backlog=1024)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with server:
+    if server == "granian":
+        from router.http_server import HttpServer
+
+        rsgi = HttpServer(RSGIFloor(proxy), host, port)
+        await rsgi.start()
         await stop.wait()
-    await proxy.pool.close()
+        await rsgi.stop()
+    elif server == "uvicorn":
+        import uvicorn
+
+        config = uvicorn.Config(
+            ASGIFloor(proxy),
+            host=host,
+            port=port,
+            loop="none",
+            http="httptools",
+            lifespan="off",
+            ws="none",
+            access_log=False,
+            log_config=None,
+            backlog=1024,
+            timeout_keep_alive=75,
+        )
+        # uvicorn's own serve loop: it takes SIGTERM/SIGINT over and returns on them
+        await uvicorn.Server(config).serve()
+    else:
+        listener = await loop.create_server(lambda: _Client(proxy), host, port, backlog=1024)
+        async with listener:
+            await stop.wait()
+    await proxy.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -132,8 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--worker-urls", nargs="+", required=True)
+    parser.add_argument("--server", choices=SERVERS, default="httptools")
+    parser.add_argument("--client", choices=CLIENTS, default="upstream")
     args = parser.parse_args(argv)
-    uvloop.run(serve(args.host, args.port, args.worker_urls))
+    uvloop.run(serve(args.host, args.port, args.worker_urls, args.server, args.client))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ from router.procs import Launch, Server, free_port, http_ok, module_command, sto
 
 WORKERS = 2
 FLOOR = "python floor"
+# The floor on the other HTTP libraries (issue 35: the router's server and client chosen by
+# these figures), on the 1-core set: (label, floor_proxy's flags)
+FLOOR_VARIANTS = [
+    ("python floor [granian]", ["--server", "granian"]),
+    ("python floor [uvicorn]", ["--server", "uvicorn"]),
+    ("python floor [aiohttp client]", ["--client", "aiohttp"]),
+]
+BEFORE = "ours [before]"  # --before DIR: an earlier commit's router, run from DIR
 FLOOR_MODULE = "benchmarks.router_overhead.floor_proxy"
 WORKER_ARGS = ["--backend", "sim", "--time-scale", "0", "--tokenizer-cache"]
 
@@ -97,12 +105,19 @@ def system_name(router: str, policy: str, cores: int, processes: int | None = No
 
 
 def make_systems(
-    worker_urls: list[str], log_dir: Path, peers: dict[str, PeerStatus]
+    worker_urls: list[str],
+    log_dir: Path,
+    peers: dict[str, PeerStatus],
+    before: Path | None = None,
+    floor_variants: bool = True,
 ) -> list[System]:
     """Direct (the baseline), then on each CPU set: ours prompt_tree with one process and
     with one per core, sglang-router and smg cache_aware, the Python floor; on the largest
     set also ours and sglang-router round_robin (a peer that cannot be imported is listed,
-    unavailable, with the reason)."""
+    unavailable, with the reason). With `before` (a checkout of an earlier commit), also
+    that commit's router, one process, on every set and policy ours runs with: a
+    before/after comparison in one run. `floor_variants`: the floor on the other HTTP
+    libraries too (full runs only: they were measured to choose the server)."""
     urls = worker_urls
     systems = [System("direct", "baseline", "none", "-", url=urls[0], rps_urls=urls)]
     sets = cpu_sets()
@@ -110,25 +125,37 @@ def make_systems(
         n = len(cpus)
         pin = ["taskset", "-c", ",".join(map(str, cpus))]
         runs: list[tuple[str, str, int | None]] = [("ours", "prompt_tree", 1)]
+        if before is not None:
+            runs.append((BEFORE, "prompt_tree", 1))
         if n > 1:
             runs.append(("ours", "prompt_tree", n))
         runs += [(SGLANG_ROUTER, "cache_aware", None), (SMG, "cache_aware", None)]
         runs.append((FLOOR, "round_robin", None))
         if cpus is sets[-1]:
             runs += [("ours", "round_robin", 1), (SGLANG_ROUTER, "round_robin", None)]
+            if before is not None:
+                runs.append((BEFORE, "round_robin", 1))
+        if cpus is sets[0] and floor_variants:
+            runs += [(label, "round_robin", None) for label, _ in FLOOR_VARIANTS]
         for router, policy, procs in runs:
             name = system_name(router, policy, n, procs)
-            tag = name.replace(" ", "-").replace("@", "")
+            tag = name.replace(" ", "-").replace("@", "").replace("[", "").replace("]", "")
             port = free_port()
-            if router == "ours":
+            if router in ("ours", BEFORE):
                 args = ["--worker-urls", *urls, "--policy", policy, "--log-level", "warning"]
                 command = module_command("router", port, [*args, "--processes", str(procs)])
+                log = log_dir / f"{tag}.log"
+                if router == BEFORE and before is not None:
+                    proc = Launch(name, [*pin, *command], port, log, before, OFFLINE_ENV)
+                    system = System(name, "reference", router, policy, n, launch=proc)
+                else:
+                    proc = launch(name, [*pin, *command], port, log)
+                    system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
+            elif router.startswith(FLOOR):
+                flags = dict(FLOOR_VARIANTS).get(router, [])
+                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls, *flags])
                 proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
-                system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
-            elif router == FLOOR:
-                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls])
-                proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
-                system = System(name, "reference", FLOOR, policy, n, launch=proc)
+                system = System(name, "reference", router, policy, n, launch=proc)
             else:
                 system = System(name, "peer", router, policy, n)
                 if peers[router].importable:

@@ -36,6 +36,7 @@ def test_files_are_written(out_dir: Path) -> None:
         assert (out_dir / name).stat().st_size > 0
     page = (out_dir / "results.md").read_text()
     assert "## Faults" in page and "## Bad inputs" in page
+    assert "## Attacks on the HTTP server" in page
 
 
 def test_every_scenario_ran(results: dict[str, Any]) -> None:
@@ -64,10 +65,24 @@ def test_every_bad_input_gets_a_clear_4xx_or_an_answer(results: dict[str, Any]) 
         assert i["status"] is not None and i["status"] < 500, i
 
 
+def test_every_attack_on_the_http_server_is_refused_without_growing_memory(
+    results: dict[str, Any],
+) -> None:
+    """The issue's attack (a header that never ends) and the other gateway limits: each
+    answered or closed as the limit says, the router still serving, its RSS kept."""
+    attacks = {a["attack"]: a for a in results["http_limits"]}
+    assert {"endless header", "slowloris", "pipelined flood", "idle keep-alive"} <= set(attacks)
+    failed = [a for a in attacks.values() if not a["verdict"]]
+    assert not failed, failed
+    for a in attacks.values():
+        assert a["still_serving"] and a["rss_after_mib"] - a["rss_before_mib"] <= 16, a
+
+
 def test_counts_add_up(results: dict[str, Any]) -> None:
     counts = results["counts"]
     assert counts["faults_tried"] == len(SCENARIOS) == counts["faults_passed"]
     assert counts["inputs_tried"] == len(results["inputs"]) == counts["inputs_passed"]
+    assert counts["attacks_tried"] == len(results["http_limits"]) == counts["attacks_passed"]
 
 
 def row(results: dict[str, Any], scenario: str) -> dict[str, Any]:

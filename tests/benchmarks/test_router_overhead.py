@@ -30,7 +30,7 @@ SGLANG = (
 )
 SMG = tuple(f"smg cache_aware @{c}c" for c in CORES)
 PEERS = (*SGLANG, *SMG)
-FLOORS = tuple(f"python floor round_robin @{c}c" for c in CORES)
+FLOORS = tuple(f"python floor round_robin @{c}c" for c in CORES)  # (variants: full runs)
 HEADLINE = f"ours prompt_tree {TOP}p @{TOP}c"
 TARGETS = ("decision_p50_us", "multi_turn_added_p50_ms", "cold_8k_added_p50_ms", "rps_ratio")
 

@@ -10,10 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus
 from benchmarks.router_overhead.cpu import tree_cpu_s
+from benchmarks.router_overhead.systems import BEFORE, cpu_sets, make_systems
 from router.procs import LOOPBACK
 from tests.http_client import call
-from tests.procs import free_port, running
+from tests.procs import ROOT, free_port, running
 
 SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
 
@@ -56,3 +58,30 @@ def test_the_python_floor_forwards_and_says_what_fails(model_dir: Path, tmp_path
     with running(module, ["--worker-urls", nobody], tmp_path) as floor:
         status, answer = call(floor.url + "/v1/chat/completions", chat)
         assert status == 502 and answer["error"]["message"] == "worker unreachable"
+
+
+def test_before_runs_an_earlier_checkouts_router_beside_ours(tmp_path: Path) -> None:
+    """`--before DIR`: the same router command, started from DIR, on every CPU set, listed as
+    a reference (not ours); a DIR without a router is refused with a message."""
+    peers = {p: PeerStatus(False, None, "not here") for p in (SGLANG_ROUTER, SMG)}
+    systems = make_systems(["http://127.0.0.1:1"], tmp_path, peers, before=tmp_path)
+    before = [s for s in systems if s.name.startswith(BEFORE)]
+    assert [s.policy for s in before].count("prompt_tree") == len(cpu_sets())
+    assert [s.policy for s in before].count("round_robin") == 1
+    for s in before:
+        assert s.kind == "reference" and s.launch is not None and s.launch.cwd == tmp_path
+        assert "router" in s.launch.args
+    assert any("[granian]" in s.name for s in systems)  # full runs: the floor's variants too
+    quick = make_systems(["http://127.0.0.1:1"], tmp_path, peers, floor_variants=False)
+    assert not any(s.name.startswith(BEFORE) or "[" in s.name for s in quick)
+    ours = [s for s in systems if s.kind == "ours"]
+    assert ours and all(s.launch is not None and s.launch.cwd != tmp_path for s in ours)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.router_overhead", "--out", str(tmp_path)]
+        + ["--before", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "no router/__main__.py there" in done.stderr

@@ -81,8 +81,8 @@ def built_router() -> Router:
 
 def router_routes() -> set[str]:
     """GET routes of the router as built by `python -m router`."""
-    app = built_router().app()
-    return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
+    routes = built_router().routes()
+    return {path for path, methods in routes.exact.items() if "GET" in methods}
 
 
 def probe_routes() -> set[str]:

@@ -175,7 +175,7 @@ def counting_worker() -> Iterator[tuple[str, dict[str, int], threading.Event]]:
 
 
 def test_inference_answers_name_their_process_too(fresh: list[Server], tmp_path: Path) -> None:
-    """The inference routes (router.fast_http) carry X-Router-Process as aiohttp's do."""
+    """The inference routes carry X-Router-Process as the management ones do."""
     body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode()
     seen: set[int] = set()
     with router([w.url for w in fresh], tmp_path, *PROCESSES) as r:
