@@ -19,11 +19,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from connector.pd_caching import Caching
-from connector.token_cache import CachedEncoder
+from localrun.cluster import LocalCluster
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
-from router.local_cluster import LocalCluster
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
@@ -34,6 +32,8 @@ from router.siblings import SiblingConfig
 from router.supervisor import die_with_supervisor, supervise, usable_cores
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType, normalize_url
+from shared.pd_caching import Caching
+from shared.token_cache import CachedEncoder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +276,7 @@ def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
 def load_encoder(path: Path | None) -> CachedEncoder | None:
     if path is None:
         return None
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     encoder = CachedEncoder(ChatTokenizer(path))
     encoder.start_thread()  # before anything else starts the tokenizer's thread pool

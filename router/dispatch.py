@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-from connector.token_cache import CachedEncoder
 from router.learning import Learner, Served
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, RouteRequest
@@ -33,6 +32,7 @@ from router.speed import Work
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
+from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 

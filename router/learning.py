@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from connector.token_cache import CachedEncoder
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
 from router.proxy import Outcome
 from router.request import encoded, full_tokens
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
+from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from connector.http_errors import error_body
+from shared.http_errors import error_body
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ from urllib.parse import unquote
 
 import aiohttp
 
-from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits
 from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.http_server import HttpRequest, Routes, json_reply
@@ -53,6 +52,7 @@ from router.siblings import SiblingConfig, Siblings
 from router.trees import PromptTrees
 from router.upstream import UpstreamPool
 from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
+from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded

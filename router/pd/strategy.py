@@ -16,7 +16,6 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from connector.pd_caching import Caching
 from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
 from router.learning import Served
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
@@ -26,6 +25,7 @@ from router.proxy import Outcome, end_stream
 from router.reply import Whole
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
+from shared.pd_caching import Caching
 
 # the prefill's decision in sgl_router_load_balancing_events (the decode's keeps its name)
 PREFILL_REASON = "prefill_"

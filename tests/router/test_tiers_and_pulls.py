@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from connector.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from router.dispatch import with_prefix_holders
 from router.kv_events.listener import KVEventApplier
 from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
+from shared.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from tests.http_client import call
 from tests.procs import free_port, running
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from connector.pd_caching import Caching
 from router.dispatch import Sender
 from router.pd.strategy import PDSettings, PrefillDecode
 from router.policies import Decision, RoundRobin, RouteRequest
 from router.trees import PromptTrees
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
+from shared.pd_caching import Caching
 
 P, D = WorkerType.PREFILL, WorkerType.DECODE
 

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from router import procs
-from router.procs import LOOPBACK, ephemeral_ports, free_port
+from localrun import processes as procs
+from localrun.processes import LOOPBACK, ephemeral_ports, free_port
 
 
 def test_ports_are_never_handed_out_twice() -> None:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.chat_skeleton import SkeletonRenderer
-from connector.tokenizer import ChatTokenizer
+from shared.chat_skeleton import SkeletonRenderer
+from shared.tokenizer import ChatTokenizer
 
 FRAGMENT = st.sampled_from(list("ab \n\t<>|_'\"\\{}%#é中🙂") + ["<|im_start|>", "<|im_end|>"])
 TEXT = st.lists(FRAGMENT, max_size=30).map("".join)

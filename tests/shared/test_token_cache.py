@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.token_cache import CachedEncoder, cut_text
-from connector.tokenizer import ChatTokenizer
+from shared.token_cache import CachedEncoder, cut_text
+from shared.tokenizer import ChatTokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
 FRAGMENTS = [
@@ -266,7 +266,7 @@ def test_text_cut_in_small_chunks_encodes_as_the_engine(
     """Pieces cut every few characters (instead of every 2048): every place a cut may fall."""
     encoder = shared
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("connector.token_cache.CUT_CHARS", 2)
+        patch.setattr("shared.token_cache.CUT_CHARS", 2)
         long_text = " ".join([text, "words between them", text, "and more words", text])
         for _ in range(2):  # cold, then from the cache
             assert encoder.encode(long_text, special) == chat.encode(long_text, special)

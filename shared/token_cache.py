@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from connector.chat_skeleton import SkeletonRenderer
-from connector.text_prefix import MIN_CHARS, PrefixIndex
-from connector.tokenizer import ChatTokenizer
+from shared.chat_skeleton import SkeletonRenderer
+from shared.text_prefix import MIN_CHARS, PrefixIndex
+from shared.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

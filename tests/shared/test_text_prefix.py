@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from connector.text_prefix import FIRST_CHARS, MIN_CHARS, PrefixIndex, token_ends
-from connector.token_cache import CachedEncoder
-from connector.tokenizer import ChatTokenizer
+from shared.text_prefix import FIRST_CHARS, MIN_CHARS, PrefixIndex, token_ends
+from shared.token_cache import CachedEncoder
+from shared.tokenizer import ChatTokenizer
 from tests.tokenizer_families import FAMILIES, shared_start, tokenizer_dir
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.tokenizer import ChatTemplateError, ChatTokenizer
+from shared.tokenizer import ChatTemplateError, ChatTokenizer
 
 
 def with_template(model_dir: Path, template: str) -> ChatTokenizer:

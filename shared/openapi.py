@@ -3,7 +3,7 @@
 Both serve it at `/openapi.json` (the router adds its management routes), so clients and
 fuzzers (schemathesis) know the shapes. Request schemas name the fields SGLang and OpenAI
 define and let any other field through, as the servers do; the error body is the one
-`connector.http_errors.json_error` writes.
+`shared.http_errors.json_error` writes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 
 from jinja2 import nodes
 
-from connector.tokenizer import ChatTokenizer
+from shared.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from router.procs import LOOPBACK, Launch, Server, free_port, module_command, start_all, stop_all
+from localrun.processes import (
+    LOOPBACK,
+    Launch,
+    Server,
+    free_port,
+    module_command,
+    start_all,
+    stop_all,
+)
 
 
 def real_model_available() -> bool:
