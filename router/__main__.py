@@ -20,12 +20,12 @@ import urllib.request
 from pathlib import Path
 
 from localrun.cluster import LocalCluster
+from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
-from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import Router, RouterConfig
 from router.siblings import SiblingConfig

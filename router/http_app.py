@@ -13,6 +13,7 @@ from granian.rsgi import HTTPProtocol as RSGIHTTPProtocol
 from granian.rsgi import Scope as RSGIHTTPScope
 
 from router.admission import Refused
+from router.forward.reply import Whole
 from router.http_server import (
     HttpRequest,
     RequestRefused,
@@ -21,7 +22,6 @@ from router.http_server import (
     check_head,
     respond,
 )
-from router.reply import Whole
 from router.request import INFERENCE_ROUTES, RequestError
 
 if TYPE_CHECKING:

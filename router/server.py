@@ -21,7 +21,11 @@ from urllib.parse import unquote
 import aiohttp
 
 from router.admission import Admission, Limits
-from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
+from router.forward.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
+from router.forward.feedback import Learner
+from router.forward.relay import RetryConfig
+from router.forward.reply import ClientSide, Stream, Whole
+from router.forward.upstream import UpstreamPool
 from router.http_server import HttpRequest, Routes, json_reply
 from router.kv_events import (
     EventSource,
@@ -31,14 +35,11 @@ from router.kv_events import (
     KVEventSubscriber,
     unfollowable_reason,
 )
-from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
-from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
-from router.reply import ClientSide, Stream, Whole
 from router.request import (
     RequestError,
     check_model,
@@ -50,7 +51,6 @@ from router.request import (
 )
 from router.siblings import SiblingConfig, Siblings
 from router.trees import PromptTrees
-from router.upstream import UpstreamPool
 from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
 from shared.token_cache import CachedEncoder
 

@@ -16,13 +16,20 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
-from router.learning import Served
+from router.forward.dispatch import (
+    Attempt,
+    AttemptFailed,
+    Call,
+    Sender,
+    Strategy,
+    prefix_holders_field,
+)
+from router.forward.feedback import Served
+from router.forward.relay import Outcome, end_stream
+from router.forward.reply import Whole
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.pd.write_back import WriteBackGate
 from router.policies import Decision, Policy, RouteRequest, reusable
-from router.proxy import Outcome, end_stream
-from router.reply import Whole
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.pd_caching import Caching

@@ -12,7 +12,7 @@ from typing import TypeVar, cast
 import pytest
 
 from router.admission import Admission, Limits, Refused, retry_after
-from router.dispatch import Colocated, Sender
+from router.forward.dispatch import Colocated, Sender
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, RoundRobin
 from router.workers import BreakerConfig, InFlight, WorkerRegistry, WorkerType

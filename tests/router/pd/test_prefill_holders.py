@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.dispatch import Sender
+from router.forward.dispatch import Sender
 from router.pd.strategy import PDSettings, PrefillDecode
 from router.policies import Decision, RoundRobin, RouteRequest
 from router.trees import PromptTrees

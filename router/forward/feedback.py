@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from router.forward.relay import Outcome
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
-from router.proxy import Outcome
 from router.request import encoded, full_tokens
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType

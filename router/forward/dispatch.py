@@ -22,15 +22,15 @@ from typing import Any
 
 import msgspec
 
-from router.learning import Learner, Served
+from router.forward.feedback import Learner, Served
+from router.forward.relay import Outcome, RetryConfig, WorkerUnavailable, forward
+from router.forward.reply import ClientSide, Stream, Whole
+from router.forward.upstream import UpstreamPool
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, RouteRequest
-from router.proxy import Outcome, RetryConfig, WorkerUnavailable, forward
-from router.reply import ClientSide, Stream, Whole
 from router.request import RequestError, when_encoded
 from router.speed import Work
 from router.trees import PromptTrees
-from router.upstream import UpstreamPool
 from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.token_cache import CachedEncoder
 

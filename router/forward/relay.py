@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 
 from router.deadlines import deadlines
-from router.reply import ClientSide, Stream, Whole
-from router.upstream import UpstreamError, UpstreamPool
+from router.forward.reply import ClientSide, Stream, Whole
+from router.forward.upstream import UpstreamError, UpstreamPool
 
 _decode_json = msgspec.json.Decoder().decode  # several times faster than json.loads
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from router.learning import Learner, Served
+from router.forward.feedback import Learner, Served
+from router.forward.relay import Outcome
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
-from router.proxy import Outcome
 from router.trees import PromptTrees, Tier
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from router.upstream import UpstreamError, UpstreamPool
+from router.forward.upstream import UpstreamError, UpstreamPool
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
