@@ -1,7 +1,8 @@
 """The router as an RSGI application: the head checked, the API key, then the route.
 
 Inference routes go to `Router.serve_inference` with the body read under the limit; every
-other route is a handler of `Router.routes()`. Every refusal is SGLang's JSON error.
+other route is a handler of `Management.routes()` (router.management). Every refusal is
+SGLang's JSON error.
 """
 
 from __future__ import annotations
