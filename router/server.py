@@ -122,19 +122,6 @@ class Router:
         registry.when_back(self._back)
         self.session: aiohttp.ClientSession | None = None  # management calls
         self.upstream = UpstreamPool()  # the inference hot path
-        sender = Sender(
-            self.upstream,
-            trees,
-            self.metrics,
-            encoder,
-            config.request_timeout_s,
-            self.uses_tokens,
-        )
-        self.strategy: Strategy = (
-            Colocated(policy, registry, sender)
-            if pd is None
-            else PrefillDecode(pd, registry, sender)
-        )
         learner = Learner(
             trees,
             registry,
@@ -143,6 +130,12 @@ class Router:
             self.uses_tokens,
             idle=lambda: self._active <= PRIME_WHEN_ACTIVE_AT_MOST,
             exact=config.kv_events_endpoint is not None or config.kv_events_subscribe,
+        )
+        sender = Sender(self.upstream, learner, self.metrics, config.request_timeout_s)
+        self.strategy: Strategy = (
+            Colocated(policy, registry, sender)
+            if pd is None
+            else PrefillDecode(pd, registry, sender)
         )
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
         # Replicas that each subscribe to every worker learn each event themselves: what

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from abc import ABC, abstractmethod
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +26,10 @@ from router.forward.reply import ClientSide, Stream, Whole
 from router.forward.upstream import UpstreamPool
 from router.metrics import RouterMetrics
 from router.policies import Decision, Policy, RouteRequest
-from router.request import RequestError, when_encoded
+from router.request import RequestError
 from router.speed import Work
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
-from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 
@@ -98,39 +95,22 @@ class Strategy(ABC):
 
 
 class Sender:
-    """Sends to one worker: in flight while it runs, the tree told it will hold the prompt."""
+    """Sends to one worker: in flight while it runs, the learner told it will hold the
+    prompt."""
 
     def __init__(
         self,
         upstream: UpstreamPool,
-        trees: PromptTrees,
+        learner: Learner,
         metrics: RouterMetrics,
-        encoder: CachedEncoder | None,
         timeout_s: float,
-        uses_tokens: bool,
     ) -> None:
         self.upstream = upstream
-        self.trees = trees
+        self.learner = learner  # the one writer to the trees: what is sent, what came back
+        self.trees: PromptTrees = learner.trees  # (read here, to name holders)
         self.metrics = metrics
-        self.encoder = encoder
         self.timeout_s = timeout_s
-        self.uses_tokens = uses_tokens
-
-    def record_soon(self, tree: WorkerType, worker: Worker, prompt: RouteRequest) -> None:
-        """Optimistic: `worker` is about to hold the prompt (its new text encoded first,
-        right after the send, off the request's path)."""
-        if prompt.tokens is not None and self.uses_tokens:
-            record = functools.partial(self._record, tree, worker.url, prompt)
-            asyncio.get_running_loop().call_soon(when_encoded, prompt, self.encoder, record)
-
-    def _record(
-        self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
-    ) -> None:
-        if tokens:
-            self.trees.record(tree, url, tokens)
-            if prompt.recorded is None:
-                prompt.recorded = []
-            prompt.recorded.append((tree, url, time.monotonic()))
+        self.uses_tokens = learner.uses_tokens
 
     def pending(self, prompt: RouteRequest, decision: Decision) -> int:
         """Prompt tokens the worker is expected to compute (none of a prefix it pulls)."""
@@ -166,7 +146,7 @@ class Sender:
         hit = self.metrics.cache_hits if decision.predicted_cached else self.metrics.cache_misses
         hit.inc()
         if tree is not None:
-            self.record_soon(tree, worker, call.prompt)
+            self.learner.record_soon(tree, worker, call.prompt)
         source = decision.pull_from  # its link is shared by the pulls planned from it
         pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
         try:

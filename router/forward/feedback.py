@@ -1,4 +1,5 @@
-"""Learning from an answer: circuit breakers, feedback on cached tokens, the next prefix.
+"""What the trees learn from the forwarding path: the prompt a worker was sent, then its
+answer's circuit breaker, feedback on cached tokens and the next prefix.
 
 One step for every strategy: each worker that served the request (a colocated worker, or a
 PD pair's prefill and decode) is told to its breaker; the trees are corrected by what each
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from array import array
@@ -22,7 +24,7 @@ from typing import TypeAlias
 from router.forward.relay import Outcome
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
-from router.request import encoded, full_tokens
+from router.request import encoded, full_tokens, when_encoded
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.token_cache import CachedEncoder
@@ -51,7 +53,8 @@ LearnArgs: TypeAlias = tuple[
 
 
 class Learner:
-    """Applies what an answer taught to the breakers and the trees."""
+    """The forwarding path's one writer to the trees: the prompt a worker was sent (at the
+    send) and what its answer taught (after it), with the breakers."""
 
     def __init__(
         self,
@@ -75,6 +78,22 @@ class Learner:
         self.exact = exact
         self._waiting: deque[tuple[float, LearnArgs]] = deque()  # (due, what to learn from)
         self._timer: asyncio.TimerHandle | None = None
+
+    def record_soon(self, tree: WorkerType, worker: Worker, prompt: RouteRequest) -> None:
+        """Optimistic, at the send: `worker` is about to hold the prompt (its new text
+        encoded first, right after the send, off the request's path)."""
+        if prompt.tokens is not None and self.uses_tokens:
+            record = functools.partial(self._record_sent, tree, worker.url, prompt)
+            asyncio.get_running_loop().call_soon(when_encoded, prompt, self.encoder, record)
+
+    def _record_sent(
+        self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
+    ) -> None:
+        if tokens:
+            self.trees.record(tree, url, tokens)
+            if prompt.recorded is None:
+                prompt.recorded = []
+            prompt.recorded.append((tree, url, time.monotonic()))
 
     def learn_later(self, args: LearnArgs) -> None:
         """`learn(*args)`, LEARN_DELAY_S from now: off this request's path, and off the next

@@ -101,7 +101,7 @@ class PrefillDecode(Strategy):
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
         p_task.add_done_callback(lambda _: counted.close())
         if caching.prefill_caches:
-            sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
+            sender.learner.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()
         d_tree = WorkerType.DECODE if caching.decode_caches else None
         d_task = asyncio.create_task(
