@@ -4,7 +4,7 @@ result files (one JSON for machines, one Markdown page for people).
 Every benchmark writes the same pair so that results from different runs and machines can be
 diffed and compared without per-benchmark parsing code. Results are written with the standard
 library only, so writing them never depends on an optional package (orjson is not guaranteed
-installed). Starting and stopping server processes is `router.procs`.
+installed). Starting and stopping server processes is `localrun.processes`.
 """
 
 from __future__ import annotations

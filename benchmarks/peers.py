@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
-from router.procs import LOOPBACK, free_port
+from localrun.processes import LOOPBACK, free_port
 
 OURS = "memserve-router"
 SGLANG_ROUTER = "sglang-router"

@@ -25,7 +25,7 @@ from types import FrameType
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere, with or without the package installed
 
-from router.procs import (  # noqa: E402
+from localrun.processes import (  # noqa: E402
     Launch,
     Server,
     free_port,

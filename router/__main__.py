@@ -19,21 +19,22 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from connector.pd_caching import Caching
-from connector.token_cache import CachedEncoder
+from localrun.cluster import LocalCluster
+from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
-from router.local_cluster import LocalCluster
+from router.management import Management
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
-from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, new_replica_id
 from router.server import Router, RouterConfig
 from router.siblings import SiblingConfig
 from router.supervisor import die_with_supervisor, supervise, usable_cores
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType, normalize_url
+from shared.pd_caching import Caching
+from shared.token_cache import CachedEncoder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +277,7 @@ def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
 def load_encoder(path: Path | None) -> CachedEncoder | None:
     if path is None:
         return None
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     encoder = CachedEncoder(ChatTokenizer(path))
     encoder.start_thread()  # before anything else starts the tokenizer's thread pool
@@ -502,7 +503,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 async def serve(router: Router, args: argparse.Namespace) -> None:
     await router.start()  # with siblings: once they all hear each other
     siblings = router.config.siblings
-    app = RouterApp(router, router.routes(), router.process_headers())
+    management = Management(router)
+    app = RouterApp(router, management.routes(), router.process_headers())
     timeout = args.header_read_timeout_secs
     servers = [HttpServer(app, args.host, args.port, timeout)]
     try:
@@ -511,7 +513,7 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
         if siblings is None or not siblings.index:  # the first process speaks for the router
             if args.prometheus_port:
                 metrics = Routes()
-                metrics.add("GET", "/metrics", router.metrics_text)
+                metrics.add("GET", "/metrics", management.metrics_text)
                 scrape = RouterApp(router, metrics, inference=False)
                 servers.append(
                     HttpServer(scrape, args.prometheus_host, args.prometheus_port, timeout)

@@ -1,7 +1,8 @@
 """The router as an RSGI application: the head checked, the API key, then the route.
 
 Inference routes go to `Router.serve_inference` with the body read under the limit; every
-other route is a handler of `Router.routes()`. Every refusal is SGLang's JSON error.
+other route is a handler of `Management.routes()` (router.management). Every refusal is
+SGLang's JSON error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from granian.rsgi import HTTPProtocol as RSGIHTTPProtocol
 from granian.rsgi import Scope as RSGIHTTPScope
 
 from router.admission import Refused
+from router.forward.reply import Whole
 from router.http_server import (
     HttpRequest,
     RequestRefused,
@@ -21,7 +23,6 @@ from router.http_server import (
     check_head,
     respond,
 )
-from router.reply import Whole
 from router.request import INFERENCE_ROUTES, RequestError
 
 if TYPE_CHECKING:

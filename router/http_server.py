@@ -11,7 +11,7 @@ Content-Length before reading it, or counted as its chunks arrive), the API key 
 unknown routes (404) and methods (405).
 
 Handlers take an `HttpRequest` and return a `Whole`; the inference routes may answer with a
-`Stream` (router.reply) as the relay writes it.
+`Stream` (router.forward.reply) as the relay writes it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from granian.rsgi import Scope as RSGIHTTPScope
 from granian.server.common import HTTPModes, Interfaces, LogLevels
 from granian.server.embed import Server
 
-from router.reply import ClientSide, Stream, Whole
+from router.forward.reply import ClientSide, Stream, Whole
 
 log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 8190  # a request line or one header (aiohttp's and nginx's 8 KiB)

@@ -92,7 +92,7 @@ class RouterMetrics:
     ) -> None:
         self.workers = workers
         self.trees = trees
-        # what the answers' cached tokens say of the predictions (fed by router.learning)
+        # what the answers' cached tokens say of the predictions (fed by router.forward.feedback)
         self.accuracy = AccuracyWatch() if accuracy is None else accuracy
         self.registry = CollectorRegistry()
         r = self.registry

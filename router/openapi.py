@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.openapi import ERRORS, INFERENCE_PATHS, JSON, Schema, document, get
+from shared.openapi import ERRORS, INFERENCE_PATHS, JSON, Schema, document, get
 
 _URL_PARAM: Schema = {
     "name": "url",

@@ -44,7 +44,7 @@ class RouteRequest:
     guessed: int = 0
     encoding: asyncio.Task[None] | None = None  # `rest` being encoded on a thread (router.request)
     # the trees told at dispatch that a worker is about to hold the prompt: (tree, URL,
-    # time.monotonic() then) (router.dispatch; learning skips a record that adds nothing)
+    # time.monotonic() then) (router.forward.dispatch; learning skips a record that adds nothing)
     recorded: list[tuple[WorkerType, str, float]] | None = None
 
     @property

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from connector.token_cache import CachedEncoder, Known
 from router.policies import RouteRequest
+from shared.token_cache import CachedEncoder, Known
 
 _json_decode = msgspec.json.Decoder().decode
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"

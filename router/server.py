@@ -1,4 +1,4 @@
-"""The router's HTTP surface: SGLang's and OpenAI's inference routes, management, metrics.
+"""The router: its parts built and started, and the inference routes served through them.
 
 Every refusal is a 4xx JSON body decided before any worker is touched (malformed JSON,
 wrong types, empty messages, unknown model, oversized body, missing API key, full queue,
@@ -11,19 +11,18 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import unquote
 
 import aiohttp
 
-from connector.token_cache import CachedEncoder
 from router.admission import Admission, Limits
-from router.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
-from router.http_server import HttpRequest, Routes, json_reply
+from router.forward.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
+from router.forward.feedback import Learner
+from router.forward.relay import RetryConfig
+from router.forward.reply import ClientSide, Stream, Whole
+from router.forward.upstream import UpstreamPool
 from router.kv_events import (
     EventSource,
     FeedStats,
@@ -32,16 +31,12 @@ from router.kv_events import (
     KVEventSubscriber,
     unfollowable_reason,
 )
-from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
-from router.proxy import RetryConfig
 from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
-from router.reply import ClientSide, Stream, Whole
 from router.request import (
-    RequestError,
     check_model,
     full_tokens,
     parse_json_object,
@@ -51,8 +46,8 @@ from router.request import (
 )
 from router.siblings import SiblingConfig, Siblings
 from router.trees import PromptTrees
-from router.upstream import UpstreamPool
-from router.workers import Agent, Worker, WorkerRegistry, WorkerType, normalize_url
+from router.workers import Agent, Worker, WorkerRegistry
+from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not pre-encoded
@@ -122,24 +117,11 @@ class Router:
         self.metrics.admission = self.admission
         self.metrics.expected_wait = config.cost.queue_s
         self._active = 0  # inference requests inside the router now
-        self._requests = 0  # inference requests this process received
+        self.requests_received = 0  # inference requests this process received
         registry.when_gone(self._gone)
         registry.when_back(self._back)
         self.session: aiohttp.ClientSession | None = None  # management calls
         self.upstream = UpstreamPool()  # the inference hot path
-        sender = Sender(
-            self.upstream,
-            trees,
-            self.metrics,
-            encoder,
-            config.request_timeout_s,
-            self.uses_tokens,
-        )
-        self.strategy: Strategy = (
-            Colocated(policy, registry, sender)
-            if pd is None
-            else PrefillDecode(pd, registry, sender)
-        )
         learner = Learner(
             trees,
             registry,
@@ -148,6 +130,12 @@ class Router:
             self.uses_tokens,
             idle=lambda: self._active <= PRIME_WHEN_ACTIVE_AT_MOST,
             exact=config.kv_events_endpoint is not None or config.kv_events_subscribe,
+        )
+        sender = Sender(self.upstream, learner, self.metrics, config.request_timeout_s)
+        self.strategy: Strategy = (
+            Colocated(policy, registry, sender)
+            if pd is None
+            else PrefillDecode(pd, registry, sender)
         )
         self.dispatcher = Dispatcher(self.strategy, registry, self.metrics, learner, config.retry)
         # Replicas that each subscribe to every worker learn each event themselves: what
@@ -159,7 +147,7 @@ class Router:
         )
         self.kv_applier = KVEventApplier(trees, registry, quiet)
         if config.kv_events_endpoint or config.kv_events_subscribe:
-            self.metrics.kv_events = self._kv_event_counts
+            self.metrics.kv_events = self.kv_event_counts
         self.kv_listener: KVEventListener | None = None
         self.kv_subscriber: KVEventSubscriber | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -167,28 +155,9 @@ class Router:
         self.replicator: Replicator | None = None
         self.siblings: Siblings | None = None
         self._expiry: asyncio.Task[None] | None = None
-        self._openapi = router_document(VERSION)
+        self.openapi_document = router_document(VERSION)
 
     # ----------------------------------------------------------------- app
-
-    def routes(self) -> Routes:
-        """Every route but the inference ones (router.http_app serves those first)."""
-        r = Routes()
-        r.add("GET", "/v1/models", self.models)
-        r.add("GET", "/health", self.health)
-        r.add("GET", "/liveness", self.health)
-        r.add("GET", "/readiness", self.readiness)
-        r.add("GET", "/get_model_info", self.first_worker_get)
-        r.add("GET", "/get_server_info", self.server_info)
-        r.add("*", "/flush_cache", self.flush_cache)
-        r.add("GET", "/get_loads", self.loads)
-        r.add("POST", "/workers", self.add_worker)
-        r.add("GET", "/workers", self.list_workers)
-        r.add("GET", "/workers/{url:.+}", self.get_worker)
-        r.add("DELETE", "/workers/{url:.+}", self.delete_worker)
-        r.add("GET", "/metrics", self.metrics_text)
-        r.add("GET", "/openapi.json", self.openapi)
-        return r
 
     def process_headers(self) -> list[tuple[str, str]]:
         """--processes: which process answered, in a header on every answer (tests,
@@ -210,14 +179,14 @@ class Router:
             self.kv_subscriber = KVEventSubscriber(self.kv_applier)
         if self.checks:
             await self.registry.check_all()
-        await asyncio.gather(*(self._learn_model(w) for w in self.registry.workers.values()))
+        await asyncio.gather(*(self.learn_model(w) for w in self.registry.workers.values()))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
         if self.metrics.multiprocess:
             self._background.add(asyncio.get_running_loop().create_task(self._metrics_loop()))
         if self.config.siblings is not None:
             if not isinstance(self.trees, ReplicatedTrees):
                 raise TypeError("sibling processes need ReplicatedTrees")
-            adopt = self._adopt if self.checks else self._learn_model
+            adopt = self._adopt if self.checks else self.learn_model
             self.siblings = Siblings(
                 self.config.siblings, self.trees, self.registry, adopt, self.encoder
             )
@@ -268,24 +237,24 @@ class Router:
             await asyncio.sleep(METRICS_SYNC_S)
             self.metrics.sync()
 
-    def _http(self) -> aiohttp.ClientSession:
+    def http(self) -> aiohttp.ClientSession:
         if self.session is None:
             raise RuntimeError("the router's management session is not started")
         return self.session
 
-    async def _learn_model(self, worker: Worker) -> None:
+    async def learn_model(self, worker: Worker) -> None:
         """The worker's model (for `model` checks) and its MemPool agent, when it has one
         (our workers with --enable-mempool-pull: requests may then name prefixes to pull)."""
         timeout = aiohttp.ClientTimeout(total=5)
         try:
-            async with self._http().get(worker.url + "/v1/models", timeout=timeout) as resp:
+            async with self.http().get(worker.url + "/v1/models", timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
             worker.model_id = body["data"][0]["id"]
             self.model_ids.add(body["data"][0]["id"])
         except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError):
             log.warning("could not learn the model of %s", worker.url)
         try:
-            async with self._http().get(worker.url + "/get_server_info", timeout=timeout) as resp:
+            async with self.http().get(worker.url + "/get_server_info", timeout=timeout) as resp:
                 info = await resp.json(content_type=None) if resp.status == 200 else None
             worker.learned = True
         except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -320,7 +289,7 @@ class Router:
         if worker.url in self._learning:
             return
         self._learning.add(worker.url)
-        task = asyncio.get_running_loop().create_task(self._learn_model(worker))
+        task = asyncio.get_running_loop().create_task(self.learn_model(worker))
         task.add_done_callback(lambda _: self._learning.discard(worker.url))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -328,7 +297,7 @@ class Router:
     async def _adopt(self, worker: Worker) -> None:
         """A worker another replica added: checked and learned as if added here."""
         await self.registry.check(worker)
-        await self._learn_model(worker)
+        await self.learn_model(worker)
 
     # ----------------------------------------------------------------- inference
 
@@ -353,7 +322,7 @@ class Router:
         requests.inc()
         started = time.perf_counter()
         self._active += 1
-        self._requests += 1
+        self.requests_received += 1
         try:
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
@@ -388,91 +357,8 @@ class Router:
         expected = f"Bearer {self.config.api_key}"
         return hmac.compare_digest(authorization.encode(), expected.encode())
 
-    # ----------------------------------------------------------------- management
-
-    async def health(self, request: HttpRequest) -> Whole:
-        return Whole(200, b"OK", {"content-type": "text/plain; charset=utf-8"})
-
-    async def readiness(self, request: HttpRequest) -> Whole:
-        """Ready when a request could be served: a healthy worker of every kind needed."""
-        missing = [k.value for k in self.strategy.kinds() if not self.registry.available(k)]
-        if not missing:
-            return json_reply({"status": "ready"})
-        return Whole.error(503, f"no healthy {' or '.join(missing)} worker")
-
-    async def models(self, request: HttpRequest) -> Whole:
-        return await self.first_worker_get(request)
-
-    async def first_worker_get(self, request: HttpRequest) -> Whole:
-        for worker in self.registry.available():
-            try:
-                async with self._http().get(
-                    worker.url + request.path, timeout=aiohttp.ClientTimeout(total=10)
-                ) as resp:
-                    kind = {"content-type": "application/json"}
-                    return Whole(resp.status, await resp.read(), kind)
-            except (aiohttp.ClientError, TimeoutError):
-                continue
-        return Whole.error(503, "no healthy worker")
-
-    def _worker_json(self, w: Worker) -> dict[str, Any]:
-        return {
-            "url": w.url,
-            "type": w.type.value,
-            "healthy": w.healthy,
-            "load": w.load,
-            "in_flight": w.in_flight,
-            "circuit_breaker": w.breaker.name.lower(),
-            "model_id": w.model_id,
-            "bootstrap_port": w.bootstrap_port,
-            "processed": w.processed,
-            "kv_pull": w.can_pull,
-            "serves_pulls": w.agent is not None,
-            "pulls_served_in_flight": w.pulls_served,
-            # its per-token prefill time over the cost model's constant (router.speed; 1.0
-            # until measured), and every coefficient the router fitted
-            "slowness": round(w.speed.slowness, 4),
-            "slowness_samples": w.speed.samples,
-            "speed": w.speed.as_json(),
-        }
-
-    async def server_info(self, request: HttpRequest) -> Whole:
-        return json_reply(
-            {
-                "router": "memserve-router",
-                "policy": self.policy.name,
-                "page_size": self.trees.page_size,
-                "tree_ttl_secs": self.trees.ttl_s,
-                "tree_pages": {t.value: self.trees.size(t) for t in WorkerType},
-                "tree_stats": {
-                    "predicted_cached_tokens": self.trees.stats.predicted_tokens,
-                    "reported_cached_tokens": self.trees.stats.reported_tokens,
-                    "corrections": self.trees.stats.corrections,
-                },
-                "tokenizer": None if self.encoder is None else self.encoder.stats(),
-                "kv_events": self._kv_events_info(),
-                "admission": self._admission_info(),
-                "workers": [self._worker_json(w) for w in self.registry.workers.values()],
-                "process": self._process_info(),
-                **self._replica_info(),
-            }
-        )
-
-    def _admission_info(self) -> dict[str, Any]:
-        a = self.admission
-        return {
-            "max_expected_wait_secs": a.limits.max_expected_wait_s,
-            # this process's share of the router's limits (--processes)
-            "max_concurrent_requests": a.limits.max_concurrent,
-            "rate_limit_per_s": a.limits.rate_per_s,
-            "queue_size": a.limits.queue_size,
-            "queued": a.queued,
-            "holds": dict(a.holds),
-            "refusals": dict(a.refusals),
-        }
-
-    def _kv_event_counts(self) -> dict[str, int]:
-        info = self._kv_events_info() or {}
+    def kv_event_counts(self) -> dict[str, int]:
+        info = self.kv_events_info() or {}
         counts = {k: v for k, v in info.items() if isinstance(v, int)}
         if self.config.kv_events_subscribe:  # the feeds' counters, zero until they start
             counts = {**FeedStats().as_dict(), **counts}
@@ -480,111 +366,7 @@ class Router:
         counts["unknown_topics"] = self.kv_applier.unknown_topics
         return counts
 
-    def _kv_events_info(self) -> dict[str, object] | None:
+    def kv_events_info(self) -> dict[str, object] | None:
         if self.kv_subscriber is not None:
             return {**self.kv_subscriber.info(), "batches_applied": self.kv_applier.batches}
         return None if self.kv_listener is None else self.kv_listener.info()
-
-    def _process_info(self) -> dict[str, Any]:
-        """Which of the router's processes answered (--processes), and its channel."""
-        out: dict[str, Any] = {"pid": os.getpid(), "index": 0, "count": 1}
-        out["inference_requests"] = self._requests
-        if self.siblings is not None:
-            out.update(self.siblings.info(), directory=str(self.siblings.config.directory))
-        return out
-
-    def _replica_info(self) -> dict[str, Any]:
-        """With --redis-url: the replica's state; with it or --processes: the pages each
-        holder holds (two replicas or processes have converged when theirs are equal)."""
-        if not isinstance(self.trees, ReplicatedTrees):
-            return {}
-        out: dict[str, Any] = {"tree_holders": self.trees.holder_pages()}
-        if self.replicator is not None:
-            out["replica"] = self.replicator.info()
-        return out
-
-    async def flush_cache(self, request: HttpRequest) -> Whole:
-        """Fan out to every worker; the trees forget everything."""
-
-        async def one(w: Worker) -> tuple[str, int]:
-            try:
-                async with self._http().post(
-                    w.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=30)
-                ) as resp:
-                    return w.url, resp.status
-            except (aiohttp.ClientError, TimeoutError):
-                return w.url, 502
-
-        results = dict(await asyncio.gather(*(one(w) for w in self.registry.workers.values())))
-        self.trees.clear()
-        ok = all(status == 200 for status in results.values())
-        return json_reply({"flushed": ok, "workers": results}, 200 if ok else 400)
-
-    async def loads(self, request: HttpRequest) -> Whole:
-        return json_reply(
-            {
-                "workers": [
-                    {
-                        "worker": w.url,
-                        "load": w.load,
-                        "in_flight": w.in_flight,
-                        "queued_tokens": w.queued_tokens,
-                        "expected_wait_secs": round(self.config.cost.queue_s(w), 6),
-                        "slowness": round(w.speed.slowness, 4),
-                    }
-                    for w in self.registry.workers.values()
-                ]
-            }
-        )
-
-    async def add_worker(self, request: HttpRequest) -> Whole:
-        body = parse_json_object(await request.read())
-        url = body.get("url")
-        if not isinstance(url, str):
-            raise RequestError(400, "'url' must be a string like http://host:port")
-        kind = body.get("worker_type", "colocated")
-        try:
-            worker_type = WorkerType("colocated" if kind == "regular" else kind)
-            worker = self.registry.add(url, worker_type, body.get("bootstrap_port"))
-        except ValueError as exc:
-            status = 409 if "already" in str(exc) else 400
-            raise RequestError(status, str(exc)) from None
-        if self.replicator is not None:
-            self.replicator.worker_added(worker)
-        if self.siblings is not None:
-            self.siblings.worker_added(worker)
-        await self.registry.check(worker)
-        await self._learn_model(worker)
-        return json_reply(self._worker_json(worker))
-
-    async def list_workers(self, request: HttpRequest) -> Whole:
-        return json_reply(
-            {"workers": [self._worker_json(w) for w in self.registry.workers.values()]}
-        )
-
-    def _find(self, request: HttpRequest) -> str:
-        return unquote(request.params["url"])
-
-    async def get_worker(self, request: HttpRequest) -> Whole:
-        try:
-            worker = self.registry.workers[normalize_url(self._find(request))]
-        except (KeyError, ValueError):
-            raise RequestError(404, f"no worker {self._find(request)}") from None
-        return json_reply(self._worker_json(worker))
-
-    async def delete_worker(self, request: HttpRequest) -> Whole:
-        try:
-            worker = self.registry.remove(self._find(request))
-        except (KeyError, ValueError) as exc:
-            raise RequestError(404, str(exc).strip("'\"")) from None
-        if self.replicator is not None:
-            self.replicator.worker_removed(worker.url)
-        if self.siblings is not None:
-            self.siblings.worker_removed(worker.url)
-        return json_reply({"removed": worker.url})
-
-    async def openapi(self, request: HttpRequest) -> Whole:
-        return json_reply(self._openapi)
-
-    async def metrics_text(self, request: HttpRequest) -> Whole:
-        return Whole(200, self.metrics.exposition(), {"content-type": "text/plain; version=0.0.4"})

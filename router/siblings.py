@@ -45,7 +45,6 @@ from typing import Any
 
 import msgspec
 
-from connector.token_cache import CachedEncoder
 from router.replicas.ops import (
     ADD_WORKER,
     REMOVE_WORKER,
@@ -58,6 +57,7 @@ from router.replicas.ops import (
 from router.replicas.sync import set_peer_loads
 from router.replicas.trees import ReplicatedTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
+from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
 

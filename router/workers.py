@@ -115,7 +115,7 @@ class Worker:
     agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
     learned: bool = False  # its /get_server_info was read (model, agent, KV-event source)
     pulls_served: int = 0  # requests in flight that pull a prefix from this worker
-    # the deadlines of the exchanges in flight to it (router.proxy.Bound): a worker that
+    # the deadlines of the exchanges in flight to it (router.forward.relay.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
     exchanges: set[asyncio.Timeout] = field(default_factory=set)
     # called whenever its load figures change (the registry's load_changed: requests held

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from router import procs
-from router.procs import free_port, stop_process
+from localrun import processes as procs
+from localrun.processes import free_port, stop_process
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The tests' servers: router.procs with the tests' defaults (repository root, offline)."""
+"""The tests' servers: localrun.processes with the tests' defaults (repository root, offline)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from router import procs
-from router.procs import Server, free_port, stop_process, wait_healthy
+from localrun import processes as procs
+from localrun.processes import Server, free_port, stop_process, wait_healthy
 
 __all__ = ["ROOT", "Server", "free_port", "running", "stop", "stop_process", "wait_healthy"]
 

@@ -323,8 +323,8 @@ class Session:
     @contextmanager
     def open(cls, log_dir: Path | None) -> Iterator[Session]:
         from connector.model_files import ensure_hf_model
-        from connector.token_cache import CachedEncoder
-        from connector.tokenizer import ChatTokenizer
+        from shared.token_cache import CachedEncoder
+        from shared.tokenizer import ChatTokenizer
 
         model_dir = ensure_hf_model()
         tokenizer = ChatTokenizer(model_dir)

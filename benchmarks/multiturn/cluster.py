@@ -27,8 +27,7 @@ from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, peer_command
-from router.policies import CostModel
-from router.procs import (
+from localrun.processes import (
     Launch,
     Server,
     free_port,
@@ -38,6 +37,7 @@ from router.procs import (
     stop_all,
     wait_until,
 )
+from router.policies import CostModel
 
 
 @dataclass

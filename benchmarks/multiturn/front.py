@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from router.procs import LOOPBACK
+from localrun.processes import LOOPBACK
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), and those aiohttp sets
 # itself from the body it sends.

@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     from connector.model_files import ensure_hf_model
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     policies = [p if p == EARLIEST else _policy(parser, p) for p in args.policies]
     if any(s <= 0 for s in args.speeds):

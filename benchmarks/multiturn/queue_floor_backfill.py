@@ -65,8 +65,8 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="a results directory (its results.json)")
     args = parser.parse_args()
     from connector.model_files import ensure_hf_model
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
+    from shared.token_cache import CachedEncoder
+    from shared.tokenizer import ChatTokenizer
 
     path = args.out / "results.json"
     data = json.loads(path.read_text())

@@ -32,7 +32,7 @@ from benchmarks.multiturn.cluster import (
     scrape,
     slug,
 )
-from router.procs import (
+from localrun.processes import (
     Server,
     free_port,
     module_command,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.procs import Launch, Server, free_port, module_command, start_all, stop_all
+from localrun.processes import Launch, Server, free_port, module_command, start_all, stop_all
 
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MEMSERVE_ROUTER_PROCESSES": "1"}
 BOOT_S = 60.0

@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.reliability.client import Seen, Tally, post, until_answered
 from benchmarks.reliability.cluster import Cluster, get_json, metric, settled_leak
 from benchmarks.reliability.report import FaultResult
-from router.procs import Server
+from localrun.processes import Server
 
 BOUND_S = 30.0  # no request may take longer: past it, it hung
 HANG_BOUND_S = 10.0  # a hung worker's requests must end well before it wakes (FROZEN_S)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.procs import Server
+from localrun.processes import Server
 
 HEADER_TIMEOUT_S = 3.0  # the router's --header-read-timeout-secs in these rows
 RSS_SLACK_MIB = 16.0  # growth allowed (allocator noise), against hundreds of MiB sent

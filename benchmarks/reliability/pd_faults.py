@@ -17,7 +17,7 @@ from benchmarks.reliability.client import Tally, post
 from benchmarks.reliability.cluster import Cluster, PoolCount, get_json, settled_leak
 from benchmarks.reliability.faults import BOUND_S, Settings, finish, tally_into
 from benchmarks.reliability.report import FaultResult
-from router.procs import Server, free_port
+from localrun.processes import Server, free_port
 
 PD_TIMEOUT_S = "20"  # --disaggregation-timeout-secs
 

@@ -23,8 +23,8 @@ from benchmarks.reliability.cluster import Cluster, get_json, metric
 from benchmarks.reliability.faults import BOUND_S, Settings, finish, served, tally_into
 from benchmarks.reliability.pd_faults import ids, pd_cluster
 from benchmarks.reliability.report import FaultResult
+from localrun.processes import Server
 from router.policies import CostModel
-from router.procs import Server
 
 # A new-token ratio this low admits far more than fits, so running requests must retract.
 LOW_RATIO = ["--init-new-token-ratio", "0.05", "--min-new-token-ratio", "0.05"]

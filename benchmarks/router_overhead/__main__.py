@@ -47,14 +47,14 @@ from benchmarks.router_overhead.text import (
     make_conversation,
     small_prompts,
 )
-from router.procs import Server, start_all
+from localrun.processes import Server, start_all
 
 
 def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any]:
     settings = QUICK if quick else FULL
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     model_dir = ensure_hf_model()
     peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.router_overhead.settings import CHAT
-from router.procs import JSON_HEADERS, Server
+from localrun.processes import JSON_HEADERS, Server
 
 
 async def timed_chat(

@@ -29,7 +29,7 @@ import aiohttp
 import httptools
 import uvloop
 
-from router.upstream import UpstreamError, UpstreamPool
+from router.forward.upstream import UpstreamError, UpstreamPool
 
 SERVERS = ("httptools", "granian", "uvicorn")
 UNREACHABLE = b'{"error": {"message": "worker unreachable", "code": 502}}'

@@ -32,7 +32,7 @@ def tokenizer_costs(
     tokenizer: Any, conversations: list[Conversation], progress: Progress
 ) -> dict[str, Any]:
     """Full encode of an 8K chat, and our CachedEncoder cold (a new chat) and warm (turn 2)."""
-    from connector.token_cache import CachedEncoder
+    from shared.token_cache import CachedEncoder
 
     task = progress.add_task("tokenizer: 8K chats", total=len(conversations) - 1)
     encoder = CachedEncoder(tokenizer)
@@ -62,10 +62,10 @@ def decision_time(
     tokenizer: Any, settings: Settings, progress: Progress
 ) -> tuple[dict[str, Any], list[Conversation]]:
     """PromptTree.select for an 8K-token request over trees holding many 8K chats."""
-    from connector.token_cache import CachedEncoder
     from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
     from router.trees import PromptTrees
     from router.workers import Worker, WorkerType
+    from shared.token_cache import CachedEncoder
 
     n = settings.tree_conversations
     build = progress.add_task(f"decision: {n} chats into trees", total=n + 1)

@@ -20,7 +20,7 @@ from benchmarks.router_overhead.text import (
     shared_text_prompts,
     text_body,
 )
-from router.procs import Server
+from localrun.processes import Server
 
 
 async def latency_phase(

@@ -21,7 +21,15 @@ from typing import Any
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG, PeerStatus, peer_command
 from benchmarks.router_overhead.settings import CHAT, CORE_COUNTS
-from router.procs import Launch, Server, free_port, http_ok, module_command, stop_all, wait_until
+from localrun.processes import (
+    Launch,
+    Server,
+    free_port,
+    http_ok,
+    module_command,
+    stop_all,
+    wait_until,
+)
 
 WORKERS = 2
 FLOOR = "python floor"

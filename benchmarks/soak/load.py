@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.soak.workload import BAD_BODIES, CHAT, Mix, Session, Sessions
-from router.procs import JSON_HEADERS
+from localrun.processes import JSON_HEADERS
 
 REQUEST_TIMEOUT_S = 120.0
 BODY_CHARS = 500

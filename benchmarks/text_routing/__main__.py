@@ -76,7 +76,7 @@ def run(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     model_dir = tokenizer_dir.resolve() if tokenizer_dir is not None else ensure_hf_model()
     sizes = QUICK_TOKENS if quick else FULL_TOKENS

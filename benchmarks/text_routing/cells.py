@@ -24,7 +24,7 @@ from benchmarks.multiturn.cluster import (
 )
 from benchmarks.peers import OURS
 from benchmarks.text_routing.documents import prompt
-from router.procs import JSON_HEADERS, free_port, http_ok, wait_until
+from localrun.processes import JSON_HEADERS, free_port, http_ok, wait_until
 
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"

@@ -24,9 +24,6 @@ from typing import Any
 
 from aiohttp import web
 
-from connector.kv_events import KVEventPublisher, KVEventsConfig
-from connector.pd_caching import Caching
-from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import ChainedHooks, RequestHooks
@@ -38,6 +35,9 @@ from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
 from mempool.transfer.base import TransferFailed
+from shared.kv_events import KVEventPublisher, KVEventsConfig
+from shared.pd_caching import Caching
+from shared.tokenizer import ChatTokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-cache",
         action="store_true",
         help="encode chat history with the router's exact per-piece token cache "
-        "(connector/token_cache.py) instead of a full encode per request; off by default, "
+        "(shared/token_cache.py) instead of a full encode per request; off by default, "
         "as in SGLang",
     )
     p.add_argument("--log-level", default="warning")
@@ -464,7 +464,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
     name = args.served_model_name or str(model_dir)
     encoder = None
     if args.tokenizer_cache:
-        from connector.token_cache import CachedEncoder
+        from shared.token_cache import CachedEncoder
 
         encoder = CachedEncoder(tokenizer, guesses=False)  # it encodes whole prompts
     info = WorkerInfo(str(model_dir), name, server_args)

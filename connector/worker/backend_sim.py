@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from connector.kv_events import page_hashes
-from connector.tokenizer import ChatTokenizer
 from connector.worker.backend import Backend
 from connector.worker.latency_model import LatencyModel
 from connector.worker.sequence import Sequence
+from shared.kv_events import page_hashes
+from shared.tokenizer import ChatTokenizer
 
 
 def _word_tokens(tokenizer: ChatTokenizer, limit: int = 512) -> list[int]:

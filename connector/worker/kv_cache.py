@@ -23,13 +23,13 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 from typing import Any
 
-from connector.kv_events import KVEventPublisher, page_hashes
 from connector.worker.backend import Backend
 from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
 from mempool.address import mem_type_of
 from mempool.pool import Moved
 from mempool.transfer.receiver import Received
+from shared.kv_events import KVEventPublisher, page_hashes
 
 # SGLang's StorageMedium names for our tiers (KV events' `medium`).
 MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}

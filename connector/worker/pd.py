@@ -33,13 +33,13 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from connector.http_errors import json_error
-from connector.pd_caching import Caching
 from mempool import MemPool, MemType, OutOfBlocks
 from mempool.transfer.agent import TransferAgent, TransferResult
 from mempool.transfer.base import DataTransport, PeerInfo, TransferFailed
 from mempool.transfer.membership import ClusterManager, RedisCluster, UnknownPeer
 from mempool.transfer.receiver import OnReceived, Received, TransferFlags
+from shared.http_errors import json_error
+from shared.pd_caching import Caching
 
 log = logging.getLogger(__name__)
 _peer_json = msgspec.json.Decoder(PeerInfo)

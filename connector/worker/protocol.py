@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.tokenizer import ChatTemplateError, PromptEncoder
 from connector.worker.sequence import SamplingParams
+from shared.tokenizer import ChatTemplateError, PromptEncoder
 
 # SGLang sampling parameters this worker accepts but does not apply (kept for compatibility).
 _IGNORED_SAMPLING = {

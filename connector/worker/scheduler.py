@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import Admission, TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
@@ -39,6 +38,7 @@ from connector.worker.kv_cache import KVCache
 from connector.worker.protocol import BadRequest, GenerateInput
 from connector.worker.sequence import DONE, TOKEN, Sequence
 from mempool import InsertResult, PrefixMatch
+from shared.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from connector.http_errors import json_error
-from connector.openapi import worker_document
-from connector.tokenizer import ChatTokenizer, IncrementalDecoder, PromptEncoder
 from connector.worker.protocol import (
     BadRequest,
     GenerateInput,
@@ -33,6 +30,9 @@ from connector.worker.protocol import (
 )
 from connector.worker.scheduler import Scheduler
 from connector.worker.sequence import DONE, Sequence
+from shared.http_errors import json_error
+from shared.openapi import worker_document
+from shared.tokenizer import ChatTokenizer, IncrementalDecoder, PromptEncoder
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -25,9 +25,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from connector.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.trees import PromptTrees, Tier
 from router.workers import WorkerRegistry, WorkerType, normalize_url
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from connector.kv_events import KVEventBatch, publisher_binds
 from router.kv_events.listener import KVEventApplier
+from shared.kv_events import KVEventBatch, publisher_binds
 
 log = logging.getLogger(__name__)
 

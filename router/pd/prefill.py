@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.proxy import Bound, Outcome, read_result, reported_tokens, timed_out
-from router.upstream import UpstreamError, UpstreamPool
+from router.forward.relay import Bound, Outcome, read_result, reported_tokens, timed_out
+from router.forward.upstream import UpstreamError, UpstreamPool
 from router.workers import Worker
 
 _decode = msgspec.json.Decoder().decode

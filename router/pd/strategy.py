@@ -16,16 +16,23 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from connector.pd_caching import Caching
-from router.dispatch import Attempt, AttemptFailed, Call, Sender, Strategy, prefix_holders_field
-from router.learning import Served
+from router.forward.dispatch import (
+    Attempt,
+    AttemptFailed,
+    Call,
+    Sender,
+    Strategy,
+    prefix_holders_field,
+)
+from router.forward.feedback import Served
+from router.forward.relay import Outcome, end_stream
+from router.forward.reply import Whole
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.pd.write_back import WriteBackGate
 from router.policies import Decision, Policy, RouteRequest, reusable
-from router.proxy import Outcome, end_stream
-from router.reply import Whole
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
+from shared.pd_caching import Caching
 
 # the prefill's decision in sgl_router_load_balancing_events (the decode's keeps its name)
 PREFILL_REASON = "prefill_"
@@ -94,7 +101,7 @@ class PrefillDecode(Strategy):
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
         p_task.add_done_callback(lambda _: counted.close())
         if caching.prefill_caches:
-            sender.record_soon(WorkerType.PREFILL, prefill, call.prompt)
+            sender.learner.record_soon(WorkerType.PREFILL, prefill, call.prompt)
         outcome = Outcome()
         d_tree = WorkerType.DECODE if caching.decode_caches else None
         d_task = asyncio.create_task(

@@ -191,7 +191,7 @@ def test_markdown_and_plots(out_dir: Path, results: dict[str, Any]) -> None:
 def test_trace_blocks_tokenize_as_promised(model_dir: Path) -> None:
     """A block is 512 tokens and concatenations keep the blocks' ids (the oracle's basis)."""
     from benchmarks.multiturn.text import Vocab
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     vocab = Vocab.from_tokenizer(tokenizer)
@@ -219,7 +219,7 @@ def test_any_mooncake_format_trace_replays(tmp_path: Path, model_dir: Path) -> N
     stated lengths, a turn depending on its previous one."""
     from benchmarks.multiturn.text import Vocab
     from benchmarks.multiturn.trace import TraceReplay
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     rows = [
         {"timestamp": 0, "input_length": 700, "output_length": 20, "hash_ids": [0, 1]},
@@ -521,8 +521,8 @@ def test_sizing_gives_the_asked_multiple(model_dir: Path) -> None:
     from benchmarks.multiturn.text import Vocab
     from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
     from benchmarks.multiturn.workloads import MultiRoundQA
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
+    from shared.token_cache import CachedEncoder
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     vocab = Vocab.from_tokenizer(tokenizer)

@@ -217,7 +217,7 @@ def test_hot_prefix_workload_has_zipf_popular_shared_prefixes() -> None:
 def test_open_loop_trace_sends_independent_windows(tmp_path: Path, model_dir: Path) -> None:
     from benchmarks.multiturn.text import Vocab
     from benchmarks.multiturn.trace import OpenLoopTrace
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     rows = [
         {"timestamp": 100 * i, "input_length": 600, "output_length": 9, "hash_ids": [0, i]}
@@ -329,7 +329,7 @@ def test_paired_targets_are_taken_within_a_seed() -> None:
 def test_pd_systems_name_their_policies_and_flags() -> None:
     from benchmarks.multiturn.cluster import Cluster, ClusterSpec, Worker, router_args
     from benchmarks.multiturn.pd_preset import PD_CACHE_AWARE, PROMPT_TREE
-    from router.procs import Launch
+    from localrun.processes import Launch
 
     assert PD_CACHE_AWARE.name == "sglang-router PD cache_aware/power_of_two"
     spec = ClusterSpec("t", prefills=1, decodes=1, caching="caching-1")
@@ -399,8 +399,8 @@ def test_systems_pick_a_caching_mode_and_pd_prefills_pull(model_dir: Path) -> No
     from benchmarks.multiturn import pd_preset
     from benchmarks.multiturn.capacity import Features
     from benchmarks.multiturn.text import Vocab
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
+    from shared.token_cache import CachedEncoder
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     vocab, encoder = Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)
@@ -432,7 +432,7 @@ def test_systems_pick_the_hot_prefix_presets_decodes_cache_cluster_alone(model_d
     from benchmarks.multiturn import hot_prefix_preset as hp
     from benchmarks.multiturn.capacity import Features
     from benchmarks.multiturn.text import Vocab
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     vocab = Vocab.from_tokenizer(ChatTokenizer(model_dir))
     features = Features(host_tier=False, pulls=True, no_pull_router=False, kv_events=True)
@@ -466,8 +466,8 @@ def test_a_run_of_some_seeds_sizes_the_kv_as_the_run_its_rates_came_from(
     from benchmarks.multiturn.capacity import Features
     from benchmarks.multiturn.paired import known_from
     from benchmarks.multiturn.text import Vocab
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
+    from shared.token_cache import CachedEncoder
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     vocab, encoder = Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)

@@ -155,8 +155,8 @@ def test_backfill_queues_a_hot_prefix_run_at_its_planned_times(model_dir: Path) 
     from benchmarks.multiturn.hot_prefix import HotPrefix
     from benchmarks.multiturn.queue_floor_backfill import backfill
     from benchmarks.multiturn.text import Vocab
-    from connector.token_cache import CachedEncoder
-    from connector.tokenizer import ChatTokenizer
+    from shared.token_cache import CachedEncoder
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     builder = HotPrefix(prefixes=4, prefix_min_tokens=512, prefix_max_tokens=1024, requests=12)

@@ -40,7 +40,7 @@ from benchmarks.multiturn.replicas_report import sections, summary
 from benchmarks.multiturn.trace import TraceReplay
 from benchmarks.multiturn.workloads import MultiRoundQA
 from benchmarks.peers import OURS
-from router.procs import LOOPBACK, Launch, Server, free_port, module_command, wait_until
+from localrun.processes import LOOPBACK, Launch, Server, free_port, module_command, wait_until
 
 STREAM_PAUSE_S = 0.6  # between a fake replica's first and last SSE chunk
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus
 from benchmarks.router_overhead.cpu import tree_cpu_s
 from benchmarks.router_overhead.systems import BEFORE, cpu_sets, make_systems
-from router.procs import LOOPBACK
+from localrun.processes import LOOPBACK
 from tests.http_client import call
 from tests.procs import ROOT, free_port, running
 

@@ -112,7 +112,7 @@ def test_the_page_has_the_table_and_no_machine_paths(
 
 
 def test_documents_are_deterministic_and_sized(model_dir: Path) -> None:
-    from connector.tokenizer import ChatTokenizer
+    from shared.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(model_dir)
     for key, document in DOCUMENTS.items():

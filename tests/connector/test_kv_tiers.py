@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import Admission
 from connector.worker.backend_sim import SimBackend
 from connector.worker.kv_cache import KVCache
@@ -18,6 +17,7 @@ from connector.worker.protocol import GenerateInput
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.sequence import DONE, SamplingParams, Sequence
 from mempool import MemPool, MemType, decode
+from shared.tokenizer import ChatTokenizer
 
 PAGE = 16
 

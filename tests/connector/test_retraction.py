@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from connector.tokenizer import ChatTokenizer
 from connector.worker.admission import Admission, TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.backend_sim import SimBackend
@@ -20,6 +19,7 @@ from connector.worker.protocol import GenerateInput
 from connector.worker.scheduler import Scheduler, SchedulerConfig
 from connector.worker.sequence import DONE, SamplingParams, Sequence
 from mempool import InsertFlags, MemPool
+from shared.tokenizer import ChatTokenizer
 
 PAGE = 16
 

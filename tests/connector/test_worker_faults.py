@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from connector.tokenizer import ChatTokenizer
 from connector.worker.backend_sim import SimBackend
 from connector.worker.kv_cache import KVCache
 from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.pd_hooks import PDHooks
 from connector.worker.sequence import DONE, SamplingParams, Sequence
 from mempool import InsertResult, MemPool
+from shared.tokenizer import ChatTokenizer
 from tests.connector.test_worker_sim_pd import info, pd_pair, prompt_ids, used_pages, with_room
 from tests.http_client import call
 from tests.procs import running

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.tokenizer import ChatTokenizer
+from shared.tokenizer import ChatTokenizer
 from tests.http_client import call, stream
 from tests.procs import running
 from tests.tokenizer_families import shared_start

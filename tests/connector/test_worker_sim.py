@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import zmq
 
-from connector.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from connector.tokenizer import ChatTokenizer
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from shared.tokenizer import ChatTokenizer
 from tests.http_client import call, stream
 from tests.procs import free_port, running
 

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import zmq
 
-from connector.kv_events import BlockRemoved, BlockStored, decode_batch, page_hashes
-from connector.tokenizer import ChatTokenizer
 from connector.worker.latency_model import LatencyModel
+from shared.kv_events import BlockRemoved, BlockStored, decode_batch, page_hashes
+from shared.tokenizer import ChatTokenizer
 from tests.http_client import call
 from tests.procs import ROOT, TEST_ENV, Server, free_port, running
 

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from router.__main__ import build_parser, build_router, pd_workers, replica_config
+from router.management import Management
 from router.replicas import ReplicaMetrics
 from router.server import OPEN_ROUTES, Router
 from tests.procs import ROOT
@@ -81,7 +82,7 @@ def built_router() -> Router:
 
 def router_routes() -> set[str]:
     """GET routes of the router as built by `python -m router`."""
-    routes = built_router().routes()
+    routes = Management(built_router()).routes()
     return {path for path, methods in routes.exact.items() if "GET" in methods}
 
 

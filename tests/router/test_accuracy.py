@@ -21,10 +21,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.accuracy import ALL, AccuracyWatch
-from router.learning import Learner, Served
+from router.forward.feedback import Learner, Served
+from router.forward.relay import Outcome
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest
-from router.proxy import Outcome
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 from tests.http_client import call, metric

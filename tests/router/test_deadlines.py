@@ -10,7 +10,7 @@ import time
 import pytest
 
 from router.deadlines import TICK_S, deadlines
-from router.proxy import Bound
+from router.forward.relay import Bound
 from router.workers import Worker
 
 

@@ -8,7 +8,7 @@ for the second (the change of `memserve_router_predicted_cached_tokens`) with th
 tokens the worker reported.
 
 How close the prediction must be: a page, plus what a guessed start leaves out at its end
-(`connector.text_prefix`: the tokens of its last `MARGIN_CHARS` characters and
+(`shared.text_prefix`: the tokens of its last `MARGIN_CHARS` characters and
 `MARGIN_TOKENS` more). A character is at most 4 UTF-8 bytes, so at most 4 byte-level or
 byte-fallback tokens: a page and 17 tokens in all. For text of common scripts that margin
 is a few tokens; only rare characters (4-byte code points without merges) take the most.
@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.text_prefix import MARGIN_CHARS, MARGIN_TOKENS
-from connector.tokenizer import ChatTokenizer
+from shared.text_prefix import MARGIN_CHARS, MARGIN_TOKENS
+from shared.tokenizer import ChatTokenizer
 from tests.http_client import call, metric
 from tests.procs import running
 from tests.tokenizer_families import FAMILIES, shared_start, tokenizer_dir

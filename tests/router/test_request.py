@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-from connector.token_cache import CachedEncoder
-from connector.tokenizer import ChatTokenizer
 from router.request import (
     CHAT,
     COMPLETIONS,
@@ -23,6 +21,8 @@ from router.request import (
     session_key,
     without_router_fields,
 )
+from shared.token_cache import CachedEncoder
+from shared.tokenizer import ChatTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router import procs
+from localrun import processes as procs
 from tests.http_client import call
 from tests.procs import ROOT, TEST_ENV, Server, free_port, running
 

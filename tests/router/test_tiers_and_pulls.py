@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from connector.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
-from router.dispatch import with_prefix_holders
+from router.forward.dispatch import with_prefix_holders
 from router.kv_events.listener import KVEventApplier
 from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
+from shared.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from tests.http_client import call
 from tests.procs import free_port, running
 
@@ -248,9 +248,9 @@ def test_with_kv_events_only_the_events_say_what_an_answer_left_cached() -> None
     """Recording the answer as well could re-add pages the worker's events already removed
     (a full cache evicts within steps): phantom holders until the TTL."""
 
-    from router.learning import Learner, Served
+    from router.forward.feedback import Learner, Served
+    from router.forward.relay import Outcome
     from router.metrics import RouterMetrics
-    from router.proxy import Outcome
 
     for exact, recorded in ((False, True), (True, False)):
         registry = WorkerRegistry(BreakerConfig())

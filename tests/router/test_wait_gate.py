@@ -11,12 +11,12 @@ from typing import TypeVar, cast
 
 import pytest
 
-from connector.pd_caching import Caching
 from router.admission import Admission, Limits, Refused, retry_after
-from router.dispatch import Colocated, Sender
+from router.forward.dispatch import Colocated, Sender
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, RoundRobin
 from router.workers import BreakerConfig, InFlight, WorkerRegistry, WorkerType
+from shared.pd_caching import Caching
 
 T = TypeVar("T")
 # one second of expected wait per 1,000 queued prompt tokens; running requests cost nothing

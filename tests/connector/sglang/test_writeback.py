@@ -14,7 +14,7 @@ import pytest
 
 from connector.sglang.backend import MemPoolStorage
 from connector.sglang.cpu_paths import Controller
-from router.procs import free_port
+from localrun.processes import free_port
 from tests.connector.sglang.helpers import (
     PAGE,
     create,

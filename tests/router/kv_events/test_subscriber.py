@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from connector.kv_events import KVEventPublisher, KVEventsConfig, publisher_binds
 from router.kv_events.listener import KVEventApplier
 from router.kv_events.subscriber import (
     EventSource,
@@ -22,6 +21,7 @@ from router.kv_events.subscriber import (
 )
 from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
+from shared.kv_events import KVEventPublisher, KVEventsConfig, publisher_binds
 
 URL = "http://10.0.0.7:30001"
 PAGE = 4

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from connector.pd_caching import Caching
-from router.dispatch import Sender
+from router.forward.dispatch import Sender
+from router.forward.feedback import Learner
 from router.pd.strategy import PDSettings, PrefillDecode
 from router.policies import Decision, RoundRobin, RouteRequest
 from router.trees import PromptTrees
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
+from shared.pd_caching import Caching
 
 P, D = WorkerType.PREFILL, WorkerType.DECODE
 
@@ -27,7 +28,8 @@ def cluster(caching: str, pulls: bool = True) -> tuple[PrefillDecode, list[Worke
     for i, w in enumerate(decodes):
         w.agent = Agent(20 + i, "127.0.0.1", 7300 + i, pulls=False)
     trees = PromptTrees(page_size=16)
-    sender: Any = Sender(None, trees, None, None, 30.0, True)  # type: ignore[arg-type]
+    learner: Any = Learner(trees, registry, None, None, True, bool)  # type: ignore[arg-type]
+    sender: Any = Sender(None, learner, None, 30.0)  # type: ignore[arg-type]
     settings = PDSettings(Caching.parse(caching), RoundRobin(), RoundRobin(), pulls)
     return PrefillDecode(settings, registry, sender), prefills + decodes, trees
 

@@ -1,0 +1,240 @@
+"""The router's management routes: health, models, server info, loads, workers added and
+removed, cache flushes, metrics and the OpenAPI document (the inference routes are
+`Router.serve_inference`, reached through router.http_app)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import aiohttp
+
+from router.forward.reply import Whole
+from router.http_server import HttpRequest, Routes, json_reply
+from router.replicas import ReplicatedTrees
+from router.request import RequestError, parse_json_object
+from router.workers import Worker, WorkerType, normalize_url
+
+if TYPE_CHECKING:
+    from router.server import Router
+
+
+class Management:
+    """The management handlers of one router process, over its state."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def routes(self) -> Routes:
+        """Every route but the inference ones (router.http_app serves those first)."""
+        r = Routes()
+        r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/liveness", self.health)
+        r.add("GET", "/readiness", self.readiness)
+        r.add("GET", "/get_model_info", self.first_worker_get)
+        r.add("GET", "/get_server_info", self.server_info)
+        r.add("*", "/flush_cache", self.flush_cache)
+        r.add("GET", "/get_loads", self.loads)
+        r.add("POST", "/workers", self.add_worker)
+        r.add("GET", "/workers", self.list_workers)
+        r.add("GET", "/workers/{url:.+}", self.get_worker)
+        r.add("DELETE", "/workers/{url:.+}", self.delete_worker)
+        r.add("GET", "/metrics", self.metrics_text)
+        r.add("GET", "/openapi.json", self.openapi)
+        return r
+
+    async def health(self, request: HttpRequest) -> Whole:
+        return Whole(200, b"OK", {"content-type": "text/plain; charset=utf-8"})
+
+    async def readiness(self, request: HttpRequest) -> Whole:
+        """Ready when a request could be served: a healthy worker of every kind needed."""
+        missing = [
+            k.value for k in self.router.strategy.kinds() if not self.router.registry.available(k)
+        ]
+        if not missing:
+            return json_reply({"status": "ready"})
+        return Whole.error(503, f"no healthy {' or '.join(missing)} worker")
+
+    async def models(self, request: HttpRequest) -> Whole:
+        return await self.first_worker_get(request)
+
+    async def first_worker_get(self, request: HttpRequest) -> Whole:
+        for worker in self.router.registry.available():
+            try:
+                async with self.router.http().get(
+                    worker.url + request.path, timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
+                    kind = {"content-type": "application/json"}
+                    return Whole(resp.status, await resp.read(), kind)
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+        return Whole.error(503, "no healthy worker")
+
+    def _worker_json(self, w: Worker) -> dict[str, Any]:
+        return {
+            "url": w.url,
+            "type": w.type.value,
+            "healthy": w.healthy,
+            "load": w.load,
+            "in_flight": w.in_flight,
+            "circuit_breaker": w.breaker.name.lower(),
+            "model_id": w.model_id,
+            "bootstrap_port": w.bootstrap_port,
+            "processed": w.processed,
+            "kv_pull": w.can_pull,
+            "serves_pulls": w.agent is not None,
+            "pulls_served_in_flight": w.pulls_served,
+            # its per-token prefill time over the cost model's constant (router.speed; 1.0
+            # until measured), and every coefficient the router fitted
+            "slowness": round(w.speed.slowness, 4),
+            "slowness_samples": w.speed.samples,
+            "speed": w.speed.as_json(),
+        }
+
+    async def server_info(self, request: HttpRequest) -> Whole:
+        return json_reply(
+            {
+                "router": "memserve-router",
+                "policy": self.router.policy.name,
+                "page_size": self.router.trees.page_size,
+                "tree_ttl_secs": self.router.trees.ttl_s,
+                "tree_pages": {t.value: self.router.trees.size(t) for t in WorkerType},
+                "tree_stats": {
+                    "predicted_cached_tokens": self.router.trees.stats.predicted_tokens,
+                    "reported_cached_tokens": self.router.trees.stats.reported_tokens,
+                    "corrections": self.router.trees.stats.corrections,
+                },
+                "tokenizer": None if self.router.encoder is None else self.router.encoder.stats(),
+                "kv_events": self.router.kv_events_info(),
+                "admission": self._admission_info(),
+                "workers": [self._worker_json(w) for w in self.router.registry.workers.values()],
+                "process": self._process_info(),
+                **self._replica_info(),
+            }
+        )
+
+    def _admission_info(self) -> dict[str, Any]:
+        a = self.router.admission
+        return {
+            "max_expected_wait_secs": a.limits.max_expected_wait_s,
+            # this process's share of the router's limits (--processes)
+            "max_concurrent_requests": a.limits.max_concurrent,
+            "rate_limit_per_s": a.limits.rate_per_s,
+            "queue_size": a.limits.queue_size,
+            "queued": a.queued,
+            "holds": dict(a.holds),
+            "refusals": dict(a.refusals),
+        }
+
+    def _process_info(self) -> dict[str, Any]:
+        """Which of the router's processes answered (--processes), and its channel."""
+        out: dict[str, Any] = {"pid": os.getpid(), "index": 0, "count": 1}
+        out["inference_requests"] = self.router.requests_received
+        if self.router.siblings is not None:
+            out.update(
+                self.router.siblings.info(), directory=str(self.router.siblings.config.directory)
+            )
+        return out
+
+    def _replica_info(self) -> dict[str, Any]:
+        """With --redis-url: the replica's state; with it or --processes: the pages each
+        holder holds (two replicas or processes have converged when theirs are equal)."""
+        if not isinstance(self.router.trees, ReplicatedTrees):
+            return {}
+        out: dict[str, Any] = {"tree_holders": self.router.trees.holder_pages()}
+        if self.router.replicator is not None:
+            out["replica"] = self.router.replicator.info()
+        return out
+
+    async def flush_cache(self, request: HttpRequest) -> Whole:
+        """Fan out to every worker; the trees forget everything."""
+
+        async def one(w: Worker) -> tuple[str, int]:
+            try:
+                async with self.router.http().post(
+                    w.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=30)
+                ) as resp:
+                    return w.url, resp.status
+            except (aiohttp.ClientError, TimeoutError):
+                return w.url, 502
+
+        results = dict(
+            await asyncio.gather(*(one(w) for w in self.router.registry.workers.values()))
+        )
+        self.router.trees.clear()
+        ok = all(status == 200 for status in results.values())
+        return json_reply({"flushed": ok, "workers": results}, 200 if ok else 400)
+
+    async def loads(self, request: HttpRequest) -> Whole:
+        return json_reply(
+            {
+                "workers": [
+                    {
+                        "worker": w.url,
+                        "load": w.load,
+                        "in_flight": w.in_flight,
+                        "queued_tokens": w.queued_tokens,
+                        "expected_wait_secs": round(self.router.config.cost.queue_s(w), 6),
+                        "slowness": round(w.speed.slowness, 4),
+                    }
+                    for w in self.router.registry.workers.values()
+                ]
+            }
+        )
+
+    async def add_worker(self, request: HttpRequest) -> Whole:
+        body = parse_json_object(await request.read())
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise RequestError(400, "'url' must be a string like http://host:port")
+        kind = body.get("worker_type", "colocated")
+        try:
+            worker_type = WorkerType("colocated" if kind == "regular" else kind)
+            worker = self.router.registry.add(url, worker_type, body.get("bootstrap_port"))
+        except ValueError as exc:
+            status = 409 if "already" in str(exc) else 400
+            raise RequestError(status, str(exc)) from None
+        if self.router.replicator is not None:
+            self.router.replicator.worker_added(worker)
+        if self.router.siblings is not None:
+            self.router.siblings.worker_added(worker)
+        await self.router.registry.check(worker)
+        await self.router.learn_model(worker)
+        return json_reply(self._worker_json(worker))
+
+    async def list_workers(self, request: HttpRequest) -> Whole:
+        return json_reply(
+            {"workers": [self._worker_json(w) for w in self.router.registry.workers.values()]}
+        )
+
+    def _find(self, request: HttpRequest) -> str:
+        return unquote(request.params["url"])
+
+    async def get_worker(self, request: HttpRequest) -> Whole:
+        try:
+            worker = self.router.registry.workers[normalize_url(self._find(request))]
+        except (KeyError, ValueError):
+            raise RequestError(404, f"no worker {self._find(request)}") from None
+        return json_reply(self._worker_json(worker))
+
+    async def delete_worker(self, request: HttpRequest) -> Whole:
+        try:
+            worker = self.router.registry.remove(self._find(request))
+        except (KeyError, ValueError) as exc:
+            raise RequestError(404, str(exc).strip("'\"")) from None
+        if self.router.replicator is not None:
+            self.router.replicator.worker_removed(worker.url)
+        if self.router.siblings is not None:
+            self.router.siblings.worker_removed(worker.url)
+        return json_reply({"removed": worker.url})
+
+    async def openapi(self, request: HttpRequest) -> Whole:
+        return json_reply(self.router.openapi_document)
+
+    async def metrics_text(self, request: HttpRequest) -> Whole:
+        return Whole(
+            200, self.router.metrics.exposition(), {"content-type": "text/plain; version=0.0.4"}
+        )
