@@ -83,6 +83,19 @@ def shown_path(path: Path | str) -> str:
         return path.name if path.is_absolute() else str(path)
 
 
+def without_home(value: Any) -> Any:
+    """`value` (text, or lists and dicts of it) with this machine's home directory shown as
+    `~`: a server's message may name a file under it (a model's path as its id)."""
+    home = str(Path.home())
+    if isinstance(value, str):
+        return value.replace(home, "~")
+    if isinstance(value, list | tuple):
+        return [without_home(v) for v in value]
+    if isinstance(value, dict):
+        return {k: without_home(v) for k, v in value.items()}
+    return value
+
+
 def shown_command(prefix: str, argv: Sequence[str]) -> str:
     """A command line as results may show it, one a shell runs as it stands: its absolute
     paths as `shown_path` gives them, each word quoted where it needs to be."""
@@ -217,9 +230,15 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def parse_args(argv: Sequence[str] | None, description: str, quick_help: str) -> argparse.Namespace:
-    """The flags every benchmark takes: `--out DIR` (required) and `--quick`."""
-    parser = argparse.ArgumentParser(description=description)
+def parse_args(
+    argv: Sequence[str] | None,
+    description: str,
+    quick_help: str,
+    parents: Sequence[argparse.ArgumentParser] = (),
+) -> argparse.Namespace:
+    """The flags every benchmark takes: `--out DIR` (required) and `--quick`; a benchmark's
+    own flags come in `parents` (parsers made with add_help=False)."""
+    parser = argparse.ArgumentParser(description=description, parents=list(parents))
     parser.add_argument("--out", type=Path, required=True, help="directory for the results")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     return parser.parse_args(argv)
@@ -239,16 +258,20 @@ def benchmark_main(
     argv: Sequence[str] | None,
     name: str,
     doc: str | None,
-    run: Callable[[Path, bool], dict[str, Any]],
+    run: Callable[..., dict[str, Any]],
     quick_help: str,
     summary_end: str = "\n## Notes",
+    extra: argparse.ArgumentParser | None = None,
 ) -> int:
     """`python -m benchmarks.<name> --out DIR [--quick]`: run, then print where the files
-    went and the Markdown page up to `summary_end` (the headline tables)."""
-    args = parse_args(argv, (doc or name).splitlines()[0], quick_help)
+    went and the Markdown page up to `summary_end` (the headline tables). `extra`: the
+    benchmark's own flags (add_help=False), passed to `run` by their dest names."""
+    parents = [extra] if extra is not None else []
+    args = parse_args(argv, (doc or name).splitlines()[0], quick_help, parents)
+    own = {a.dest: getattr(args, a.dest) for a in extra._actions} if extra is not None else {}
     stop_children_on_terminate()
     started = time.perf_counter()
-    figures = run(args.out, args.quick)
+    figures = run(args.out, args.quick, **own)
     wall = time.perf_counter() - started
     print(f"{name}: {figures['mode']} run, {wall:.1f} s including the plot -> {args.out}")
     print((args.out / f"{name}.md").read_text().split(summary_end)[0])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -51,6 +50,10 @@ from localrun.processes import Server, start_all
 
 
 def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any]:
+    if before is not None:
+        before = before.resolve()
+        if not (before / "router" / "__main__.py").is_file():
+            raise SystemExit(f"--before {before}: no router/__main__.py there")
     settings = QUICK if quick else FULL
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
@@ -166,18 +169,17 @@ def _median(values: Sequence[float] | None) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The shared `--out DIR [--quick]`, and `--before DIR`: also run the router from DIR (a
-    worktree of an earlier commit, e.g. `git worktree add ../before HEAD~1`) beside this
-    one, for a before/after in the same run."""
+    """The shared `--out DIR [--quick]`, and `--before DIR`."""
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--before", type=Path, default=None)
-    known, rest = extra.parse_known_args(argv)
-    before = known.before.resolve() if known.before is not None else None
-    if before is not None and not (before / "router" / "__main__.py").is_file():
-        raise SystemExit(f"--before {known.before}: no router/__main__.py there")
+    extra.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also run the router from DIR (a worktree of an earlier commit, e.g. `git "
+        "worktree add ../before HEAD~1`) beside this one: a before/after in the same run",
+    )
     quick = "fewer requests, shorter rps runs"
-    bound = functools.partial(run, before=before)
-    return benchmark_main(rest, NAME, package.__doc__, bound, quick)
+    return benchmark_main(argv, NAME, package.__doc__, run, quick, extra=extra)
 
 
 if __name__ == "__main__":

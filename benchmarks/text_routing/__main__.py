@@ -32,7 +32,7 @@ from benchmarks.text_routing.cells import (
     served_model,
     start_router,
 )
-from benchmarks.text_routing.documents import DOCUMENTS, SEED
+from benchmarks.text_routing.documents import DOCUMENTS, SEED, prompt
 from benchmarks.text_routing.report import write
 
 NAME = "text_routing"
@@ -51,6 +51,16 @@ FULL_TOKENS = {
 }
 # Quick: one document the router misses today and one it predicts, small.
 QUICK_TOKENS = {"chinese": 1_500, "english_prose": 1_000}
+
+
+def common_prefix(sequences: Sequence[Sequence[int]]) -> int:
+    """How many leading ids every sequence shares."""
+    n = 0
+    for column in zip(*sequences, strict=False):
+        if any(v != column[0] for v in column):
+            break
+        n += 1
+    return n
 
 
 def default_out(policy: str, quick: bool, tokenizer_dir: Path | None) -> Path:
@@ -91,6 +101,14 @@ def run(
             "title": DOCUMENTS[key].title,
             "source": DOCUMENTS[key].source,
             "tokens": len(tokenizer.encode(text, False)),
+            # what the three prompts share (the document and the questions' common start):
+            # no worker can report more of a later prompt as cached
+            "shared_tokens": common_prefix(
+                [
+                    tokenizer.encode(prompt(text, DOCUMENTS[key].language, i), False)
+                    for i in range(REQUESTS)
+                ]
+            ),
             "characters": len(text),
         }
         for key, text in texts.items()
@@ -114,7 +132,7 @@ def run(
                     cluster.flush()
                     router = start_router(policy, cluster, log_dir, f"{policy}-{key}-{route}")
                     try:
-                        cell = Cell(key, doc["title"], route, doc["tokens"])
+                        cell = Cell(key, doc["title"], route, doc["tokens"], doc["shared_tokens"])
                         document = DOCUMENTS[key]
                         run_cell(
                             router,

@@ -156,6 +156,7 @@ class Cell:
     title: str
     route: str
     document_tokens: int
+    shared_tokens: int  # the prompts' common start: at most this much can be cached
     requests: list[RequestRecord] = field(default_factory=list)
 
     @property

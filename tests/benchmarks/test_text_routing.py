@@ -86,14 +86,15 @@ def test_every_request_is_recorded(figures: dict[str, Any]) -> None:
 
 def test_a_cold_start_then_cached(figures: dict[str, Any]) -> None:
     """Flushed workers and a new router per cell: nothing predicted or cached for the first
-    request; the document is cached for the second and third."""
+    request; the document is cached for the second and third, never more than the prompts
+    share (the document and the start of the questions)."""
     for cell in figures["cells"]:
         first, *later = cell["requests"]
         assert first["predicted_hit"] is False, cell
         assert first["cached_tokens"] == 0, cell
         for r in later:
             assert r["cached_tokens"] > 0, (cell["document"], cell["route"], r)
-            assert r["cached_tokens"] <= cell["document_tokens"], r
+            assert r["cached_tokens"] <= cell["shared_tokens"], r
 
 
 def test_the_page_has_the_table_and_no_machine_paths(
