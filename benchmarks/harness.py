@@ -83,17 +83,11 @@ def shown_path(path: Path | str) -> str:
         return path.name if path.is_absolute() else str(path)
 
 
-def without_home(value: Any) -> Any:
-    """`value` (text, or lists and dicts of it) with this machine's home directory shown as
-    `~`: a server's message may name a file under it (a model's path as its id)."""
-    home = str(Path.home())
-    if isinstance(value, str):
-        return value.replace(home, "~")
-    if isinstance(value, list | tuple):
-        return [without_home(v) for v in value]
-    if isinstance(value, dict):
-        return {k: without_home(v) for k, v in value.items()}
-    return value
+def without_home(text: str) -> str:
+    """`text` with this machine's home directory shown as `~`: a server's message in a
+    result may name a file under it (a model's path as its id)."""
+    home = str(Path.home()) + os.sep
+    return text.replace(home, "~" + os.sep)
 
 
 def shown_command(prefix: str, argv: Sequence[str]) -> str:
@@ -181,7 +175,7 @@ def write_results(
     facts = machine or machine_facts()
     payload = jsonable({**figures, "machine": facts})
     json_path = out_dir / f"{name}.json"
-    json_path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    json_path.write_text(without_home(json.dumps(payload, indent=2, sort_keys=True) + "\n"))
 
     parts = [f"# {title}", ""]
     if table_rows is not None:
@@ -191,7 +185,7 @@ def write_results(
         parts += ["## Notes", "", *(f"- {note}" for note in notes), ""]
     parts += ["## Machine", "", *(f"- {k}: {format_cell(v)}" for k, v in facts.items()), ""]
     md_path = out_dir / (page or f"{name}.md")
-    md_path.write_text("\n".join(parts))
+    md_path.write_text(without_home("\n".join(parts)))
     return json_path, md_path
 
 
@@ -268,7 +262,7 @@ def benchmark_main(
     benchmark's own flags (add_help=False), passed to `run` by their dest names."""
     parents = [extra] if extra is not None else []
     args = parse_args(argv, (doc or name).splitlines()[0], quick_help, parents)
-    own = {a.dest: getattr(args, a.dest) for a in extra._actions} if extra is not None else {}
+    own = {k: v for k, v in vars(args).items() if k not in ("out", "quick")}
     stop_children_on_terminate()
     started = time.perf_counter()
     figures = run(args.out, args.quick, **own)
