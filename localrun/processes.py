@@ -30,6 +30,7 @@ STOP_TIMEOUT_S = 10.0
 
 PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 FIRST_PICKED_PORT = 20000  # below the kernel's ephemeral range on every usual setting
+PORT_RANGE_ENV = "MEMSERVE_PORT_RANGE"
 _picked_ports: set[int] = set()
 _port_random = random.SystemRandom()  # not the module's: forked children share its state
 
@@ -43,10 +44,10 @@ def free_port() -> int:
     source ports, so any connection made meanwhile could take it; this picks at random
     below that range instead, and falls back to the kernel's pick where there is no room.
     """
-    low = ephemeral_ports()[0]
-    if low - FIRST_PICKED_PORT >= 1000:
+    first, low = picked_range()
+    if low - first >= 1000:
         for _ in range(100):
-            port = _port_random.randrange(FIRST_PICKED_PORT, low)
+            port = _port_random.randrange(first, low)
             if port not in _picked_ports and can_bind(port):
                 _picked_ports.add(port)
                 return port
@@ -58,6 +59,17 @@ def free_port() -> int:
             _picked_ports.add(port)
             return port
     raise RuntimeError("no free loopback port: 200 picks were all taken")
+
+
+def picked_range() -> tuple[int, int]:
+    """Where `free_port` picks: below the ephemeral range, or the slice `MEMSERVE_PORT_RANGE`
+    (`LOW-HIGH`) names, so that test runs side by side (pytest-xdist's workers, and the
+    processes each starts) never pick the same port."""
+    named = os.environ.get(PORT_RANGE_ENV, "")
+    if named:
+        low, _, high = named.partition("-")
+        return int(low), int(high)
+    return FIRST_PICKED_PORT, ephemeral_ports()[0]
 
 
 def ephemeral_ports() -> tuple[int, int]:

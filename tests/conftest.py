@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +12,19 @@ import pytest
 
 from localrun import processes as procs
 from localrun.processes import free_port, stop_process
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker picks its servers' ports in a slice of its own (its
+    children inherit it through the environment), so two tests side by side never start two
+    servers on one port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and count > 1:
+        first, end = procs.picked_range()
+        size = (end - first) // count
+        low = first + int(worker[2:]) * size
+        os.environ[procs.PORT_RANGE_ENV] = f"{low}-{low + size}"
 
 
 @pytest.fixture(scope="session")

@@ -150,18 +150,18 @@ class Preset:
 def quick_preset(trace: Path) -> Preset:
     return Preset(
         trace=TraceReplay(
-            trace, sessions=40, rate=6.0, max_input_tokens=16384, max_output_tokens=64
+            trace, sessions=20, rate=8.0, max_input_tokens=16384, max_output_tokens=32
         ),
         trace_time_scale=1.0,
-        mrqa=MultiRoundQA(users=8, rounds=3, history_tokens=2000, qps=4.0, requests=36),
+        mrqa=MultiRoundQA(users=6, rounds=3, history_tokens=2000, qps=6.0, requests=24),
         extra={},
         main_systems=QUICK_SYSTEMS,
         extra_systems=(),
         sweep_rates=(8.0,),
         sweep_systems=(RouterSpec(OURS, "prompt_tree"), RouterSpec(SGLANG_ROUTER, "round_robin")),
-        share=LooGLELike(documents=5, questions=3, doc_tokens=3000, rate=4.0),
+        share=LooGLELike(documents=3, questions=2, doc_tokens=3000, rate=6.0),
         share_ratios=(1, 3),
-        pd_workload=ShareGPTLike(sessions=10, mean_turns=4, max_turns=5, rate=4.0),
+        pd_workload=ShareGPTLike(sessions=6, mean_turns=3, max_turns=4, rate=6.0),
         pd_clusters=("1P1D basic", "1P1D caching-3"),
         pd_peers=(),
         no_cache=("multi_round_qa",),

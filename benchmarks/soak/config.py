@@ -11,6 +11,8 @@ from pathlib import Path
 from benchmarks.harness import REPO_ROOT
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "soak"
+# The committed run's load, and the quick one the tests run.
+FULL_MINUTES, FULL_RPS, QUICK_MINUTES = 10.0, 4.0, 0.5
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,14 @@ def fraction(text: str) -> float:
 
 def parse_args(argv: Sequence[str] | None, description: str) -> Config:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=description)
-    p.add_argument("--minutes", type=positive(float, "minutes of load"), required=True)
-    p.add_argument("--rps", type=positive(float, "requests per second"), required=True)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    p.add_argument(
+        "--minutes",
+        type=positive(float, "minutes of load"),
+        help=f"default {FULL_MINUTES:g} (--quick: {QUICK_MINUTES:g})",
+    )
+    p.add_argument("--rps", type=positive(float, "requests per second"), default=FULL_RPS)
+    p.add_argument("--quick", action="store_true", help="half a minute of load (the tests')")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="default benchmarks/results/soak")
     p.add_argument("--pd", action="store_true", help="one prefill + one decode worker")
     p.add_argument("--workers", type=positive(int, "colocated workers"), default=Config.workers)
     p.add_argument(
@@ -108,10 +115,12 @@ def parse_args(argv: Sequence[str] | None, description: str) -> Config:
         help="an RSS slope above this after warm-up is not flat (default %(default)s MiB/min)",
     )
     a = p.parse_args(argv)
+    if a.quick and a.minutes is not None:
+        p.error("--quick and --minutes: the quick run is half a minute; give one of them")
     if a.time_scale < 0 or not math.isfinite(a.time_scale):
         p.error(f"argument --time-scale: must be >= 0, got {a.time_scale}")
     return Config(
-        minutes=a.minutes,
+        minutes=a.minutes or (QUICK_MINUTES if a.quick else FULL_MINUTES),
         rps=a.rps,
         out=a.out,
         pd=a.pd,

@@ -35,7 +35,7 @@ WORKERS = 3
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("soak")
-    done = benchmark("soak", out, "--minutes", "0.5", "--rps", "4", timeout=150)
+    done = benchmark("soak", out, "--quick", timeout=150)
     assert done.returncode == 0, f"soak failed:\n{done.stdout}\n{done.stderr[-5000:]}"
     assert "unexpected errors" in done.stdout
     return out
@@ -114,7 +114,7 @@ def test_latency_per_window(figures: dict[str, Any]) -> None:
         (["--minutes", "1", "--rps", "-1"], "--rps: must be > 0"),
         (["--minutes", "soon", "--rps", "4"], "--minutes: expected minutes"),
         (["--minutes", "1", "--rps", "nan"], "--rps: must be > 0"),
-        (["--rps", "4"], "--minutes"),
+        (["--minutes", "1", "--quick"], "--quick and --minutes"),
         (["--minutes", "1", "--rps", "4", "--warmup-fraction", "1"], "--warmup-fraction"),
     ],
 )

@@ -71,3 +71,11 @@ def test_a_server_can_bind_the_port_it_is_handed() -> None:
         s.listen()
         with socket.create_connection(s.getsockname(), timeout=5):
             pass
+
+
+def test_a_named_slice_keeps_every_pick_inside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEMSERVE_PORT_RANGE: test runs side by side (xdist workers) pick in disjoint slices."""
+    low = procs.FIRST_PICKED_PORT + 3000
+    monkeypatch.setenv(procs.PORT_RANGE_ENV, f"{low}-{low + 1500}")
+    ports = [free_port() for _ in range(100)]
+    assert all(low <= p < low + 1500 for p in ports), ports

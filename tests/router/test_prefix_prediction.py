@@ -104,9 +104,12 @@ def _served(cluster: Cluster, route: str, text: str) -> tuple[int, str, int]:
     deadline = time.monotonic() + 5
     while True:  # the router learns from the answer a few milliseconds after it
         after = _counts(cluster)
-        if after["reported"] > before["reported"] or time.monotonic() > deadline:
-            break
-        if _reported(route, answer) == 0 and after["answers"] > before["answers"]:
+        learned = after["reported"] > before["reported"] or (
+            _reported(route, answer) == 0 and after["answers"] > before["answers"]
+        )
+        # and counts the request out of its worker's load: a holder still busy with it may be
+        # passed over for an idle worker when it holds only a page or two
+        if (learned and not after["load"]) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     served = [w for w in cluster.workers if after[w] > before[w]]
@@ -121,14 +124,17 @@ def _counts(cluster: Cluster) -> dict[str, float]:
         "predicted": metric(text, "memserve_router_predicted_cached_tokens_total"),
         "reported": metric(text, "memserve_router_reported_cached_tokens_total"),
         "answers": sum(_worker_count(text, w) for w in cluster.workers),
+        "load": sum(_worker_count(text, w, "sgl_router_worker_load") for w in cluster.workers),
     }
     for w in cluster.workers:
         out[w] = _worker_count(text, w)
     return out
 
 
-def _worker_count(text: str, worker: str) -> float:
-    label = f'sgl_router_processed_requests_total{{worker="{worker}"}} '
+def _worker_count(
+    text: str, worker: str, name: str = "sgl_router_processed_requests_total"
+) -> float:
+    label = f'{name}{{worker="{worker}"}} '
     lines = [ln for ln in text.splitlines() if ln.startswith(label)]
     return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
