@@ -23,7 +23,7 @@ warm-up" against a stated threshold, and each worker's MemPool accounting (block
 blocks indexed, none pinned) once the load has stopped.
 
 Modules: `config` (the command line), `workload` (sessions and request bodies), `load` (the
-open-loop client and its records), `sampler` (RSS and gauges), `cluster` (the processes and
+open-loop load, sent through `benchmarks.load`), `sampler` (RSS and gauges), `cluster` (the processes and
 the final MemPool check), `analysis` (records to figures), `report` and `plots` (the files),
 `__main__` (the run).
 """
