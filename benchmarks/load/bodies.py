@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from typing import Any
 
 import msgspec
@@ -46,3 +48,9 @@ def body(
     if user is not None:
         out["user"] = user
     return _encode(out)
+
+
+def served_model(url: str) -> str:
+    """The model a server serves (its /v1/models), as bodies name it (peers require it)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return str(json.load(resp)["data"][0]["id"])

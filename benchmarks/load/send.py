@@ -202,3 +202,16 @@ def http_session(timeout_s: float) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
     )
+
+
+def send_now(url: str, data: bytes, record: Record, timeout_s: float = 120) -> Record:
+    """`send` from synchronous code, one request at a time; RuntimeError unless answered."""
+
+    async def one() -> None:
+        async with http_session(timeout_s) as http:
+            await send(http, url, data, record)
+
+    asyncio.run(one())
+    if not record.ok:
+        raise RuntimeError(f"{url}{record.path}: {record.problem}")
+    return record

@@ -14,12 +14,12 @@ from rich.progress import Progress, TaskID
 
 from benchmarks.harness import run_async
 from benchmarks.harness import step as advance
+from benchmarks.load.bodies import served_model
 from benchmarks.load.causal import run_workload
 from benchmarks.load.record import Record
 from benchmarks.multiturn.cluster import (
     Cluster,
     RouterSpec,
-    model_name,
     scrape,
     start_router,
     sync_events,
@@ -71,7 +71,7 @@ def execute(ctx: Context, prepare: Prepare | None = None) -> list[dict[str, Any]
         try:
             cluster.start()
             advance(ctx.progress, boot)
-            model = model_name(cluster.workers[0].url)
+            model = served_model(cluster.workers[0].url)
             info = cluster.server_info()[0]
             floor = Floor.of_worker(info)
             if prepare is not None:

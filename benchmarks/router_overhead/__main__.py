@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +14,7 @@ from typing import Any
 
 import benchmarks.router_overhead as package
 from benchmarks.harness import benchmark_main, progress_bar, run_async, shown_path, step
-from benchmarks.load.bodies import CHAT, body
+from benchmarks.load.bodies import CHAT, body, served_model
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
 from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
@@ -159,12 +157,6 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     write(out_dir, figures, settings)
     plot(out_dir / f"{NAME}.png", figures)
     return figures
-
-
-def served_model(url: str) -> str:
-    """The model a worker serves (its /v1/models), as requests name it."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
-        return str(json.load(resp)["data"][0]["id"])
 
 
 def _median(values: Sequence[float] | None) -> float | None:
