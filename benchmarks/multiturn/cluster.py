@@ -552,9 +552,3 @@ def scrape(url: str) -> dict[str, float]:
     for bare, total in totals.items():
         out.setdefault(bare, total)
     return out
-
-
-def model_name(url: str) -> str:
-    """The served model id, which the peers require in every body."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
-        return str(json.load(resp)["data"][0]["id"])

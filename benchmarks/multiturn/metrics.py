@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness import percentile
-from benchmarks.multiturn.client import Outcome
+from benchmarks.load.record import Record
 
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
@@ -24,14 +24,14 @@ def stats(prefix: str, samples: Sequence[float]) -> dict[str, float | None]:
 
 
 def summarize(
-    outcomes: Sequence[Outcome],
+    outcomes: Sequence[Record],
     oracle: Sequence[int | None],
     oracle_lengths: Sequence[int | None],
     wall_s: float,
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
-    jct = [o.jct_s for o in ok if o.jct_s is not None]
+    jct = [o.e2e_s for o in ok if o.e2e_s is not None]
     tpot = [t for o in ok if (t := o.tpot_s) is not None]
     prompt = sum(o.prompt_tokens for o in ok)
     cached = sum(o.cached_tokens for o in ok)
@@ -50,7 +50,7 @@ def summarize(
         "requests": len(outcomes),
         "completed": len(ok),
         "errors": len(outcomes) - len(ok),
-        "error_samples": sorted({o.error for o in outcomes if o.error})[:5],
+        "error_samples": sorted({p for o in outcomes if (p := o.problem)})[:5],
         # tries refused with 429 and sent again (TTFT and JCT count from the first try)
         "retries_429": sum(o.retries_429 for o in outcomes),
         **stats("ttft", ttft),
@@ -73,7 +73,7 @@ def summarize(
     return out
 
 
-def split(ok: Sequence[Outcome]) -> dict[str, Any]:
+def split(ok: Sequence[Record]) -> dict[str, Any]:
     """Where the prompt tokens of answered requests came from: this instance's device tier,
     its host tier, a peer (pulled), or recomputed; and of the device and host ones, those on
     pages a decode wrote back (`written_back`, PD-Caching-3; shared only where the workers
@@ -105,14 +105,14 @@ def split(ok: Sequence[Outcome]) -> dict[str, Any]:
     return out
 
 
-def active_span(outcomes: Sequence[Outcome], wall_s: float) -> float:
+def active_span(outcomes: Sequence[Record], wall_s: float) -> float:
     """From the first send to the last answer's end (`wall_s` if nothing was answered)."""
     sent = [o.sent_s for o in outcomes if o.sent_s is not None]
-    ends = [o.sent_s + o.jct_s for o in outcomes if o.sent_s is not None and o.jct_s is not None]
+    ends = [o.sent_s + o.e2e_s for o in outcomes if o.sent_s is not None and o.e2e_s is not None]
     return (max(ends) - min(sent)) if ends and sent else wall_s
 
 
-def tail(ok: Sequence[Outcome], fraction: float = 0.05) -> list[dict[str, Any]]:
+def tail(ok: Sequence[Record], fraction: float = 0.05) -> list[dict[str, Any]]:
     """The slowest `fraction` of requests by TTFT (at least 2): what the p99 is made of."""
     timed = sorted((o for o in ok if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0))
     n = max(2, math.ceil(len(timed) * fraction))

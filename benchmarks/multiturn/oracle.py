@@ -20,7 +20,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.multiturn.client import Outcome
+from benchmarks.load.record import Record
 from benchmarks.multiturn.workloads import CHAT, Request
 from router.policies import reusable
 
@@ -113,7 +113,7 @@ def held_pages(cache: Container[int], keys: Sequence[int]) -> int:
     return n
 
 
-def prompt_ids(tokenizer: Any, request: Request, outcome: Outcome) -> list[int] | None:
+def prompt_ids(tokenizer: Any, request: Request, outcome: Record) -> list[int] | None:
     """The prompt's token ids as the worker computes them."""
     if request.route != CHAT:
         return list(request.prompt_ids or [])
@@ -136,7 +136,7 @@ class Replay:
 def replay(
     tokenizer: Any,
     requests: Sequence[Request],
-    outcomes: Sequence[Outcome],
+    outcomes: Sequence[Record],
     lru: LruCaches | None = None,
 ) -> Replay:
     """The requests replayed in the order they were sent into one infinite cache, and into
@@ -165,7 +165,7 @@ def replay(
 
 
 def _cached_sequences(
-    tokenizer: Any, request: Request, outcome: Outcome, ids: list[int]
+    tokenizer: Any, request: Request, outcome: Record, ids: list[int]
 ) -> Iterable[list[int]]:
     yield ids
     if not outcome.answer:

@@ -14,11 +14,12 @@ from rich.progress import Progress, TaskID
 
 from benchmarks.harness import run_async
 from benchmarks.harness import step as advance
-from benchmarks.multiturn.client import Outcome, run_workload
+from benchmarks.load.bodies import served_model
+from benchmarks.load.causal import run_workload
+from benchmarks.load.record import Record
 from benchmarks.multiturn.cluster import (
     Cluster,
     RouterSpec,
-    model_name,
     scrape,
     start_router,
     sync_events,
@@ -70,7 +71,7 @@ def execute(ctx: Context, prepare: Prepare | None = None) -> list[dict[str, Any]
         try:
             cluster.start()
             advance(ctx.progress, boot)
-            model = model_name(cluster.workers[0].url)
+            model = served_model(cluster.workers[0].url)
             info = cluster.server_info()[0]
             floor = Floor.of_worker(info)
             if prepare is not None:
@@ -159,7 +160,7 @@ def run_one(
     client_cpu = time.process_time()
     last_refresh = [0.0]
 
-    def on_done(_: Outcome) -> None:
+    def on_done(_: Record) -> None:
         ctx.progress.advance(task)
         now = time.monotonic()
         if now - last_refresh[0] > 0.5:
@@ -193,15 +194,15 @@ def run_one(
     lru = None
     if capacity and not cluster.spec.hicache_ratio:
         lru = LruCaches(servers, int(capacity))
-    oracle = replay(ctx.encoder, workload.requests, result.outcomes, lru)
+    oracle = replay(ctx.encoder, workload.requests, result.records, lru)
     hits, lengths = oracle.hits, oracle.lengths
-    warmups = [o for o in result.outcomes if workload.requests[o.rid].warmup]
-    measured = [o for o in result.outcomes if not workload.requests[o.rid].warmup]
+    warmups = [o for o in result.records if workload.requests[o.rid].warmup]
+    measured = [o for o in result.records if not workload.requests[o.rid].warmup]
     record.update(summarize(measured, hits, lengths, result.wall_s))
     answered = [o.rid for o in measured if o.ok]
     record.update(floor.stats(hits, lengths, answered))
     sent: list[float | None] = [None] * len(workload.requests)
-    for o in result.outcomes:
+    for o in result.records:
         sent[o.rid] = o.sent_s
     record.update(queued_floor_stats(floor, hits, lengths, sent, answered, servers))
     if oracle.lru_hits is not None:
@@ -211,7 +212,7 @@ def run_one(
     record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
     record["kv_pulled_bytes"] = record["tiers"].get("pulled_bytes", 0.0)
     if warmups:  # a failed warm-up is a failure like any other (the targets say so)
-        failed = [o.error for o in warmups if not o.ok]
+        failed = [o.problem for o in warmups if not o.ok]
         record["warmup_requests"], record["warmup_errors"] = len(warmups), len(failed)
         record["warmup_retries_429"] = sum(o.retries_429 for o in warmups)
         record["error_samples"] = sorted({*record["error_samples"], *failed})[:5]
@@ -226,7 +227,7 @@ def run_one(
     record["retracted"] = sum(w.get("retracted", 0.0) for w in record["per_worker"])
     record["engine_aborts"] = sum(w.get("aborted", 0.0) for w in record["per_worker"])
     record["router_decisions"] = decisions(router_metrics)
-    span = active_span(result.outcomes, result.wall_s)  # warm-ups kept the GPUs busy too
+    span = active_span(result.records, result.wall_s)  # warm-ups kept the GPUs busy too
     record["gpu_busy_s"] = busy
     record["worker_roles"] = [w.role for w in cluster.workers]
     if step.samples:  # every measured TTFT, for distributions (CDFs)

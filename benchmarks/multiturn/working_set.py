@@ -15,17 +15,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.multiturn.client import Outcome, messages_for
+from benchmarks.load.causal import messages_for
+from benchmarks.load.record import Record
 from benchmarks.multiturn.oracle import PAGE, Replay, page_keys, replay
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import CHAT, Request, Workload
 
 
-def planned_outcomes(workload: Workload, vocab: Vocab) -> list[Outcome]:
+def planned_outcomes(workload: Workload, vocab: Vocab) -> list[Record]:
     """Outcomes as the run will produce them: sent at the planned times, each answer
     `max_tokens` words long, each chat carrying its parent's history and answer."""
     requests = workload.requests
-    outcomes = [Outcome(r.rid, r.session, r.turn) for r in requests]
+    outcomes = [Record(r.rid, r.session, r.turn) for r in requests]
     for request in sorted(requests, key=lambda r: (r.turn, r.at_s, r.rid)):  # parents first
         outcome = outcomes[request.rid]
         outcome.sent_s = request.at_s

@@ -14,12 +14,12 @@ from typing import Any
 
 from benchmarks.harness import step as advance
 from benchmarks.harness import stop_children_on_terminate
+from benchmarks.load.bodies import served_model
 from benchmarks.multiturn.__main__ import Session
 from benchmarks.multiturn.cluster import (
     Cluster,
     ClusterSpec,
     RouterSpec,
-    model_name,
     scaled_cost_args,
 )
 from benchmarks.multiturn.floor import Floor
@@ -129,7 +129,7 @@ class Ramp:
             info = cluster.server_info()[0]
             bench = Bench(
                 cluster,
-                model_name(cluster.workers[0].url),
+                served_model(cluster.workers[0].url),
                 Floor.of_worker(info),
                 s.log_dir,
                 s.progress,

@@ -13,13 +13,13 @@ from typing import Any
 from rich.progress import Progress
 
 from benchmarks.harness import run_async
-from benchmarks.multiturn.client import Outcome, Retry429, run_workload
+from benchmarks.load.causal import run_workload
+from benchmarks.load.record import Record
+from benchmarks.load.retry import NO_RETRY
 from benchmarks.multiturn.cluster import Cluster, RouterSpec, scrape, start_router
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.overload.slo import OK, Sample, figures, longest_waits, status_of
-
-NO_RETRY = Retry429(max_retries=0)  # a 429 is a refused request: the ramp never retries
 
 
 @dataclass
@@ -33,15 +33,15 @@ class Bench:
     progress: Progress
 
 
-def samples_of(outcomes: Sequence[Outcome], floors: Sequence[float], floor: Floor) -> list[Sample]:
+def samples_of(outcomes: Sequence[Record], floors: Sequence[float], floor: Floor) -> list[Sample]:
     """The client's outcomes as the figures' samples (by rid, floors in rid order)."""
     out = []
     for o in outcomes:
-        status = status_of(o.error)
+        status = status_of(o.outcome)
         own = None
         if status == OK and o.prompt_tokens:
             own = floor.ttft_s(o.prompt_tokens, o.cached_tokens)
-        end = None if o.sent_s is None or o.jct_s is None or status != OK else o.sent_s + o.jct_s
+        end = None if o.sent_s is None or o.e2e_s is None or status != OK else o.sent_s + o.e2e_s
         out.append(
             Sample(
                 status,
@@ -75,7 +75,7 @@ def run_one(
     bench.progress.refresh()
     last = [0.0]
 
-    def on_done(_: Outcome) -> None:
+    def on_done(_: Record) -> None:
         bench.progress.advance(task)
         if (now := time.monotonic()) - last[0] > 0.5:
             last[0] = now
@@ -94,7 +94,7 @@ def run_one(
         bench.progress.refresh()
     after = cluster.worker_counters()
     busy = sum(cluster.busy_seconds()) - sum(busy_before)
-    samples = samples_of(result.outcomes, floors, bench.floor)
+    samples = samples_of(result.records, floors, bench.floor)
     record: dict[str, Any] = {
         "system": system.name,
         "router": system.router,
@@ -103,7 +103,7 @@ def run_one(
         "seed": workload.params["seed"],
         **figures(samples, deadline_s),
         "longest_waits": longest_waits(samples),
-        "error_samples": sorted({o.error for o in result.outcomes if o.error})[:3],
+        "error_samples": sorted({p for o in result.records if (p := o.problem)})[:3],
         "router_admission": admission(metrics),
         # our trees' predicted cached tokens against what the workers reported: a queue
         # estimate counts only the tokens it expects a worker to compute

@@ -60,11 +60,11 @@ def slo_s(floor_s: float, deadline_s: float) -> float:
     return floor_s + deadline_s
 
 
-def status_of(error: str | None) -> str:
-    """A client error string as a status: the client says `HTTP 429` for a refusal."""
-    if error is None:
+def status_of(outcome: str) -> str:
+    """A request's outcome (`benchmarks.load.record`) as a status: `http_429` is a refusal."""
+    if outcome == "ok":
         return OK
-    return REFUSED if error.startswith("HTTP 429") else ERROR
+    return REFUSED if outcome == "http_429" else ERROR
 
 
 def span_s(samples: Sequence[Sample]) -> float | None:

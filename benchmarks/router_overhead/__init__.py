@@ -26,7 +26,7 @@ and the tokenizer's own cost (ChatTokenizer.encode_chat; CachedEncoder cold and 
 Targets are reported, never asserted: the machines these run on are shared and noisy.
 
 Modules: `settings` (sizes, workloads, targets), `text` (the chats), `systems` (the
-processes), `client` and `phases` (the HTTP measurements), `in_process` (tokenizer and
+processes), `phases` (the HTTP measurements, through `benchmarks.load`), `in_process` (tokenizer and
 decision time), `figures` and `targets` (from samples to results), `report` and `plots` (the
 files), `__main__` (the run).
 """

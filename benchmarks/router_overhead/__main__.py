@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import Any
 
 import benchmarks.router_overhead as package
 from benchmarks.harness import benchmark_main, progress_bar, run_async, shown_path, step
+from benchmarks.load.bodies import CHAT, body, served_model
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
 from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
@@ -42,7 +41,6 @@ from benchmarks.router_overhead.systems import (
 from benchmarks.router_overhead.targets import targets
 from benchmarks.router_overhead.text import (
     SYSTEM_PROMPT,
-    chat_body,
     make_conversation,
     small_prompts,
 )
@@ -75,23 +73,26 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
             # tokenizers library warns when a process that used its thread pool forks.
             tokenizer = ChatTokenizer(model_dir)
             model = served_model(workers[0].url)
-            probe = chat_body(small_prompts(1)[0], 1, model)
+            probe = body(CHAT, small_prompts(1)[0], 1, model=model)
             start_systems(systems, probe)
             step(progress, boot)
 
             build = progress.add_task("build workloads", total=settings.conversations + 2)
             small = [
-                chat_body(m, SMALL_MAX_TOKENS, model)
+                body(CHAT, m, SMALL_MAX_TOKENS, model=model)
                 for m in small_prompts(settings.small_requests)
             ]
-            rps_payloads = [chat_body(m, RPS_MAX_TOKENS, model) for m in small_prompts(512)]
+            rps_payloads = [body(CHAT, m, RPS_MAX_TOKENS, model=model) for m in small_prompts(512)]
             step(progress, build)
             conversations = []
             for i in range(settings.conversations):
                 conversations.append(make_conversation(tokenizer, i, settings.turns))
                 step(progress, build)
             warm_conv = make_conversation(tokenizer, 999_999, 2)
-            warmup = (small[:5], [chat_body(m, SMALL_MAX_TOKENS, model) for m in warm_conv.turns])
+            warmup = (
+                small[:5],
+                [body(CHAT, m, SMALL_MAX_TOKENS, model=model) for m in warm_conv.turns],
+            )
             step(progress, build)
 
             run_async(
@@ -156,12 +157,6 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     write(out_dir, figures, settings)
     plot(out_dir / f"{NAME}.png", figures)
     return figures
-
-
-def served_model(url: str) -> str:
-    """The model a worker serves (its /v1/models), as requests name it."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
-        return str(json.load(resp)["data"][0]["id"])
 
 
 def _median(values: Sequence[float] | None) -> float | None:

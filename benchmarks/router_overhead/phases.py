@@ -3,24 +3,58 @@ interleaved request by request) and maximum requests/s (N clients, slices interl
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 
 import aiohttp
 from rich.progress import Progress
 
 from benchmarks.harness import step
-from benchmarks.router_overhead.client import flush_workers, max_rps, timed_chat, timed_post
+from benchmarks.load.bodies import CHAT, COMPLETIONS, body
+from benchmarks.load.closed_loop import Window, closed_loop
+from benchmarks.load.record import Record
+from benchmarks.load.send import http_session, send
 from benchmarks.router_overhead.cpu import tree_cpu_s
 from benchmarks.router_overhead.figures import p50_p99
-from benchmarks.router_overhead.settings import CHAT, COMPLETIONS, SMALL_MAX_TOKENS, Settings
+from benchmarks.router_overhead.settings import SMALL_MAX_TOKENS, Settings
 from benchmarks.router_overhead.systems import System
-from benchmarks.router_overhead.text import (
-    Conversation,
-    chat_body,
-    shared_text_prompts,
-    text_body,
-)
+from benchmarks.router_overhead.text import Conversation, shared_text_prompts
 from localrun.processes import Server
+
+
+async def timed(session: aiohttp.ClientSession, url: str, path: str, data: bytes) -> Record:
+    """One request, not streamed: its time and usage when it was answered."""
+    record = Record(path=path)
+    await send(session, url, data, record)
+    return record
+
+
+async def flush_workers(session: aiohttp.ClientSession, workers: list[Server]) -> None:
+    """Every system starts a chunk from the same (empty) worker caches."""
+    for w in workers:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.post(w.url + "/flush_cache") as resp:
+                await resp.read()
+
+
+async def max_rps(
+    urls: list[str],
+    payloads: list[bytes],
+    settings: Settings,
+    duration_s: float,
+    cpu_s: Callable[[], float] | None,
+) -> Window:
+    """`settings.concurrency` clients sending chats to `urls` in turn, closed loop."""
+    async with http_session(60) as session:
+
+        async def one(i: int) -> bool:
+            record = await timed(session, urls[i % len(urls)], CHAT, payloads[i % len(payloads)])
+            return record.ok
+
+        return await closed_loop(
+            one, settings.concurrency, settings.rps_warmup_s, duration_s, cpu_s
+        )
 
 
 async def latency_phase(
@@ -37,22 +71,20 @@ async def latency_phase(
     conversation, goes through every system in turn, in a rotated order), so a change in the
     machine's speed hits every system alike and each sample pairs with the baseline's."""
     live = [s for s in systems if s.available]
-    timeout = aiohttp.ClientTimeout(total=120)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with http_session(120) as session:
         warm = progress.add_task("warm-up", total=len(live))
         for s in live:
-            for body in warmup[0] + warmup[1]:
-                await timed_post(session, s.url + CHAT, body)
+            for data in warmup[0] + warmup[1]:
+                await timed(session, s.url, CHAT, data)
             step(progress, warm)
         small_task = progress.add_task("latency: small chat", total=len(small) * len(live))
         conv_requests = sum(len(c.turns) for c in conversations)
         conv_task = progress.add_task(
             "latency: 8K chats (cold, turns)", total=conv_requests * len(live)
         )
-        for i, body in enumerate(small):  # one request per system, in a rotated order
+        for i, data in enumerate(small):  # one request per system, in a rotated order
             for s in live[i % len(live) :] + live[: i % len(live)]:
-                s.record("small", *await timed_post(session, s.url + CHAT, body))
+                s.record("small", await timed(session, s.url, CHAT, data))
             progress.advance(small_task, len(live))
             if i % 20 == 0:
                 progress.refresh()
@@ -65,9 +97,10 @@ async def latency_phase(
                         question = conv.turns[turn][-1]
                         reply = {"role": "assistant", "content": answer}
                         messages = [*messages, reply, question]
-                    body = chat_body(messages, SMALL_MAX_TOKENS, model)
-                    seconds, usage, answer = await timed_chat(session, s.url + CHAT, body)
-                    s.record("cold_8k" if turn == 0 else "multi_turn", seconds, usage)
+                    data = body(CHAT, messages, SMALL_MAX_TOKENS, model=model)
+                    record = await timed(session, s.url, CHAT, data)
+                    s.record("cold_8k" if turn == 0 else "multi_turn", record)
+                    answer = record.answer
                 progress.advance(conv_task, len(conv.turns))
             progress.refresh()
         text_task = progress.add_task(
@@ -75,12 +108,13 @@ async def latency_phase(
         )
         for c, conv in enumerate(conversations):  # the second of two sharing a document
             first, second = (
-                text_body(p, SMALL_MAX_TOKENS, model) for p in shared_text_prompts(conv)
+                body(COMPLETIONS, p, SMALL_MAX_TOKENS, model=model)
+                for p in shared_text_prompts(conv)
             )
             for s in live[c % len(live) :] + live[: c % len(live)]:
                 await flush_workers(session, workers)
-                await timed_post(session, s.url + COMPLETIONS, first)
-                s.record("shared_text", *await timed_post(session, s.url + COMPLETIONS, second))
+                await timed(session, s.url, COMPLETIONS, first)
+                s.record("shared_text", await timed(session, s.url, COMPLETIONS, second))
                 step(progress, text_task)
         await flush_workers(session, workers)
 
@@ -105,13 +139,11 @@ async def rps_phase(
         for s in live[k % len(live) :] + live[: k % len(live)]:
             server = s.server
             probe = functools.partial(tree_cpu_s, server.proc.pid) if server else None
-            done, failed, used = await max_rps(
-                s.rps_urls, small, settings.concurrency, settings.rps_warmup_s, per_slice, probe
-            )
-            latencies[s.name] += done
-            errors[s.name] += failed
-            per[s.name].append(len(done) / per_slice)
-            so_far = cpu[s.name]
+            window = await max_rps(s.rps_urls, small, settings, per_slice, probe)
+            latencies[s.name] += window.latencies
+            errors[s.name] += window.errors
+            per[s.name].append(len(window.latencies) / per_slice)
+            so_far, used = cpu[s.name], window.cpu_s
             cpu[s.name] = None if used is None or so_far is None else so_far + used
             step(progress, task)
     for s in live:

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 NAME = "router_overhead"
 SEED = 20240623
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 PEER_PACKAGE = "sglang-router"
 PEER_MODULE = "sglang_router"
 

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
+from benchmarks.load.bodies import CHAT
+from benchmarks.load.record import Record
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG, PeerStatus, peer_command
-from benchmarks.router_overhead.settings import CHAT, CORE_COUNTS
+from benchmarks.router_overhead.settings import CORE_COUNTS
 from localrun.processes import (
     Launch,
     Server,
@@ -85,18 +87,16 @@ class System:
     prompt_tokens: dict[str, list[int]] = field(default_factory=dict)
     rps: dict[str, Any] | None = None
 
-    def record(self, workload: str, seconds: float | None, usage: dict[str, Any] | None) -> None:
-        self.samples.setdefault(workload, []).append(seconds)
-        if seconds is None:
+    def record(self, workload: str, request: Record) -> None:
+        """One timed request: its seconds (None: an error) and its cached share."""
+        self.samples.setdefault(workload, []).append(request.e2e_s if request.ok else None)
+        if not request.ok:
             self.errors[workload] = self.errors.get(workload, 0) + 1
             return
-        if usage:
-            prompt = int(usage.get("prompt_tokens") or 0)
-            details = usage.get("prompt_tokens_details") or {}
-            cached = int(details.get("cached_tokens") or 0)
-            self.prompt_tokens.setdefault(workload, []).append(prompt)
-            if prompt:
-                self.cached.setdefault(workload, []).append(cached / prompt)
+        prompt = request.prompt_tokens
+        self.prompt_tokens.setdefault(workload, []).append(prompt)
+        if prompt:
+            self.cached.setdefault(workload, []).append(request.cached_tokens / prompt)
 
 
 def cpu_sets() -> list[list[int]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -113,22 +112,6 @@ def small_prompts(n: int) -> list[list[dict[str, str]]]:
         words = text.rng.choices(WORDS, k=16)
         out.append([{"role": "user", "content": f"Question {i}: " + " ".join(words) + "?"}])
     return out
-
-
-def chat_body(messages: list[dict[str, str]], max_tokens: int, model: str | None = None) -> bytes:
-    """A chat request's body; `model`: the workers' model name (smg refuses requests that
-    name none)."""
-    return _body({"messages": messages}, max_tokens, model)
-
-
-def text_body(prompt: str, max_tokens: int, model: str | None = None) -> bytes:
-    """A /v1/completions request's body (a text prompt)."""
-    return _body({"prompt": prompt}, max_tokens, model)
-
-
-def _body(prompt: dict[str, Any], max_tokens: int, model: str | None) -> bytes:
-    body = {**prompt, "max_tokens": max_tokens, "temperature": 0}
-    return json.dumps(body if model is None else {"model": model, **body}).encode()
 
 
 def shared_text_prompts(conversation: Conversation) -> tuple[str, str]:

@@ -22,8 +22,8 @@ and at the end with its least-squares slope after warm-up, the verdict "memory f
 warm-up" against a stated threshold, and each worker's MemPool accounting (blocks used ==
 blocks indexed, none pinned) once the load has stopped.
 
-Modules: `config` (the command line), `workload` (sessions and request bodies), `load` (the
-open-loop client and its records), `sampler` (RSS and gauges), `cluster` (the processes and
-the final MemPool check), `analysis` (records to figures), `report` and `plots` (the files),
-`__main__` (the run).
+Modules: `config` (the command line), `workload` (sessions and their prompts), `load` (the
+open-loop load, sent through `benchmarks.load`), `sampler` (RSS and gauges), `cluster` (the
+processes and the final MemPool check), `analysis` (records to figures), `report` and
+`plots` (the files), `__main__` (the run).
 """

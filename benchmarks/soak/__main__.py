@@ -18,10 +18,11 @@ from typing import Any
 
 import benchmarks.soak as package
 from benchmarks.harness import progress_bar, run_async, shown_path
+from benchmarks.load.record import Record
 from benchmarks.soak import analysis
 from benchmarks.soak.cluster import POLICY, Running, mempool_accounting, start
 from benchmarks.soak.config import Config, parse_args
-from benchmarks.soak.load import LoadResult, Record, run_load
+from benchmarks.soak.load import LoadResult, run_load
 from benchmarks.soak.plots import plot
 from benchmarks.soak.report import NAME, write
 from benchmarks.soak.sampler import Proc, Sample, Sampler
@@ -36,7 +37,7 @@ class Tally:
 
     def add(self, record: Record) -> None:
         self.done += 1
-        self.errors += record.error
+        self.errors += record.failed
 
 
 async def soak(
@@ -111,7 +112,7 @@ def figures(
                 g.get("aborted", 0) for g in (samples[-1].gauges if samples else {}).values()
             ),
         },
-        "unexpected_errors": sum(1 for r in records if r.error),
+        "unexpected_errors": sum(1 for r in records if r.failed),
         "errors": errors,
         "latency": analysis.latency(records),
         "windows": windows,

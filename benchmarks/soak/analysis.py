@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness import percentile
-from benchmarks.soak.load import EXPECTED, Record
+from benchmarks.load.record import EXPECTED, Record
 from benchmarks.soak.sampler import Proc, Sample
 
 MAX_ERRORS_KEPT = 50
@@ -27,7 +27,7 @@ def latency(records: Sequence[Record]) -> dict[str, Any]:
     ttft = [r.ttft_s for r in done if r.stream and r.ttft_s is not None]
     return {
         "answers": len(done),
-        "errors": sum(1 for r in records if r.error),
+        "errors": sum(1 for r in records if r.failed),
         "e2e_p50_ms": ms(e2e, 0.5),
         "e2e_p99_ms": ms(e2e, 0.99),
         "ttft_p50_ms": ms(ttft, 0.5),
@@ -40,7 +40,7 @@ def windows(records: Sequence[Record], window_s: float, duration_s: float) -> li
     count = max(1, math.ceil(duration_s / window_s))
     buckets: list[list[Record]] = [[] for _ in range(count)]
     for r in records:
-        buckets[min(count - 1, int(r.t // window_s))].append(r)
+        buckets[min(count - 1, int((r.sent_s or 0.0) // window_s))].append(r)
     out = []
     for i, bucket in enumerate(buckets):
         row = {
@@ -54,32 +54,41 @@ def windows(records: Sequence[Record], window_s: float, duration_s: float) -> li
 def outcomes(records: Sequence[Record]) -> list[dict[str, Any]]:
     counts = Counter(r.outcome for r in records)
     return [
-        {"outcome": kind, "count": n, "expected": kind == "ok" or kind in EXPECTED}
+        {"outcome": kind, "count": n, "expected": kind in EXPECTED}
         for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     ]
 
 
 def error_list(records: Sequence[Record]) -> list[dict[str, Any]]:
     """The unexpected errors (the first MAX_ERRORS_KEPT), each with its status and body."""
-    keep = ("t", "api", "stream", "kind", "session", "turn", "outcome", "status", "body")
-    return [{k: getattr(r, k) for k in keep} for r in records if r.error][:MAX_ERRORS_KEPT]
+    failed = [r for r in records if r.failed][:MAX_ERRORS_KEPT]
+    return [
+        dict(
+            t=r.sent_s,
+            api=r.path,
+            stream=r.stream,
+            kind=r.kind,
+            session=r.session,
+            turn=r.turn,
+            outcome=r.outcome,
+            status=r.status,
+            body=r.detail,
+        )
+        for r in failed
+    ]
 
 
 def mix(records: Sequence[Record]) -> dict[str, int]:
     counts = Counter(
-        "bad" if r.kind == "bad" else f"{r.api} {'stream' if r.stream else 'whole'}"
+        "bad" if r.kind == "bad" else f"{r.path} {'stream' if r.stream else 'whole'}"
         for r in records
     )
     return dict(sorted(counts.items()))
 
 
 def cache_share(records: Sequence[Record]) -> float | None:
-    """Cached share of prompt tokens over the answers that reported both."""
-    pairs = [
-        (r.prompt_tokens, r.cached_tokens)
-        for r in records
-        if r.prompt_tokens is not None and r.cached_tokens is not None
-    ]
+    """Cached share of prompt tokens over the complete answers (0 where not reported)."""
+    pairs = [(r.prompt_tokens, r.cached_tokens) for r in records if r.ok]
     total = sum(p for p, _ in pairs)
     return round(sum(c for _, c in pairs) / total, 4) if total else None
 

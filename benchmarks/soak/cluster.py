@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.load.bodies import served_model
 from benchmarks.multiturn.cluster import (
     Cluster,
     ClusterSpec,
     RouterSpec,
     RunningRouter,
-    model_name,
     start_router,
 )
 from benchmarks.peers import OURS
@@ -82,7 +82,7 @@ def start(config: Config, model_dir: Path, log_dir: Path) -> Running:
     cluster = Cluster.create(cluster_spec(config), model_dir, log_dir, None)
     cluster.start()
     try:
-        model = model_name(cluster.workers[0].url)
+        model = served_model(cluster.workers[0].url)
         router = start_router(RouterSpec(OURS, POLICY), cluster, log_dir, model)
     except BaseException:
         cluster.stop()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any
+
+from benchmarks.load.bodies import CHAT, GENERATE
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -37,8 +38,6 @@ WORDS = _WORDS.split()
 
 SYSTEM_PROMPTS = 6  # shared system prompts: sessions reuse each other's prefixes
 MAX_HISTORY_WORDS = 700  # about 1,000 tokens with the template: fits a 2,048-token device KV
-CHAT = "/v1/chat/completions"
-GENERATE = "/generate"
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -78,28 +77,15 @@ class Session:
         self.turns_left -= 1
         self.turn += 1
 
-    def body(self, stream: bool, max_tokens: int) -> dict[str, Any]:
+    def prompt(self) -> list[dict[str, str]] | str:
+        """What the next turn sends: the chat, or for /generate the chat as plain text."""
         if self.api == CHAT:
-            messages = [{"role": "system", "content": self.system}, *self.messages]
-            return {
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": stream,
-            }
-        text = (
-            self.system
-            + "\n"
-            + "".join(
-                f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n"
-                for m in self.messages
-            )
+            return [{"role": "system", "content": self.system}, *self.messages]
+        turns = "".join(
+            f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n"
+            for m in self.messages
         )
-        return {
-            "text": text + "Assistant:",
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
-            "stream": stream,
-        }
+        return f"{self.system}\n{turns}Assistant:"
 
 
 @dataclass(frozen=True)

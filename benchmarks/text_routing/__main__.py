@@ -22,6 +22,7 @@ from benchmarks.harness import (
     step,
     stop_children_on_terminate,
 )
+from benchmarks.load.bodies import served_model
 from benchmarks.text_routing.cells import (
     REQUESTS,
     ROUTES,
@@ -29,7 +30,6 @@ from benchmarks.text_routing.cells import (
     Cell,
     make_cluster,
     run_cell,
-    served_model,
     start_router,
 )
 from benchmarks.text_routing.documents import DOCUMENTS, SEED, prompt

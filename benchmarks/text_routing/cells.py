@@ -4,14 +4,15 @@ of a fresh router, its /metrics read before and after every request."""
 from __future__ import annotations
 
 import functools
-import json
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.load.bodies import COMPLETIONS, GENERATE, body
+from benchmarks.load.record import Record
+from benchmarks.load.send import send_now
 from benchmarks.multiturn.cluster import (
     Cluster,
     ClusterSpec,
@@ -24,10 +25,8 @@ from benchmarks.multiturn.cluster import (
 )
 from benchmarks.peers import OURS
 from benchmarks.text_routing.documents import prompt
-from localrun.processes import JSON_HEADERS, free_port, http_ok, wait_until
+from localrun.processes import free_port, http_ok, wait_until
 
-COMPLETIONS = "/v1/completions"
-GENERATE = "/generate"
 ROUTES = (COMPLETIONS, GENERATE)
 REQUESTS = 3  # per cell: the same document, three questions
 MAX_NEW_TOKENS = 4
@@ -48,36 +47,6 @@ def make_cluster(model_dir: Path, log_dir: Path) -> Cluster:
     return Cluster.create(ClusterSpec("text_routing", colocated=WORKERS), model_dir, log_dir, None)
 
 
-def served_model(url: str) -> str:
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
-        return str(json.load(resp)["data"][0]["id"])
-
-
-def body(route: str, text: str, model: str) -> dict[str, Any]:
-    if route == COMPLETIONS:
-        return {"model": model, "prompt": text, "max_tokens": MAX_NEW_TOKENS, "temperature": 0}
-    return {"text": text, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}}
-
-
-def post(url: str, payload: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(payload).encode(), JSON_HEADERS)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        answer = json.load(resp)
-    if not isinstance(answer, dict):
-        raise RuntimeError(f"{url}: not a JSON object: {answer!r:.200}")
-    return answer
-
-
-def reported(route: str, answer: dict[str, Any]) -> tuple[int, int]:
-    """(prompt tokens, cached tokens) as the worker reported them."""
-    if route == COMPLETIONS:
-        usage = answer.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
-    meta = answer.get("meta_info") or {}
-    return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
-
-
 def start_router(
     policy: str, cluster: Cluster, log_dir: Path, tag: str, timeout_s: float = 90
 ) -> RunningRouter:
@@ -88,7 +57,7 @@ def start_router(
     port = free_port()
     log = log_dir / f"router-{slug(tag)}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
-    probe = json.dumps(body(GENERATE, "ping", "")).encode()
+    probe = body(GENERATE, "ping", MAX_NEW_TOKENS)
     ready = functools.partial(http_ok, server.url + GENERATE, probe, timeout=10)
     why = wait_until(server, ready, timeout_s)
     if why is not None:
@@ -193,10 +162,9 @@ def run_cell(
     learns = policy in TOKEN_POLICIES
     for i in range(REQUESTS):
         before = scrape(url + "/metrics")
-        started = time.perf_counter()
-        answer = post(url + cell.route, body(cell.route, prompt(text, language, i), model))
-        latency = time.perf_counter() - started
-        prompt_tokens, cached = reported(cell.route, answer)
+        data = body(cell.route, prompt(text, language, i), MAX_NEW_TOKENS, model=model)
+        answer = send_now(url, data, Record(path=cell.route))
+        prompt_tokens, cached = answer.prompt_tokens, answer.cached_tokens
         after = settled(url, before, learns, cached)
         served = grew(before, after, PROCESSED)
         reasons = grew(before, after, EVENTS)
@@ -213,7 +181,7 @@ def run_cell(
                 worker=workers.index(served[0]) + 1 if served and served[0] in workers else None,
                 predicted_cached_tokens=delta(before, after, PREDICTED) if learns else None,
                 router_reported_cached_tokens=delta(before, after, REPORTED) if learns else None,
-                latency_s=round(latency, 4),
+                latency_s=round(answer.e2e_s or 0.0, 4),
             )
         )
         step()

@@ -601,45 +601,6 @@ def test_paired_ratios_and_targets_from_runs() -> None:
     assert failed[prefix + "p99_vs_floor"]["met"] is False  # cache_aware is not involved
 
 
-def test_client_reads_both_apis() -> None:
-    """SGLang's /generate chunks (cumulative text, meta_info with the split) and OpenAI's
-    (deltas, usage in the last chunk); an answer without counts is an error."""
-    from benchmarks.multiturn.client import Outcome, Stream
-
-    sglang = Stream()
-    assert not sglang.take({"text": "", "output_ids": [], "meta_info": {}}, chat=False)
-    assert sglang.take({"text": " a", "output_ids": [5], "meta_info": {}}, chat=False)
-    meta = {
-        "prompt_tokens": 100,
-        "completion_tokens": 2,
-        "cached_tokens": 48,
-        "cached_tokens_details": {"device": 32, "host": 16},
-        "pulled_tokens": 32,
-    }
-    assert sglang.take({"text": " a b", "output_ids": [5, 6], "meta_info": meta}, chat=False)
-    outcome = Outcome(0, "s", 0)
-    assert sglang.finish(outcome) is None and sglang.answer() == " a b"
-    assert (outcome.device_tokens, outcome.host_tokens, outcome.pulled_tokens) == (32, 16, 32)
-    assert (outcome.prompt_tokens, outcome.cached_tokens) == (100, 48)
-
-    openai = Stream()
-    assert openai.take({"choices": [{"delta": {"content": "hi"}}]}, chat=True)
-    details = {"cached_tokens": 0, "pulled_tokens": 0}
-    usage: dict[str, Any] = {"prompt_tokens": 10, "completion_tokens": 1}
-    usage["prompt_tokens_details"] = details
-    openai.take({"choices": [], "usage": usage}, chat=True)
-    plain = Outcome(1, "s", 0)
-    assert openai.finish(plain) is None and openai.answer() == "hi"
-    assert (plain.device_tokens, plain.pulled_tokens) == (None, 0)  # tiers not said
-    assert Stream().finish(Outcome(2, "s", 0)) == "no usage in the stream"
-    aborted = Stream()
-    abort = {"type": "abort", "message": "out of KV cache memory"}
-    aborted.take(
-        {"text": " a", "output_ids": [5], "meta_info": {**meta, "finish_reason": abort}}, chat=False
-    )
-    assert aborted.finish(Outcome(3, "s", 0)) == "aborted by the engine: out of KV cache memory"
-
-
 def test_scrape_sums_a_metric_over_its_labels() -> None:
     """A worker splits sglang:cached_tokens_total by cache_source: the bare name must be the
     total over the sources (it was the last sample read), the labelled samples kept."""

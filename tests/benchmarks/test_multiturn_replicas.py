@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec, model_name, sync_events
+from benchmarks.load.bodies import served_model
+from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec, sync_events
 from benchmarks.multiturn.plan import TWO_REPLICAS, make_plan
 from benchmarks.multiturn.replicas import (
     LAG,
@@ -323,7 +324,7 @@ def test_replicated_system_shares_trees_and_stops_everything(
     )
     cluster.start()
     try:
-        model = model_name(cluster.workers[0].url)
+        model = served_model(cluster.workers[0].url)
         system = start_replicated(TWO_REPLICAS, cluster, tmp_path, model)
         try:
             assert len(system.replicas) == 2 and [h.name for h in system.helpers] == ["redis"]

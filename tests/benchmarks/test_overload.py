@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.multiturn.client import RunResult, run_workload
+from benchmarks.load.causal import RunResult, run_workload
+from benchmarks.load.retry import NO_RETRY
 from benchmarks.multiturn.cluster import scaled_cost_args
 from benchmarks.multiturn.workloads import COMPLETION, Request
 from benchmarks.overload import calibrate
@@ -26,7 +27,6 @@ from benchmarks.overload.preset import (
     Calibration,
     systems,
 )
-from benchmarks.overload.runner import NO_RETRY
 from benchmarks.overload.slo import ERROR, OK, REFUSED, Sample, figures, status_of, steady_rps
 from benchmarks.overload.targets import (
     Workers,
@@ -37,7 +37,7 @@ from benchmarks.overload.targets import (
 from benchmarks.overload.workload import Pool, step_workload
 from router.policies import CostModel
 from tests.benchmarks.runs import PNG_MAGIC, finite, quick_results
-from tests.benchmarks.test_multiturn_client import Refusing, chat_workload, serving
+from tests.benchmarks.test_load import Refusing, chat_workload, serving
 
 out_dir, results = quick_results("overload", timeout=300, json_name="results")
 
@@ -120,10 +120,10 @@ def test_wait_slo_and_statuses() -> None:
     assert s.good(deadline_s=2.5)  # SLO: floor 0.5 + D 2.5 = 3.0
     assert not s.good(deadline_s=2.49)
     assert sample(REFUSED).wait_s is None and not sample(REFUSED).good(10.0)
-    assert status_of(None) == OK
-    assert status_of('HTTP 429: {"message": "queue full"}') == REFUSED
-    assert status_of("HTTP 503: no workers") == ERROR
-    assert status_of("ClientError: reset") == ERROR
+    assert status_of("ok") == OK
+    assert status_of("http_429") == REFUSED
+    assert status_of("http_503") == ERROR
+    assert status_of("connection") == ERROR
 
 
 def test_figures_of_a_run() -> None:
@@ -308,11 +308,11 @@ def test_a_turn_whose_previous_turn_was_refused_is_still_sent(orphans: bool) -> 
                 url, workload, "m", timeout_s=10, retry=NO_RETRY, orphans=orphans
             )
 
-    first, second = asyncio.run(scenario()).outcomes
-    assert first.error is not None and first.error.startswith("HTTP 429")
+    first, second = asyncio.run(scenario()).records
+    assert first.outcome == "http_429"
     if orphans:
         assert "s0/1" in handler.tries  # sent, without the refused turn's messages
-        assert second.error is not None and second.error.startswith("HTTP 429")
+        assert second.outcome == "http_429"
     else:
         assert "s0/1" not in handler.tries
-        assert second.error == "not sent: its previous turn failed"
+        assert second.problem == "not_sent: its previous turn failed"
