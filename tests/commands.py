@@ -206,8 +206,9 @@ MODULE_FLAGS: dict[str, Callable[[], set[str]]] = {
 }
 
 
-# Modules whose first argument is a subcommand with flags of its own (`mkdocs build`).
-SUBCOMMANDS = {"mkdocs"}
+# Modules whose first argument is a subcommand with flags of its own (`mkdocs build`,
+# `python -m benchmarks overload`).
+SUBCOMMANDS = {"mkdocs", "benchmarks"}
 
 
 def flags_of_module(module: str, args: tuple[str, ...] = ()) -> set[str]:

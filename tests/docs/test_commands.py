@@ -48,15 +48,15 @@ def test_the_docs_show_the_commands_they_are_about() -> None:
         "connector.worker",
         "mempool",
         "sglang.launch_server",
-        "benchmarks.multiturn",
-        "benchmarks.reliability",
-        "benchmarks.soak",
+        "benchmarks",
         "scripts/serve.sh",
         "scripts/test.sh",
         "deploy/pd-local.sh",
         "deploy/replicas-local.py",
     ):
         assert expected in targets, f"no {expected} command found in the docs"
+    suites = {c.args[0] for _, c in all_shown() if c.target == "benchmarks" and c.args}
+    assert {"multiturn", "capacity", "reliability", "soak", "router-overhead"} <= suites
 
 
 def test_an_unknown_flag_is_caught() -> None:
@@ -68,6 +68,7 @@ PORT=31000 bash scripts/serve.sh --polcy cost
 python3 deploy/replicas-local.py --routers 2 -- --kv-events-subscrbe
 python -m connector.worker --backend sim --kv-event-config '{}' && curl -s x
 python -m benchmarks.soak --minutes 1 --rps 4 --pds
+python -m benchmarks overload --quick --seedz 2
 ```
 """
     found = {c.target: unknown_flags(c) for c in commands(shell_blocks(text))}
@@ -80,3 +81,4 @@ python -m benchmarks.soak --minutes 1 --rps 4 --pds
     ]
     assert found["connector.worker"] == ["--kv-event-config (not a flag of connector.worker)"]
     assert found["benchmarks.soak"] == ["--pds (not a flag of benchmarks.soak)"]
+    assert found["benchmarks"] == ["--seedz (not a flag of benchmarks)"]
