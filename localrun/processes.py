@@ -1,8 +1,7 @@
 """Servers as child processes on free loopback ports: start, wait until ready, stop by pid.
 
 One module for every place that runs our servers or the peers' as real processes: the
-router's local workers, the benchmarks and the tests. It lives in `router/` because the
-router itself uses it (`local_cluster`), and the benchmarks and tests sit above the router.
+router's local workers (`localrun.cluster`), the benchmarks and the tests.
 Nothing started here listens beyond 127.0.0.1.
 """
 

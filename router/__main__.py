@@ -19,7 +19,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from localrun.cluster import LocalCluster
+from localrun.cluster import Cluster, ClusterSpec
 from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
@@ -572,10 +572,17 @@ def main(argv: list[str] | None = None) -> None:
     cluster = None
     urls = list(args.worker_urls)
     if not urls and not args.prefill and not args.decode:
-        cluster = LocalCluster(
-            args.local_workers, args.local_backend, ["--page-size", str(args.page_size)]
+        spec = ClusterSpec(
+            "local",
+            colocated=args.local_workers,
+            backend=args.local_backend,
+            worker_args=("--page-size", str(args.page_size)),
         )
-        urls = cluster.start()
+        cluster = Cluster.create(spec, model_dir=None, log_dir=None)
+        try:
+            urls = cluster.start(timeout_s=300)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from exc
     if count > 1:
         try:
             sys.exit(supervise([*raw, "--worker-urls", *urls] if cluster else raw, count))

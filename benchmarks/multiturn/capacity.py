@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.harness import REPO_ROOT
-from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.plan import Plan, Step, rate_of
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
 from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
 from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+from localrun.cluster import ClusterSpec
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn.capacity import Features
-from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.paired import (
     Config,
@@ -44,6 +44,7 @@ from benchmarks.multiturn.trace import OpenLoopTrace
 from benchmarks.multiturn.working_set import Sizing, hot_set_tokens
 from benchmarks.multiturn.workloads import OPENAI, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+from localrun.cluster import ClusterSpec
 
 HOT_PREFIX = "hot-prefix"
 HOT_PREFIX_QUICK = "hot-prefix-quick"

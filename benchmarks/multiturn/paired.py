@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.harness import step as advance
 from benchmarks.multiturn.capacity import Prebuilt
-from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.runner import Context, execute, run_one
@@ -27,6 +27,7 @@ from benchmarks.multiturn.sustained import Calibration, Search, at_rate, calibra
 from benchmarks.multiturn.working_set import estimate
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS
+from localrun.cluster import Cluster, ClusterSpec
 
 # MemServe's names for the caching modes, as the reports show them
 MODE_LABELS = {

@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.multiturn.capacity import CapacityPreset, Features, size_workload
 from benchmarks.multiturn.capacity import full_preset as capacity_full
 from benchmarks.multiturn.capacity import quick_preset as capacity_quick
-from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.paired import (
     MODE_LABELS,
     Config,
@@ -43,6 +43,7 @@ from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.working_set import Sizing
 from benchmarks.multiturn.workloads import SGLANG
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+from localrun.cluster import ClusterSpec
 
 PD = "pd"
 PD_QUICK = "pd-quick"

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
 from benchmarks.multiturn.workloads import LooGLELike, MultiRoundQA, ReActLike, ShareGPTLike
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+from localrun.cluster import ClusterSpec
 
 OUR_POLICIES = (
     "prompt_tree",

@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn.cluster import (
-    Cluster,
     RouterSpec,
     RunningRouter,
     chat_probe,
     launch,
     router_args,
-    scrape,
     slug,
 )
+from localrun.cluster import Cluster, scrape
 from localrun.processes import (
     Server,
     free_port,

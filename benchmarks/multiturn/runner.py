@@ -17,13 +17,7 @@ from benchmarks.harness import step as advance
 from benchmarks.load.bodies import served_model
 from benchmarks.load.causal import run_workload
 from benchmarks.load.record import Record
-from benchmarks.multiturn.cluster import (
-    Cluster,
-    RouterSpec,
-    scrape,
-    start_router,
-    sync_events,
-)
+from benchmarks.multiturn.cluster import RouterSpec, start_router, sync_events
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import LruCaches, replay
@@ -33,6 +27,7 @@ from benchmarks.multiturn.replicas import propagation, replica_metrics, start_re
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS, PeerStatus
+from localrun.cluster import Cluster, scrape
 
 
 @dataclass

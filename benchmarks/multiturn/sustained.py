@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from benchmarks.harness import finite
-from benchmarks.multiturn.cluster import Cluster, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.oracle import Replay
+from localrun.cluster import Cluster
 
 
 def at_rate(builder: Any, rate: float) -> Any:

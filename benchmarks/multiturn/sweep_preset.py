@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from benchmarks.multiturn.capacity import Features
-from benchmarks.multiturn.cluster import ClusterSpec, RouterSpec
+from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.hot_prefix_preset import (
     CACHE_AWARE,
@@ -43,6 +43,7 @@ from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.working_set import Sizing, hot_set_tokens, planned_prompt_ids
 from benchmarks.multiturn.workloads import CHAT, COMPLETION, OPENAI, Workload
+from localrun.cluster import ClusterSpec
 
 SWEEP = "sweep"  # the preset's name; its quick variant is sweep-quick
 INSTANCES = 4

@@ -16,12 +16,7 @@ from benchmarks.harness import step as advance
 from benchmarks.harness import stop_children_on_terminate
 from benchmarks.load.bodies import served_model
 from benchmarks.multiturn.__main__ import Session
-from benchmarks.multiturn.cluster import (
-    Cluster,
-    ClusterSpec,
-    RouterSpec,
-    scaled_cost_args,
-)
+from benchmarks.multiturn.cluster import RouterSpec, scaled_cost_args
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.results import sim_model
 from benchmarks.multiturn.trace import DEFAULT_TRACE
@@ -36,6 +31,7 @@ from benchmarks.overload.workload import (
     step_workload,
 )
 from benchmarks.peers import OURS, SGLANG_ROUTER
+from localrun.cluster import Cluster, ClusterSpec
 
 DEFAULT_OUT = Path("benchmarks/results/overload")
 

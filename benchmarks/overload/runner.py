@@ -16,10 +16,11 @@ from benchmarks.harness import run_async
 from benchmarks.load.causal import run_workload
 from benchmarks.load.record import Record
 from benchmarks.load.retry import NO_RETRY
-from benchmarks.multiturn.cluster import Cluster, RouterSpec, scrape, start_router
+from benchmarks.multiturn.cluster import RouterSpec, start_router
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.overload.slo import OK, Sample, figures, longest_waits, status_of
+from localrun.cluster import Cluster, scrape
 
 
 @dataclass

@@ -4,8 +4,8 @@ machine can move."""
 
 from __future__ import annotations
 
-from benchmarks.multiturn.cluster import cpu_seconds
 from benchmarks.soak.sampler import children
+from localrun.cluster import cpu_seconds
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -1,5 +1,5 @@
-"""The processes (sim workers and our router, from benchmarks.multiturn.cluster) and the
-MemPool accounting check once the load has stopped."""
+"""The processes (sim workers from `localrun.cluster`, our router from
+`benchmarks.multiturn.cluster`) and the MemPool accounting check once the load has stopped."""
 
 from __future__ import annotations
 
@@ -11,16 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load.bodies import served_model
-from benchmarks.multiturn.cluster import (
-    Cluster,
-    ClusterSpec,
-    RouterSpec,
-    RunningRouter,
-    start_router,
-)
+from benchmarks.multiturn.cluster import RouterSpec, RunningRouter, start_router
 from benchmarks.peers import OURS
 from benchmarks.soak.config import Config
 from benchmarks.soak.sampler import Proc, worker_gauges
+from localrun.cluster import Cluster, ClusterSpec
 
 POLICY = "prompt-tree"
 SETTLE_TIMEOUT_S = 30.0

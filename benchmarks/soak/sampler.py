@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.multiturn.cluster import cpu_seconds, scrape
+from localrun.cluster import cpu_seconds, scrape
 
 GAUGE_TIMEOUT_S = 5.0
 

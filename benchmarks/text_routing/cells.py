@@ -13,18 +13,10 @@ from typing import Any
 from benchmarks.load.bodies import COMPLETIONS, GENERATE, body
 from benchmarks.load.record import Record
 from benchmarks.load.send import send_now
-from benchmarks.multiturn.cluster import (
-    Cluster,
-    ClusterSpec,
-    RouterSpec,
-    RunningRouter,
-    launch,
-    router_args,
-    scrape,
-    slug,
-)
+from benchmarks.multiturn.cluster import RouterSpec, RunningRouter, launch, router_args, slug
 from benchmarks.peers import OURS
 from benchmarks.text_routing.documents import prompt
+from localrun.cluster import Cluster, ClusterSpec, scrape
 from localrun.processes import free_port, http_ok, wait_until
 
 ROUTES = (COMPLETIONS, GENERATE)

@@ -607,7 +607,7 @@ def test_scrape_sums_a_metric_over_its_labels() -> None:
     import http.server
     import threading
 
-    from benchmarks.multiturn.cluster import scrape
+    from localrun.cluster import scrape
 
     body = (
         b"# TYPE sglang:cached_tokens_total counter\n"

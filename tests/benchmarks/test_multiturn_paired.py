@@ -327,8 +327,9 @@ def test_paired_targets_are_taken_within_a_seed() -> None:
 
 
 def test_pd_systems_name_their_policies_and_flags() -> None:
-    from benchmarks.multiturn.cluster import Cluster, ClusterSpec, Worker, router_args
+    from benchmarks.multiturn.cluster import router_args
     from benchmarks.multiturn.pd_preset import PD_CACHE_AWARE, PROMPT_TREE
+    from localrun.cluster import Cluster, ClusterSpec, Worker
     from localrun.processes import Launch
 
     assert PD_CACHE_AWARE.name == "sglang-router PD cache_aware/power_of_two"

@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks.load.bodies import served_model
-from benchmarks.multiturn.cluster import Cluster, ClusterSpec, RouterSpec, sync_events
+from benchmarks.multiturn.cluster import RouterSpec, sync_events
 from benchmarks.multiturn.plan import TWO_REPLICAS, make_plan
 from benchmarks.multiturn.replicas import (
     LAG,
@@ -41,6 +41,7 @@ from benchmarks.multiturn.replicas_report import sections, summary
 from benchmarks.multiturn.trace import TraceReplay
 from benchmarks.multiturn.workloads import MultiRoundQA
 from benchmarks.peers import OURS
+from localrun.cluster import Cluster, ClusterSpec
 from localrun.processes import LOOPBACK, Launch, Server, free_port, module_command, wait_until
 
 STREAM_PAUSE_S = 0.6  # between a fake replica's first and last SSE chunk

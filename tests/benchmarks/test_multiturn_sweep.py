@@ -225,7 +225,8 @@ def test_hot_prefix_chats_send_the_same_prefixes_as_messages() -> None:
 def test_a_mixed_cluster_starts_each_worker_at_its_speed(tmp_path: Path) -> None:
     from benchmarks.multiturn import sweep_preset as sp
     from benchmarks.multiturn.capacity import Features
-    from benchmarks.multiturn.cluster import Cluster, ClusterSpec, router_args
+    from benchmarks.multiturn.cluster import router_args
+    from localrun.cluster import Cluster, ClusterSpec
 
     features = Features(host_tier=False, pulls=True, no_pull_router=True, kv_events=False)
     mixed = sp.cluster_spec(sp.Cell("m", "engine", engine=sp.MIXED), 4096, features)
@@ -244,12 +245,12 @@ def test_a_mixed_cluster_starts_each_worker_at_its_speed(tmp_path: Path) -> None
 
 
 def test_cells_that_differ_in_load_share_one_sustained_rate() -> None:
-    from benchmarks.multiturn.cluster import ClusterSpec
     from benchmarks.multiturn.hot_prefix import HotPrefix
     from benchmarks.multiturn.paired import Config, Member, PairedPlan, Rater
     from benchmarks.multiturn.plan import Step
     from benchmarks.multiturn.sustained import Search
     from benchmarks.multiturn.sweep_preset import COST, ROUND_ROBIN
+    from localrun.cluster import ClusterSpec
 
     small = HotPrefix(prefixes=3, prefix_min_tokens=32, prefix_max_tokens=32, requests=5)
 
