@@ -34,6 +34,8 @@ from tests.procs import running
 from tests.tokenizer_families import FAMILIES, shared_start, tokenizer_dir
 
 PAGE = 16
+# Below this many pages of shared prefix, moving to another worker costs next to nothing.
+MOVE_PAGES = 4
 SLACK = PAGE + 4 * MARGIN_CHARS + MARGIN_TOKENS
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -159,8 +161,12 @@ def test_a_shared_start_is_predicted_on_its_holder(
     predicted, worker, reported = _served(cluster, route, b)
     ids_a, ids_b = _ids(cluster.tokenizer, route, a), _ids(cluster.tokenizer, route, b)
     held = min(shared_start(ids_a, ids_b), len(ids_b) - 1) // PAGE * PAGE
-    if held >= PAGE:  # the holder has pages of it: the second request goes there
+    if held >= MOVE_PAGES * PAGE:  # the holder has pages of it: the second request goes there
         assert worker == holder, (predicted, reported, held)
         assert reported == held
+    elif held >= PAGE and worker == holder:
+        assert reported == held
+    # (a page or three of prefix cost less to recompute than the few milliseconds by which
+    # the cost policy may expect one idle worker to answer sooner than the other: it may move)
     assert predicted <= reported + PAGE, (predicted, reported)
     assert predicted >= reported - SLACK, (predicted, reported, route)
