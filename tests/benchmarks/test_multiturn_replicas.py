@@ -354,8 +354,10 @@ def test_replicated_system_shares_trees_and_stops_everything(
     assert cluster.events_dir is not None and not cluster.events_dir.exists()
 
 
-def converse(url: str, model: str, turns: int) -> list[int]:
-    """One causal chat through `url`: each turn's cached tokens."""
+def converse(url: str, model: str, turns: int, think_s: float = 1.0) -> list[int]:
+    """One causal chat through `url`: each turn's cached tokens. The user thinks `think_s`
+    before each next turn: longer than the replicas' propagation delay (its p99 is asserted
+    below 1 s), so the replica that takes a turn has heard where the last one went."""
     messages = [{"role": "user", "content": "tell me about caches " * 60}]
     cached = []
     for i in range(turns):
@@ -368,6 +370,7 @@ def converse(url: str, model: str, turns: int) -> list[int]:
         cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
         answer = out["choices"][0]["message"]["content"]
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"{i}"}]
+        time.sleep(think_s)
     return cached
 
 
