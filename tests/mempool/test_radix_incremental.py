@@ -1,17 +1,17 @@
 """The incremental radix tree against the old whole-tree algorithms, operation by operation.
 
 Random insert/match/lock/unlock/evict/expire/remove_holder/delete/reset sequences run on
-the native `RadixTree` and on `WholeTreeRadix` (the whole-tree code, kept in the tests); every result
-(evicted values in order, pages pruned, matches, holders) and the whole state after every
-step must be identical. The clock advances on every call, so no two evictable leaves share a
-last_access and the LRU order is fully determined. White-box checks then hold the
+the native `RadixTree` and on `WholeTreeRadix` (the whole-tree code, kept in the tests);
+every result (evicted values in order, pages pruned, matches, holders) and the whole state
+after every step must be identical. The clock advances on every call, so no two evictable
+leaves share a last_access and the LRU order is fully determined. White-box checks then hold the
 incremental structures to what they summarise, and assert that eviction, expiry and
 forgetting a holder never walk the whole tree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from itertools import islice
 from typing import Any
 
@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mempool.errors import BlockInUse
 from mempool.radix import RadixTree, TreeNode
+from tests.mempool.radix_model import TreeNode as ModelNode
 from tests.mempool.whole_tree_radix import WholeTreeRadix
 
 PAGE = 2
@@ -39,7 +40,7 @@ class Ticker:
         return self.now
 
 
-def path_of(tree: RadixTree | WholeTreeRadix, node: TreeNode) -> tuple[bytes, ...]:
+def path_of(tree: RadixTree | WholeTreeRadix, node: TreeNode | ModelNode) -> tuple[bytes, ...]:
     """A node's identity across the two trees: the keys from the root down to it."""
     keys = []
     while node != tree.root and node.parent is not None:
@@ -85,7 +86,7 @@ class Differential(RuleBasedStateMachine):
         self.tree = RadixTree(page_size=PAGE, slots_per_page=1, clock=Ticker())
         self.ref = WholeTreeRadix(page_size=PAGE, slots_per_page=1, clock=Ticker())
         self.next_addr = 1
-        self.locks: list[tuple[TreeNode, TreeNode]] = []
+        self.locks: list[tuple[TreeNode, ModelNode]] = []
         self.history: list[list[int]] = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
 
     def draw_tokens(self, data: st.DataObject) -> list[int]:
