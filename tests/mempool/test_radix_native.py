@@ -338,7 +338,7 @@ def test_token_inputs_of_every_int_kind_agree() -> None:
         array("H", [1, 2, 3, 4]),
         array("Q", [1, 2, 3, 4]),
     ):
-        assert tree.match(tokens).num_tokens == 4  # type: ignore[arg-type]
+        assert tree.match(tokens).num_tokens == 4
     assert tree.holders([1, 2, 3, 4, 5]) == {"w": 4}
     assert tree.match([2**32 - 1, 1]).num_tokens == 0  # the largest id is fine
 
@@ -398,7 +398,7 @@ def test_bad_call_arguments_raise() -> None:
     with pytest.raises(ValueError, match="not locked"):
         tree.unlock(node)
     with pytest.raises(TypeError):
-        tree.insert([1, 2], holder=["unhashable"])
+        tree.insert([1, 2], holder=["unhashable"])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         tree.lock("not a node")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_pages"):
