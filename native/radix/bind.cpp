@@ -189,6 +189,28 @@ bool read_int(const Py_buffer& view, char kind, size_t i, T& out, uint64_t max) 
     return true;
 }
 
+// A small non-negative int read straight from its object (the common case: token ids are
+// below 2**30), or false to take the checked path.
+inline bool small_int(PyObject* item, uint64_t& out) {
+    if (!PyLong_CheckExact(item)) return false;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(item))) return false;
+    Py_ssize_t v = PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(item));
+    if (v < 0) return false;
+    out = static_cast<uint64_t>(v);
+    return true;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size == 0) {
+        out = 0;
+        return true;
+    }
+    if (size != 1) return false;
+    out = reinterpret_cast<PyLongObject*>(item)->ob_digit[0];
+    return true;
+#endif
+}
+
 // Token ids as uint32s: read in place from an array('I') (or any 4-byte unsigned buffer),
 // converted with bounds checks from other int buffers, lists, tuples and iterables.
 class Tokens {
@@ -235,6 +257,14 @@ class Tokens {
             scratch.resize(n_);
             for (size_t i = 0; i < n_; i++) {
                 PyObject* item = items[i];
+                uint64_t small;
+                if (small_int(item, small)) {  // < 2**30 (3.11) or compact (3.12+)
+                    if (small > UINT32_MAX) {
+                        raise(g_invalid_request, "token ids must lie in 0..4294967295");
+                    }
+                    scratch[i] = static_cast<uint32_t>(small);
+                    continue;
+                }
                 if (!PyLong_Check(item)) {
                     raise(g_invalid_tokens, "tokens must be a sequence of int token ids: got " +
                                                 type_name(item));
@@ -305,6 +335,11 @@ class Addresses {
         values_.resize(want);
         for (size_t i = 0; i < want; i++) {
             PyObject* item = items[i];
+            uint64_t small;
+            if (small_int(item, small)) {
+                values_[i] = small;
+                continue;
+            }
             if (!PyLong_Check(item)) {
                 raise(g_invalid_tokens,
                       "addresses must be 64-bit unsigned ints: got " + type_name(item));
