@@ -84,30 +84,71 @@ class RadixTree:
     def protected_pages(self) -> int: ...
     @property
     def num_pages(self) -> int: ...
-    def match(self, tokens: _Tokens, ttl: float | None = None, split: bool = False) -> Match: ...
-    def holders(self, tokens: _Tokens, ttl: float | None = None) -> dict[Hashable, int]: ...
+    def match(self, tokens: _Tokens, ttl: float | None = None, split: bool = False) -> Match:
+        """Longest cached page-aligned prefix of `tokens`.
+
+        With `split`, a match ending inside an edge splits it so that `node` ends exactly at
+        the match (needed to `lock` it); without, the tree is left as it is and `node` is the
+        deepest node the match covers whole. With `ttl`, holders not confirmed within the
+        last `ttl` seconds are ignored.
+        """
+    def holders(self, tokens: _Tokens, ttl: float | None = None) -> dict[Hashable, int]:
+        """`match(tokens, ttl).holder_tokens` in one walk down: the router's per-request
+        lookup, which needs neither the values nor the deepest node."""
     def insert(
         self,
         tokens: _Tokens,
         value: _Addresses | None = None,
         holder: Hashable | None = None,
         tier: int = 0,
-    ) -> InsertResult: ...
-    def delete(self, tokens: _Tokens) -> array[int]: ...
-    def evict(self, num_pages: int, tier: int = 0) -> tuple[int, array[int]]: ...
-    def lock(self, node: TreeNode) -> None: ...
-    def unlock(self, node: TreeNode) -> None: ...
+    ) -> InsertResult:
+        """Add the whole pages of `tokens`; existing pages keep their value.
+
+        `value` must hold slots_per_page addresses per whole page. Addresses given for pages
+        that were cached already and differ from the cached ones come back as `duplicates`.
+        With `holder`, every node on the path records it as holding the pages now. New pages
+        go into one new leaf in `tier`.
+        """
+    def delete(self, tokens: _Tokens) -> array[int]:
+        """Drop the cached pages of `tokens` that no other cached sequence shares; returns
+        their values, deepest first. Raises BlockInUse (removing nothing) if one is locked."""
+    def evict(self, num_pages: int, tier: int = 0) -> tuple[int, array[int]]:
+        """Remove least-recently-used unlocked tier leaves of `tier` until `num_pages`
+        pages are gone; returns (pages removed, their values). A parent left childless
+        becomes evictable in turn."""
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction and deletion (a running request)."""
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock`; InvalidRequest if the node is not locked."""
     def remove_holder(
         self, holder: Hashable, tokens: _Tokens | None = None, keep_tokens: int = 0
-    ) -> int: ...
-    def expire(self, older_than: float) -> int: ...
-    def lru_leaf(self, tier: int = 0) -> TreeNode | None: ...
-    def set_tier(self, node: TreeNode, tier: int) -> None: ...
-    def split(self, node: TreeNode, pages: int) -> TreeNode: ...
-    def lru_unlocked(self, limit: int | None = None) -> list[TreeNode]: ...
-    def repoint(self, moved: Mapping[int, int], nodes: Iterable[TreeNode] | None = None) -> int: ...
-    def reset(self) -> array[int]: ...
-    def nodes(self) -> list[TreeNode]: ...
+    ) -> int:
+        """Forget that `holder` holds pages; returns the pages pruned from the tree.
+
+        Without `tokens`: everywhere (a removed or dead instance). With `tokens`: on that
+        prompt's path beyond its first `keep_tokens` tokens and below. Nodes left with no
+        holder are pruned, with their subtrees.
+        """
+    def expire(self, older_than: float) -> int:
+        """Drop holder entries last confirmed before `older_than`; returns pages pruned."""
+    def lru_leaf(self, tier: int = 0) -> TreeNode | None:
+        """The least recently used tier leaf of `tier` (what `evict(n, tier)` takes next),
+        left in place; None if there is none."""
+    def set_tier(self, node: TreeNode, tier: int) -> None:
+        """Record that `node`'s pages now live in `tier` (their values were repointed)."""
+    def split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Cut `node` after its first `pages` pages (0 < pages < its length); returns the
+        new upper node, `node` keeps the rest (and its place in the heaps)."""
+    def lru_unlocked(self, limit: int | None = None) -> list[TreeNode]:
+        """Unlocked nodes, least recently used first, a node only after all its children
+        (the order `evict` takes them in a tree without tiers); at most `limit` of them."""
+    def repoint(self, moved: Mapping[int, int], nodes: Iterable[TreeNode] | None = None) -> int:
+        """Replace block addresses after their bytes moved (old -> new); returns how many.
+        `nodes` limits the search to where the caller knows the addresses are."""
+    def reset(self) -> array[int]:
+        """Empty the tree (locked entries included); returns every value it held."""
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before their children."""
     # white-box views for the tests and benchmarks
     def _check(self) -> None: ...
     def _heap_size(self, tier: int = 0) -> int: ...
