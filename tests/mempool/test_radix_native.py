@@ -504,3 +504,23 @@ def test_bad_input_is_typed_as_the_pool_errors() -> None:
     tree.lock(tree.match([1]).node)
     with pytest.raises(BlockInUse):
         tree.delete([1])
+
+
+def test_wide_nodes_find_children_through_their_index() -> None:
+    """Past a few children a node looks them up by hash (the character tree's root has
+    hundreds); adding, splitting under and removing them keeps every lookup right."""
+    tree = RadixTree(page_size=1, slots_per_page=0, clock=Ticker())
+    model = radix_model.RadixTree(page_size=1, slots_per_page=0, clock=Ticker())
+    for t in (tree, model):
+        for c in range(300):
+            t.insert([c, c + 1, c + 2], holder=c % 3)
+        for c in range(0, 300, 2):
+            t.remove_holder(c % 3, [c, c + 1, c + 2], keep_tokens=1)  # splits under c
+        for c in range(0, 300, 3):
+            t.delete([c, c + 1, c + 2])
+    tree._check()
+    assert state(tree) == state(model)
+    for c in range(302):
+        query = [c, c + 1, c + 2, 7]
+        assert tree.match(query).num_tokens == model.match(query).num_tokens
+        assert tree.holders(query) == model.holders(query)
