@@ -11,7 +11,10 @@ DIR/mempool_micro.md and DIR/mempool_micro.png. It measures:
 - index memory per million cached tokens (RSS and tracemalloc), in fresh processes;
 - eviction and expiry at scale: MemPool.evict(16) on an index caching 1M and 10M tokens, and
   expiry of 1% stale entries in a router-style holders tree of the same size, each size
-  in a fresh process that also reports its build time and RSS.
+  in a fresh process that also reports its build time and RSS;
+- the index tree alone (the native `mempool.radix.RadixTree`, without the pool's block
+  bookkeeping): insert and match of a 4K prompt, evict(16) at 1M and 10M tokens, and its
+  bytes per cached page beside the Python tree it replaced (tests/mempool/radix_model.py).
 
 Targets are reported, never asserted: the machines these run on are shared and noisy.
 """
@@ -75,6 +78,10 @@ TARGET_INSERT_4K_US = 100.0
 TARGET_MATCH_4K_US = 50.0
 TARGET_INDEX_MIB_PER_MTOK = 64.0
 TARGET_EVICT_16_US = 20.0  # at every measured size: eviction must not grow with the index
+# the index tree alone (issue 34: the tree in C++)
+TARGET_TREE_INSERT_4K_US = 25.0
+TARGET_TREE_MATCH_4K_US = 10.0
+TARGET_TREE_EVICT_16_US = 5.0
 
 EVICT_BLOCKS = 16  # what an allocation that falls short asks the pool to free
 HOLDERS = ("w0", "w1", "w2", "w3")  # instances of the holders tree (the router's view)
@@ -323,6 +330,68 @@ def time_insert_after_match(
     return samples
 
 
+def fill_tree(tree: Any, traffic: Traffic, systems: Sequence[list[int]], target: int) -> int:
+    """Insert whole conversations into a bare index tree (one address per page) until it
+    caches `target` tokens; returns the next unused address."""
+    addr = 0
+    while tree.num_pages * PAGE < target:
+        for prompt in traffic.conversation(traffic.rng.choice(systems)):
+            pages = len(prompt) // PAGE
+            tree.insert(prompt, range(addr, addr + pages))
+            addr += pages
+    return addr
+
+
+def time_tree(reps: int) -> dict[str, float]:
+    """The index tree alone on the same traffic as the pool's figures: insert (then delete)
+    a fresh 4K prompt and match a cached one, token ids passed as a Python list (what an
+    engine passes) and as an array('I') (what the router holds)."""
+    traffic = Traffic(SEED)
+    system = traffic.tokens(SYSTEM_TOKENS)
+    tree = RadixTree(PAGE, slots_per_page=1)
+    addr = fill_tree(tree, traffic, [system], PRELOAD_TOKENS)
+    n = PROMPT_TOKENS
+    prefix = shared_prefix(system, n)
+    samples: dict[str, list[int]] = {k: [] for k in ("ins", "ins_a", "del", "match", "match_a")}
+    cached = prefix + traffic.tokens(n - len(prefix))
+    tree.insert(cached, range(addr, addr + n // PAGE))
+    cached_array = array("I", cached)
+    for _ in range(reps):
+        tokens = prefix + traffic.tokens(n - len(prefix))
+        addrs = list(range(addr, addr + n // PAGE))
+        as_array, addrs_array = array("I", tokens), array("Q", addrs)
+        t0 = time.perf_counter_ns()
+        tree.insert(tokens, addrs)
+        t1 = time.perf_counter_ns()
+        tree.delete(as_array)
+        t2 = time.perf_counter_ns()
+        tree.insert(as_array, addrs_array)
+        t3 = time.perf_counter_ns()
+        tree.delete(as_array)
+        t4 = time.perf_counter_ns()
+        tree.match(cached)
+        t5 = time.perf_counter_ns()
+        tree.match(cached_array)
+        t6 = time.perf_counter_ns()
+        for key, ns in (
+            ("ins", t1 - t0),
+            ("del", t2 - t1),
+            ("ins_a", t3 - t2),
+            ("match", t5 - t4),
+            ("match_a", t6 - t5),
+        ):
+            samples[key].append(ns)
+    return {
+        "tree_insert_4k_us": median_us(samples["ins"]),
+        "tree_insert_4k_array_us": median_us(samples["ins_a"]),
+        "tree_delete_4k_us": median_us(samples["del"]),
+        "tree_match_4k_us": median_us(samples["match"]),
+        "tree_match_4k_array_us": median_us(samples["match_a"]),
+        "tree_insert_4k_p90_us": percentile_us(samples["ins"], 0.9),
+        "tree_match_4k_p90_us": percentile_us(samples["match"], 0.9),
+    }
+
+
 # --------------------------------------------------------------------------- layouts
 
 
@@ -509,6 +578,15 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
         evict_ns.append(time.perf_counter_ns() - t0)
         freed.append(len(blocks))
     cached_after = cached_tokens(pool)
+    index_bytes_per_page = pool.index._memory_bytes / pool.index.num_pages
+    # the index alone: evict(16 blocks' pages) on the pool's tree, values dropped (the pool
+    # is closed right after, its block sets no longer matter)
+    tree_evict_ns: list[int] = []
+    pages = -(-EVICT_BLOCKS // pool.blocks_per_page)
+    for _ in range(evict_reps):
+        t0 = time.perf_counter_ns()
+        pool.index.evict(pages)
+        tree_evict_ns.append(time.perf_counter_ns() - t0)
     pool.close()
     del pool
     gc.collect()
@@ -535,6 +613,9 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
         pruned.append(tree.expire(cutoff))
         expire_ns.append(time.perf_counter_ns() - t0)
     expired = bisect.bisect_left(seen, cutoffs[-1])  # entries older than the last cutoff
+    holders_bytes_per_page = tree._memory_bytes / tree.num_pages
+    del tree
+    gc.collect()
     return {
         "tokens": cached,
         "conversations": conversations,
@@ -556,8 +637,42 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
         "expire_pruned_fraction": sum(pruned) / tree_pages,
         "holder_entries": len(seen),
         "expired_entries_fraction": expired / len(seen),
+        "tree_evict_16_us": median_us(tree_evict_ns),
+        "tree_evict_16_p90_us": percentile_us(tree_evict_ns, 0.9),
+        "index_bytes_per_page": index_bytes_per_page,
+        "holders_tree_bytes_per_page": holders_bytes_per_page,
+        **tree_memory(tokens, seed),
         "peak_rss_mib": peak_rss_bytes() / 2**20,
     }
+
+
+def tree_memory(tokens: int, seed: int) -> dict[str, Any]:
+    """Bytes per cached page of the index tree alone (one address per page), native and the
+    Python tree it replaced, built by the same inserts. Native: the bytes its structures
+    hold (vector capacities, nodes, heaps); Python: tracemalloc's traced bytes for the build.
+    """
+    out: dict[str, Any] = {}
+    systems_traffic = Traffic(seed)
+    systems = [systems_traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    tree = RadixTree(PAGE, slots_per_page=1)
+    fill_tree(tree, Traffic(seed + 1), systems, tokens)
+    out["tree_pages"] = tree.num_pages
+    out["tree_nodes"] = tree._live_nodes - 1
+    out["tree_bytes_per_page"] = tree._memory_bytes / tree.num_pages
+    del tree
+    try:
+        from tests.mempool.radix_model import RadixTree as PythonTree
+    except ImportError:  # an installed copy without the repository's tests
+        return out
+    gc.collect()
+    tracemalloc.start()
+    model = PythonTree(PAGE, slots_per_page=1)
+    fill_tree(model, Traffic(seed + 1), systems, tokens)
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    out["python_tree_bytes_per_page"] = traced / model.num_pages
+    return out
 
 
 def measure_scale(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
@@ -586,6 +701,11 @@ def scale_figures(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         figures[f"expire_us_{size}"] = p["expire_us"]
         figures[f"scale_build_s_{size}"] = p["build_s"] + p["holder_tree_build_s"]
         figures[f"scale_peak_rss_mib_{size}"] = p["peak_rss_mib"]
+        figures[f"tree_evict_16_us_{size}"] = p["tree_evict_16_us"]
+        figures[f"tree_bytes_per_page_{size}"] = p["tree_bytes_per_page"]
+        figures[f"holders_tree_bytes_per_page_{size}"] = p["holders_tree_bytes_per_page"]
+        if "python_tree_bytes_per_page" in p:
+            figures[f"python_tree_bytes_per_page_{size}"] = p["python_tree_bytes_per_page"]
     return figures
 
 
@@ -616,6 +736,10 @@ def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, f
     for point in fig["scale"]:
         name = f"evict_16_us_{point['size']}"
         targets[name] = check(fig[name], "<", TARGET_EVICT_16_US)
+        name = f"tree_evict_16_us_{point['size']}"
+        targets[name] = check(fig[name], "<=", TARGET_TREE_EVICT_16_US)
+    targets["tree_insert_4k_us"] = check(fig["tree_insert_4k_us"], "<=", TARGET_TREE_INSERT_4K_US)
+    targets["tree_match_4k_us"] = check(fig["tree_match_4k_us"], "<=", TARGET_TREE_MATCH_4K_US)
     ratios = {
         "alloc": fig["alloc_ns_per_block"] / MEMSERVE_ALLOC_NS_PER_BLOCK,
         "insert": fig["insert_4k_us"] / MEMSERVE_INSERT_4K_US,
@@ -636,6 +760,11 @@ def table_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
         ("match_4k_partial_us", "µs"),
         ("insert_4k_after_match_us", "µs"),
         ("delete_4k_us", "µs"),
+        ("tree_insert_4k_us", "µs, the index tree alone, tokens as a list"),
+        ("tree_insert_4k_array_us", "µs, tokens as array('I')"),
+        ("tree_match_4k_us", "µs, the index tree alone, tokens as a list"),
+        ("tree_match_4k_array_us", "µs, tokens as array('I')"),
+        ("tree_delete_4k_us", "µs, the index tree alone"),
         ("aggregate_calls_ratio", "calls/calls"),
         ("layers", "layers"),
         ("layout_roundtrip_exact", "bool"),
@@ -651,7 +780,12 @@ def table_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
             (f"expire_us_{point['size']}", f"µs, expire 1% of entries at {tokens}"),
             (f"scale_build_s_{point['size']}", "s, both indexes built"),
             (f"scale_peak_rss_mib_{point['size']}", "MiB, the process's peak"),
+            (f"tree_evict_16_us_{point['size']}", f"µs, the index tree's evict(16) at {tokens}"),
+            (f"tree_bytes_per_page_{point['size']}", "B per cached page, native tree"),
+            (f"holders_tree_bytes_per_page_{point['size']}", "B per page, holders tree"),
         ]
+        if f"python_tree_bytes_per_page_{point['size']}" in fig:
+            rows.append((f"python_tree_bytes_per_page_{point['size']}", "B per page, Python tree"))
     out = []
     for name, unit in rows:
         target = targets.get(name)
@@ -848,6 +982,9 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         alloc_figures, alloc_curve = bench_alloc(settings, progress)
         calibration.append(calibration_us())
         index_figures, index_curve = bench_index(settings, progress)
+        tree = progress.add_task("the index tree alone (4K insert/match)", total=1)
+        index_figures.update(time_tree(settings.index_reps))
+        step(progress, tree)
         calibration.append(calibration_us())
         layouts = progress.add_task("layouts (Llama-2-13B, round trip)", total=1)
         layout = layout_figures()
@@ -929,6 +1066,12 @@ def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
         "sets. RSS also counts allocator slack, and can under-count at small sizes because "
         "the build reuses heap the child freed while importing; tracemalloc has neither "
         "effect.",
+        "The index tree alone (tree_*): the same traffic into a bare mempool.radix.RadixTree "
+        "(native; one address per page), no block bookkeeping: insert and delete a fresh 4K "
+        "prompt, match a cached one, token ids as a Python list and as array('I'); "
+        "tree_evict_16 evicts 16 blocks' pages from the pool's own tree at each scale; bytes "
+        "per page: the native tree's structures (node records, keys, values, heaps) for the "
+        "same inserts as the Python tree it replaced, whose figure is tracemalloc's.",
         *scale_notes(fig),
         "calibration_array4k_us: array('I', list of 4,096 ints) before, between and after the "
         "timed phases; a drift between them means the machine's speed changed during the run "

@@ -181,7 +181,6 @@ class MemPool:
         blocks given for pages already cached are freed (unless KEEP_DUPLICATES). Pass no
         block for a request's partial last page: it is never indexed and stays the caller's.
         """
-        tokens = token_array(tokens)  # once: the reinsert check and the insert share it
         addrs = self._addr_list(addrs)
         if not self._owns(addrs):
             raise InvalidAddress("insert names blocks this pool has not allocated")

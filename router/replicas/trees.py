@@ -131,8 +131,11 @@ class ReplicatedTrees(PromptTrees):
         stack = [(child, child.key) for child in self.trees[type].root.children.values()]
         while stack:
             node, path = stack.pop()
+            if not node.valid:  # pruned while the caller let requests run (snapshot_async)
+                continue
             yield node, path
-            stack.extend((child, path + child.key) for child in node.children.values())
+            if node.valid:
+                stack.extend((child, path + child.key) for child in node.children.values())
 
     def snapshot(self) -> list[SnapshotEntry]:
         """Per holder, the deepest paths it holds: recording them rebuilds its holdings."""
@@ -163,7 +166,7 @@ class ReplicatedTrees(PromptTrees):
                 if visited % SNAPSHOT_PART == 0:
                     yield part
                     part = []
-                if not node.holders:
+                if not node.valid or not node.holders:  # pruned meanwhile: the stream says
                     continue
                 below: set[Hashable] = set()
                 for child in node.children.values():

@@ -1,17 +1,17 @@
 """The incremental radix tree against the old whole-tree algorithms, operation by operation.
 
 Random insert/match/lock/unlock/evict/expire/remove_holder/delete/reset sequences run on
-`RadixTree` and on `WholeTreeRadix` (the previous code, kept in the tests); every result
-(evicted values in order, pages pruned, matches, holders) and the whole state after every
-step must be identical. The clock advances on every call, so no two evictable leaves share a
-last_access and the LRU order is fully determined. White-box checks then hold the
+the native `RadixTree` and on `WholeTreeRadix` (the whole-tree code, kept in the tests);
+every result (evicted values in order, pages pruned, matches, holders) and the whole state
+after every step must be identical. The clock advances on every call, so no two evictable
+leaves share a last_access and the LRU order is fully determined. White-box checks then hold the
 incremental structures to what they summarise, and assert that eviction, expiry and
 forgetting a holder never walk the whole tree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from itertools import islice
 from typing import Any
 
@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mempool.errors import BlockInUse
 from mempool.radix import RadixTree, TreeNode
+from tests.mempool.radix_model import TreeNode as ModelNode
 from tests.mempool.whole_tree_radix import WholeTreeRadix
 
 PAGE = 2
@@ -39,10 +40,10 @@ class Ticker:
         return self.now
 
 
-def path_of(tree: RadixTree | WholeTreeRadix, node: TreeNode) -> tuple[bytes, ...]:
+def path_of(tree: RadixTree | WholeTreeRadix, node: TreeNode | ModelNode) -> tuple[bytes, ...]:
     """A node's identity across the two trees: the keys from the root down to it."""
     keys = []
-    while node is not tree.root and node.parent is not None:
+    while node != tree.root and node.parent is not None:
         keys.append(node.key)
         node = node.parent
     return tuple(reversed(keys))
@@ -63,21 +64,18 @@ def state(tree: RadixTree | WholeTreeRadix) -> list[tuple[Any, ...]]:
 
 
 class NoWholeTreeWalk:
-    """Makes `tree._nodes()` without a start (a walk of the whole tree) fail while active."""
+    """Fails if the tree walked all its nodes (the native tree counts its whole-tree walks)."""
 
     def __init__(self, tree: RadixTree) -> None:
         self.tree = tree
-        self.walk = tree._nodes
+        self.before = 0
 
     def __enter__(self) -> None:
-        def guarded(start: TreeNode | None = None) -> Iterator[TreeNode]:
-            assert start is not None, "walked the whole tree"
-            return self.walk(start)
-
-        self.tree._nodes = guarded  # type: ignore[method-assign]
+        self.before = self.tree._full_walks
 
     def __exit__(self, *exc: object) -> None:
-        del self.tree._nodes
+        if exc[0] is None:
+            assert self.tree._full_walks == self.before, "walked the whole tree"
 
 
 class Differential(RuleBasedStateMachine):
@@ -88,7 +86,7 @@ class Differential(RuleBasedStateMachine):
         self.tree = RadixTree(page_size=PAGE, slots_per_page=1, clock=Ticker())
         self.ref = WholeTreeRadix(page_size=PAGE, slots_per_page=1, clock=Ticker())
         self.next_addr = 1
-        self.locks: list[tuple[TreeNode, TreeNode]] = []
+        self.locks: list[tuple[TreeNode, ModelNode]] = []
         self.history: list[list[int]] = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
 
     def draw_tokens(self, data: st.DataObject) -> list[int]:
@@ -214,26 +212,11 @@ class Differential(RuleBasedStateMachine):
 
 
 def check_structures(tree: RadixTree) -> None:
-    """The incremental structures hold exactly what a scan of the tree would find."""
-    nodes = list(tree.nodes())
-    assert all(n.attached for n in nodes)
-    leaves = {id(n) for n in nodes if not n.children and n.lock_ref == 0}
-    queued = {id(n): n for n in nodes if n.lru_stamp}
-    assert set(queued) == leaves and tree._queued_leaves == len(leaves)
-    entries = {(id(node), stamp): seen for seen, stamp, node in tree._leaves}
-    for n in queued.values():  # queued at a time no later than its last use (a lower bound)
-        assert entries[(id(n), n.lru_stamp)] <= n.last_access
-    pairs = {(id(n), h, seen) for n in nodes if n.holders for h, seen in n.holders.items()}
-    assert tree._holder_entries == len(pairs)
-    # every pair has an expiry entry no later than its last confirmation (re-keyed lazily)
-    earliest: dict[tuple[int, object], float] = {}
-    for seen, _, node, h in tree._expiry:
-        earliest[(id(node), h)] = min(seen, earliest.get((id(node), h), seen))
-    for i, h, seen in pairs:
-        assert earliest[(i, h)] <= seen
-    by_holder = {(h, id(n)) for h, held in tree._by_holder.items() for n in held}
-    assert by_holder == {(h, i) for i, h, _ in pairs}
-    assert all(tree._by_holder.values())  # no empty sets left behind
+    """The incremental structures hold exactly what a scan of the tree would find: the native
+    tree checks itself (queued leaves are the tier leaves, each with a heap entry no later than
+    its last use; every holder pair counted, indexed by holder, with an expiry entry no later
+    than its confirmation; no empty holder sets; page counts) and raises AssertionError."""
+    tree._check()
 
 
 TestDifferential = Differential.TestCase
@@ -249,8 +232,8 @@ def test_stale_entries_are_compacted() -> None:
         for i in range(10):
             tree.match([i, i + 1])
             tree.insert([i, i + 1], holder="a")
-    assert len(tree._leaves) <= 2 * 10 + 64 + 1
-    assert len(tree._expiry) <= 2 * 10 + 64 + 1
+    assert tree._heap_size() <= 2 * 10 + 64 + 1
+    assert tree._expiry_size <= 2 * 10 + 64 + 1
     assert tree.evict(1)[0] == 2 and tree.num_pages == 18
     check_structures(tree)
 
@@ -260,11 +243,11 @@ def test_eviction_cost_follows_what_it_removes() -> None:
     tree = RadixTree(page_size=1, slots_per_page=1, clock=Ticker())
     for i in range(5000):  # one shared first page, then two pages of its own per prompt
         tree.insert([1000, i, 7], [3 * i, 3 * i + 1, 3 * i + 2])
-    heap_before = len(tree._leaves)
+    heap_before = tree._heap_size()
     with NoWholeTreeWalk(tree):
         count, removed = tree.evict(3)
     assert count == 4 and removed.tolist() == [1, 2, 4, 5]  # the two oldest prompts' own
-    assert heap_before - len(tree._leaves) <= 2 + 64  # popped: the two, plus stale ones
+    assert heap_before - tree._heap_size() <= 2 + 64  # popped: the two, plus stale ones
     with NoWholeTreeWalk(tree):
         assert tree.remove_holder("nobody") == 0
         assert tree.expire(10**9) == 0

@@ -2,7 +2,8 @@
 
 `evict` heapifies every unlocked leaf on each call, `expire` and `remove_holder(holder)` visit
 every node, and pruning walks the whole tree: slow, but obviously what the semantics say.
-`mempool.radix.RadixTree` keeps the same answers incrementally; the property test in
+`mempool.radix.RadixTree` (native) and its Python model (radix_model.py) keep the same
+answers incrementally; the property test in
 test_radix_incremental.py drives both with the same operations and compares every result.
 
 One deliberate difference from the old code: locking or unlocking a node that is no longer in
@@ -18,7 +19,14 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
-from mempool.radix import TOKEN_BYTES, InsertResult, Match, Tokens, TreeNode, as_token_bytes
+from tests.mempool.radix_model import (
+    TOKEN_BYTES,
+    InsertResult,
+    Match,
+    Tokens,
+    TreeNode,
+    as_token_bytes,
+)
 
 
 class WholeTreeRadix:

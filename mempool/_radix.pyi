@@ -1,0 +1,168 @@
+"""Types of the native page radix tree (native/radix/bind.cpp); mempool.radix documents it."""
+
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+TOKEN_BYTES: int
+
+_Tokens = Sequence[int] | array[int]
+_Addresses = Sequence[int] | array[int]
+
+class TreeNode:
+    """A handle on one node of one tree; raises InvalidRequest once the node left the tree."""
+
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def value(self) -> array[int] | None: ...
+    @value.setter
+    def value(self, value: _Addresses) -> None: ...
+    @property
+    def parent(self) -> TreeNode | None: ...
+    @property
+    def children(self) -> dict[bytes, TreeNode]: ...
+    @property
+    def holders(self) -> dict[Hashable, float] | None: ...
+    @property
+    def lock_ref(self) -> int: ...
+    @property
+    def last_access(self) -> float: ...
+    @property
+    def attached(self) -> bool: ...
+    @property
+    def tier(self) -> int: ...
+    @property
+    def lru_stamp(self) -> int: ...
+    @property
+    def valid(self) -> bool: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class Match:
+    num_tokens: int
+    value: array[int]
+    node: TreeNode
+    holder_tokens: dict[Hashable, int]
+    def __init__(
+        self,
+        num_tokens: int,
+        value: array[int],
+        node: TreeNode,
+        holder_tokens: dict[Hashable, int],
+    ) -> None: ...
+
+class InsertResult:
+    existing_tokens: int
+    new_tokens: int
+    duplicates: list[int]
+    node: TreeNode
+    def __init__(
+        self, existing_tokens: int, new_tokens: int, duplicates: list[int], node: TreeNode
+    ) -> None: ...
+
+class RadixTree:
+    def __init__(
+        self,
+        page_size: int = 16,
+        slots_per_page: int = 1,
+        clock: Callable[[], float] | None = None,
+    ) -> None: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    @property
+    def root(self) -> TreeNode: ...
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def protected_pages(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    def match(self, tokens: _Tokens, ttl: float | None = None, split: bool = False) -> Match:
+        """Longest cached page-aligned prefix of `tokens`.
+
+        With `split`, a match ending inside an edge splits it so that `node` ends exactly at
+        the match (needed to `lock` it); without, the tree is left as it is and `node` is the
+        deepest node the match covers whole. With `ttl`, holders not confirmed within the
+        last `ttl` seconds are ignored.
+        """
+    def holders(self, tokens: _Tokens, ttl: float | None = None) -> dict[Hashable, int]:
+        """`match(tokens, ttl).holder_tokens` in one walk down: the router's per-request
+        lookup, which needs neither the values nor the deepest node."""
+    def insert(
+        self,
+        tokens: _Tokens,
+        value: _Addresses | None = None,
+        holder: Hashable | None = None,
+        tier: int = 0,
+    ) -> InsertResult:
+        """Add the whole pages of `tokens`; existing pages keep their value.
+
+        `value` must hold slots_per_page addresses per whole page. Addresses given for pages
+        that were cached already and differ from the cached ones come back as `duplicates`.
+        With `holder`, every node on the path records it as holding the pages now. New pages
+        go into one new leaf in `tier`.
+        """
+    def delete(self, tokens: _Tokens) -> array[int]:
+        """Drop the cached pages of `tokens` that no other cached sequence shares; returns
+        their values, deepest first. Raises BlockInUse (removing nothing) if one is locked."""
+    def evict(self, num_pages: int, tier: int = 0) -> tuple[int, array[int]]:
+        """Remove least-recently-used unlocked tier leaves of `tier` until `num_pages`
+        pages are gone; returns (pages removed, their values). A parent left childless
+        becomes evictable in turn."""
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction and deletion (a running request)."""
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock`; InvalidRequest if the node is not locked."""
+    def remove_holder(
+        self, holder: Hashable, tokens: _Tokens | None = None, keep_tokens: int = 0
+    ) -> int:
+        """Forget that `holder` holds pages; returns the pages pruned from the tree.
+
+        Without `tokens`: everywhere (a removed or dead instance). With `tokens`: on that
+        prompt's path beyond its first `keep_tokens` tokens and below. Nodes left with no
+        holder are pruned, with their subtrees.
+        """
+    def expire(self, older_than: float) -> int:
+        """Drop holder entries last confirmed before `older_than`; returns pages pruned."""
+    def lru_leaf(self, tier: int = 0) -> TreeNode | None:
+        """The least recently used tier leaf of `tier` (what `evict(n, tier)` takes next),
+        left in place; None if there is none."""
+    def set_tier(self, node: TreeNode, tier: int) -> None:
+        """Record that `node`'s pages now live in `tier` (their values were repointed)."""
+    def split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Cut `node` after its first `pages` pages (0 < pages < its length); returns the
+        new upper node, `node` keeps the rest (and its place in the heaps)."""
+    def lru_unlocked(self, limit: int | None = None) -> list[TreeNode]:
+        """Unlocked nodes, least recently used first, a node only after all its children
+        (the order `evict` takes them in a tree without tiers); at most `limit` of them."""
+    def repoint(self, moved: Mapping[int, int], nodes: Iterable[TreeNode] | None = None) -> int:
+        """Replace block addresses after their bytes moved (old -> new); returns how many.
+        `nodes` limits the search to where the caller knows the addresses are."""
+    def reset(self) -> array[int]:
+        """Empty the tree (locked entries included); returns every value it held."""
+    def nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before their children."""
+    # white-box views for the tests and benchmarks
+    def _check(self) -> None: ...
+    def _heap_size(self, tier: int = 0) -> int: ...
+    @property
+    def _expiry_size(self) -> int: ...
+    @property
+    def _queued_leaves(self) -> int: ...
+    @property
+    def _holder_entries(self) -> int: ...
+    @property
+    def _full_walks(self) -> int: ...
+    @property
+    def _live_nodes(self) -> int: ...
+    @property
+    def _known_holders(self) -> int: ...
+    @property
+    def _memory_bytes(self) -> int: ...
