@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
+from mempool.radix import as_token_bytes
 
 TOKEN_BYTES = 4  # token ids are stored as uint32
 Tokens: TypeAlias = "Sequence[int] | array[int]"
@@ -53,31 +54,6 @@ Tokens: TypeAlias = "Sequence[int] | array[int]"
 # (plus a floor), so the work of dropping them is paid for by the pushes that made them.
 STALE_FACTOR = 2
 STALE_FLOOR = 64
-
-
-def token_array(tokens: Tokens) -> array[int]:
-    """Token ids as a uint32 array (converted once per call); clear errors for bad input."""
-    if isinstance(tokens, array) and tokens.typecode == "I":
-        data = tokens
-    elif isinstance(tokens, str | bytes | bytearray | memoryview):
-        raise InvalidTokens(
-            f"tokens must be a sequence of int token ids, got {type(tokens).__name__}"
-        )
-    else:
-        try:
-            data = array("I", tokens)
-        except TypeError as exc:
-            raise InvalidTokens(f"tokens must be a sequence of int token ids: {exc}") from None
-        except OverflowError:
-            raise InvalidRequest("token ids must lie in 0..4294967295") from None
-    if not data:
-        raise InvalidRequest("tokens must not be empty")
-    return data
-
-
-def as_token_bytes(tokens: Tokens) -> bytes:
-    """Token ids as uint32 bytes, the tree's key form."""
-    return token_array(tokens).tobytes()
 
 
 @dataclass(eq=False, slots=True)

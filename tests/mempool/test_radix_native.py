@@ -25,21 +25,11 @@ from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
 from mempool.radix import RadixTree, TreeNode
 from tests.mempool import radix_model
 from tests.mempool.radix_model import TreeNode as ModelNode
+from tests.mempool.test_radix_incremental import Ticker
 
 PAGE = 2
 HOLDERS: tuple[Hashable, ...] = ("a", "b", ("a", "host"), 7)
 TIERS = (0, 1, 2)
-
-
-class Ticker:
-    """A clock that moves on by one on every reading."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 def path_of(node: TreeNode | ModelNode) -> tuple[bytes, ...]:

@@ -19,14 +19,8 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
-from tests.mempool.radix_model import (
-    TOKEN_BYTES,
-    InsertResult,
-    Match,
-    Tokens,
-    TreeNode,
-    as_token_bytes,
-)
+from mempool.radix import as_token_bytes
+from tests.mempool.radix_model import TOKEN_BYTES, InsertResult, Match, Tokens, TreeNode
 
 
 class WholeTreeRadix:
