@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +19,25 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def benchmark(name: str, out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """`python -m benchmarks.NAME --out OUT ARGS`, its output captured."""
+    """`python -m benchmarks.NAME --out OUT ARGS`, its output captured. Past `timeout` the
+    benchmark and every server it started are killed (its process group), then
+    TimeoutExpired: a plain kill of the benchmark would leave its cluster running."""
     command = [sys.executable, "-m", f"benchmarks.{name}", "--out", str(out), *args]
-    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def quick_run(name: str, tmp_path_factory: pytest.TempPathFactory, timeout: float) -> Path:
