@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from mempool._radix import TOKEN_BYTES, InsertResult, Match, TreeNode
 from mempool._radix import RadixTree as _NativeTree
@@ -86,34 +86,45 @@ class RadixTree(_NativeTree):
 
     def pretty(self) -> str:
         """Indented dump: pages, lock count, holders; for debugging and tests."""
-        lines: list[str] = []
-
-        def visit(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                pages = len(child.key) // self.page_bytes
-                holders = sorted(map(str, child.holders)) if child.holders else []
-                lines.append(f"{'  ' * depth}[{pages}p lock={child.lock_ref}] {holders}")
-                visit(child, depth + 1)
-
-        visit(self.root, 0)
-        return "\n".join(lines)
+        return tree_pretty(self)
 
     def sequences(self) -> Iterator[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf sequence of tokens with its values (tests and debugging)."""
+        return tree_sequences(self)
 
-        def visit(
-            node: TreeNode, tokens: tuple[int, ...], vals: list[int], root: bool
-        ) -> Iterator[tuple[tuple[int, ...], list[int]]]:
-            children = node.children
-            if not children and not root:
-                yield tokens, vals
-            for child in children.values():
-                value = child.value
-                yield from visit(
-                    child,
-                    tokens + tuple(array("I", child.key)),
-                    vals + (value.tolist() if value is not None else []),
-                    False,
-                )
 
-        yield from visit(self.root, (), [], True)
+def tree_pretty(tree: Any) -> str:
+    """A tree's indented dump (pages, lock count, holders), from its public node views: any
+    tree with this node shape, the native one or the tests' reference trees."""
+    lines: list[str] = []
+
+    def visit(node: Any, depth: int) -> None:
+        for child in node.children.values():
+            pages = len(child.key) // tree.page_bytes
+            holders = sorted(map(str, child.holders)) if child.holders else []
+            lines.append(f"{'  ' * depth}[{pages}p lock={child.lock_ref}] {holders}")
+            visit(child, depth + 1)
+
+    visit(tree.root, 0)
+    return "\n".join(lines)
+
+
+def tree_sequences(tree: Any) -> Iterator[tuple[tuple[int, ...], list[int]]]:
+    """Every root-to-leaf sequence of a tree's tokens with its values."""
+
+    def visit(
+        node: Any, tokens: tuple[int, ...], vals: list[int], root: bool
+    ) -> Iterator[tuple[tuple[int, ...], list[int]]]:
+        children = node.children
+        if not children and not root:
+            yield tokens, vals
+        for child in children.values():
+            value = child.value
+            yield from visit(
+                child,
+                tokens + tuple(array("I", child.key)),
+                vals + (list(value) if value is not None else []),
+                False,
+            )
+
+    yield from visit(tree.root, (), [], True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
-from mempool.radix import as_token_bytes
+from mempool.radix import as_token_bytes, tree_pretty, tree_sequences
 
 TOKEN_BYTES = 4  # token ids are stored as uint32
 Tokens: TypeAlias = "Sequence[int] | array[int]"
@@ -500,34 +500,11 @@ class RadixTree:
 
     def pretty(self) -> str:
         """Indented dump: pages, lock count, holders; for debugging and tests."""
-        lines: list[str] = []
-
-        def visit(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                pages = len(child.key) // self.page_bytes
-                holders = sorted(map(str, child.holders)) if child.holders else []
-                lines.append(f"{'  ' * depth}[{pages}p lock={child.lock_ref}] {holders}")
-                visit(child, depth + 1)
-
-        visit(self.root, 0)
-        return "\n".join(lines)
+        return tree_pretty(self)
 
     def sequences(self) -> Iterator[tuple[tuple[int, ...], list[int]]]:
         """Every root-to-leaf sequence of tokens with its values (tests and debugging)."""
-
-        def visit(
-            node: TreeNode, tokens: tuple[int, ...], vals: list[int]
-        ) -> Iterator[tuple[tuple[int, ...], list[int]]]:
-            if not node.children and node is not self.root:
-                yield tokens, vals
-            for child in node.children.values():
-                yield from visit(
-                    child,
-                    tokens + tuple(array("I", child.key)),
-                    vals + (list(child.value) if child.value is not None else []),
-                )
-
-        yield from visit(self.root, (), [])
+        return tree_sequences(self)
 
     # ----------------------------------------------------------------- helpers
 

@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from mempool.errors import BlockInUse, InvalidRequest, InvalidTokens
-from mempool.radix import as_token_bytes
+from mempool.radix import as_token_bytes, tree_pretty
 from tests.mempool.radix_model import TOKEN_BYTES, InsertResult, Match, Tokens, TreeNode
 
 
@@ -217,17 +217,7 @@ class WholeTreeRadix:
         return self._nodes()
 
     def pretty(self) -> str:
-        lines: list[str] = []
-
-        def visit(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                pages = len(child.key) // self.page_bytes
-                holders = sorted(map(str, child.holders)) if child.holders else []
-                lines.append(f"{'  ' * depth}[{pages}p lock={child.lock_ref}] {holders}")
-                visit(child, depth + 1)
-
-        visit(self.root, 0)
-        return "\n".join(lines)
+        return tree_pretty(self)
 
     # helpers, as in the old code
 
