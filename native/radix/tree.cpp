@@ -214,15 +214,11 @@ void Tree::subtree(NodeId start, std::vector<NodeId>& out) const {
 }
 
 void Tree::walk_all(std::vector<NodeId>& out) {
+    // every node but the root, in subtree()'s order (a whole-tree walk: counted)
     full_walks_++;
-    std::vector<NodeId> stack(nodes_[kRoot].children);
-    while (!stack.empty()) {
-        NodeId id = stack.back();
-        stack.pop_back();
-        out.push_back(id);
-        const auto& ch = nodes_[id].children;
-        stack.insert(stack.end(), ch.begin(), ch.end());
-    }
+    const auto at = out.size();
+    subtree(kRoot, out);
+    out.erase(out.begin() + static_cast<std::ptrdiff_t>(at));
 }
 
 std::vector<NodeId> Tree::nodes() {
