@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mempool._radix import Decider, Heat
 from mempool.radix import RadixTree
-from router.heat import PrefixHeat
 from router.speed import Work
-from router.trees import PrefixView, PromptTrees
+from router.trees import PromptTrees
 from router.workers import Worker, WorkerType
 
 
@@ -97,22 +97,16 @@ class Plan:
 
 
 @dataclass(slots=True)
-class Options:
-    """What each candidate worker holds of a prompt and how it would serve it."""
-
-    workers: list[Worker]
-    view: PrefixView
-    held: dict[str, int]  # predicted reusable tokens per worker (any tier)
-    plans: dict[str, Plan]
-    best: Worker  # the holder of the longest prefix
-    loads: dict[str, int]  # each worker's load (Worker.load), read once
-
-
-@dataclass(slots=True)
 class CostModel:
     """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures, scaled per
     worker by its learned speed (`Worker.speed`, router.speed): its queue, per-token and
-    attention coefficients over these constants, and the overhead every request pays."""
+    attention coefficients over these constants, and the overhead every request pays.
+
+    The arithmetic is native (native/radix/decide.cpp, one implementation): a worker's plan
+    is its queue, then its own prefill of the tokens it lacks (`prefill_s_per_token` each and
+    `prefill_s_per_token_pair` per attention pair, scaled by its speed), or a MemPool pull of a
+    longer prefix (`transfer_s_per_token`, shared with the pulls already planned from the
+    holder) and the prefill of the rest, whichever starts its first token sooner."""
 
     prefill_s_per_token: float = 4.0e-5
     transfer_s_per_token: float = 5.2e-6  # 128 KiB per token over a 25 GB/s link
@@ -122,16 +116,33 @@ class CostModel:
     host_load_s_per_token: float = 2.6e-6  # 128 KiB per token host -> GPU over 50 GB/s PCIe
     # Attention: each new token attends to the context before it (0.52 MFLOP a pair).
     prefill_s_per_token_pair: float = 1.3e-9
+    _queue: Decider = field(init=False, repr=False, compare=False)
 
-    def prefill_s(self, new: int, cached: int) -> float:
-        """Computing `new` prompt tokens after `cached` reused ones, at the constants."""
-        tokens_s, pairs_s = self.prefill_terms(new, cached)
-        return tokens_s + pairs_s
+    def __post_init__(self) -> None:
+        self._queue = self.decider("cost")  # its queue_s, for admission and /workers
 
-    def prefill_terms(self, new: int, cached: int) -> tuple[float, float]:
-        """`prefill_s`'s per-token and attention parts (learned apart: router.speed)."""
-        return new * self.prefill_s_per_token, new * (cached + new / 2) * (
-            self.prefill_s_per_token_pair
+    def decider(
+        self,
+        rule: str,
+        page_size: int = 16,
+        pulls: bool = True,
+        thresholds: Thresholds | None = None,
+        heat: Heat | None = None,
+    ) -> Decider:
+        """The native decision with these constants (`rule`: prompt_tree or cost)."""
+        t = thresholds or Thresholds()
+        return Decider(
+            rule,
+            page_size,
+            pulls,
+            t.balance_abs,
+            t.balance_rel,
+            self.prefill_s_per_token,
+            self.transfer_s_per_token,
+            self.busy_s_per_request,
+            self.host_load_s_per_token,
+            self.prefill_s_per_token_pair,
+            heat,
         )
 
     def queue_s(self, worker: Worker, host: int = 0, load: int | None = None) -> float:
@@ -147,16 +158,7 @@ class CostModel:
         sees the whole queue and each request's size; the measurement would count the running
         prefill as waiting and weigh a 100-token suffix as much as a cold 10K-token prompt
         (docs/benchmarks/hot-prefix.md: what dropping it changed on 2P2D)."""
-        return self._queue(worker, host, load)[0]
-
-    def _queue(self, worker: Worker, host: int, load: int | None) -> tuple[float, float]:
-        """(queue_s, its modelled part at the constants, before the worker's speed)."""
-        work = worker.queued_tokens * self.prefill_s_per_token
-        work += (worker.load if load is None else load) * self.busy_s_per_request
-        modelled = work * worker.speed.queue_x
-        if worker.type is not WorkerType.PREFILL and worker.waiting:  # else measured: 0
-            modelled = max(modelled, worker.measured_wait_s())
-        return modelled + host * self.host_load_s_per_token, work
+        return self._queue.queue_s(worker.state, host, load)
 
     def plan(
         self,
@@ -168,28 +170,14 @@ class CostModel:
         best: int = 0,
         load: int | None = None,
     ) -> Plan:
-        """`worker` holds `cached` tokens of the prompt (`host` of them in host memory, to
-        load first); `source`, when given, holds `best` and may be pulled from: the pull
-        shares the source's link with the pulls already planned from it. `load`: as for
-        queue_s."""
-        queue, work = self._queue(worker, host, load)
-        speed = worker.speed
-        loading = host * self.host_load_s_per_token
-        tokens_s, pairs_s = self.prefill_terms(tokens - cached, cached)
-        own = Plan(
-            queue + speed.prefill_s(tokens_s, pairs_s),
-            tokens - cached,
-            False,
-            Work(work, tokens_s, pairs_s, loading),
+        """How `worker` would serve a `tokens`-token prompt holding `cached` of it (`host` of
+        those on its host tier); `source`, when given, holds `best` and may be pulled from.
+        What the decision weighs for each worker (the tests and /workers read it here)."""
+        state = source.state if source is not None else None
+        seconds, computed, pull, work = self._queue.plan(
+            worker.state, tokens, cached, host, state, best, load
         )
-        if source is None or best <= cached or not worker.can_pull:
-            return own
-        moved = (best - cached) * self.transfer_s_per_token * (1 + source.pulls_served)
-        tokens_s, pairs_s = self.prefill_terms(tokens - best, best)
-        pull = queue + moved + speed.prefill_s(tokens_s, pairs_s)
-        if pull >= own.seconds:
-            return own
-        return Plan(pull, tokens - best, True, Work(work, tokens_s, pairs_s, loading + moved))
+        return Plan(seconds, computed, pull, Work(*work))
 
 
 def least_loaded(workers: list[Worker]) -> Worker:
@@ -309,128 +297,46 @@ class PromptTree(Policy):
         self.thresholds = thresholds
         self.cost = cost
         self.pulls = pulls  # plan MemPool pulls between workers that support them
-        self.heat = PrefixHeat(trees.page_size)
+        heat = Heat(trees.page_size) if self.name == PromptTree.name else None
+        self.core = cost.decider(self.name, trees.page_size, pulls, thresholds, heat)
+        # the router's trees are walked natively; other trees (a replay's) give their view
+        self._native = isinstance(trees, PromptTrees)
 
-    def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
-        """What each worker holds, how it would serve the request, and the best holder."""
-        # One pass per worker, no key functions: this runs for every request (same
-        # decisions as sorting by (held, -load) with the first of equals kept).
-        n, page = request.num_tokens, self.trees.page_size
-        view = self.trees.match(request.type, request.tokens or ())
-        found = view.held
-        last = n - 1  # the last prompt token is always computed
-        held: dict[str, int] = {}
-        loads: dict[str, int] = {}
-        best, best_key = workers[0], (0, 0)
-        for i, w in enumerate(workers):
-            url = w.url
-            mine = found.get(url, 0)
-            mine = (mine if mine < last else last) // page * page  # reusable()
-            held[url] = mine
-            load = loads[url] = w.load
-            if i == 0 or (mine, -load) > best_key:
-                best, best_key = w, (mine, -load)
-        most = held[best.url]
-        source = best if self.pulls and most and best.agent is not None else None
-        plans = {}
-        plan = self.cost.plan
-        for w in workers:
-            url = w.url
-            mine = held[url]
-            host = min(view.host(url), mine)
-            pull_from = source if source is not w else None
-            plans[url] = plan(w, n, mine, host, pull_from, most, loads[url])
-        return Options(workers, view, held, plans, best, loads)
+    @property
+    def heat(self) -> Heat | None:
+        """How hot each prefix is (router.heat); None for the cost rule, which ignores it."""
+        return self.core.heat
+
+    @heat.setter
+    def heat(self, heat: Heat | None) -> None:
+        self.core.heat = heat
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        o = self._options(request, workers)
-        held, plans, loads = o.held, o.plans, o.loads
-        n, page = request.num_tokens, self.trees.page_size
-        # Where the prefix lives, or lived last: a prefix evicted everywhere is computed
-        # again where it lived rather than scattered (see router.trees: homes).
-        home = o.view.home
-        if home:
-            affinity = {
-                url: max(mine, reusable(home[url], n, page)) if url in home else mine
-                for url, mine in held.items()
-            }
-            best = max(workers, key=lambda w: (affinity[w.url], held[w.url], -loads[w.url]))
-        else:  # affinity is what each holds, and the best is the best holder
-            affinity, best = held, o.best
-        most = affinity[best.url]
-        per_token = self.cost.prefill_s_per_token
-        # Expected TTFT on each worker, plus the prefix it lacks, paid once more:
-        # recomputed, that work delays every request queued behind it; pulled, the copy
-        # displaces as much of other requests' cache there (caches are full when it matters),
-        # which they recompute later. So leaving a holder must win by more than this request's
-        # own TTFT, pull or not: pulls make a move cheaper for the request that moves, not
-        # more frequent (measured: scoring pulls as free moved 42% of multi-round QA turns off
-        # their holders and halved the host-tier hits).
-        # Recomputed on a worker with requests waiting, the prefix delays each of them; a
-        # prefix many requests reuse pays for its copy on every one of them, while it has
-        # fewer copies than its share of the traffic needs workers (router.heat).
-        heat = self.heat.bump(request.tokens or (), most)
-        if heat:  # counted only for a hot prefix (most requests on a cold one)
-            copies = sum(a >= most for a in affinity.values())
-            if copies >= self.heat.share(heat) * len(workers):
-                heat = 0.0  # copies enough: one more only displaces other prefixes' cache
-        placement: dict[str, float] = {}
-        soonest, soonest_key = workers[0], (0.0, 0)
-        for i, w in enumerate(workers):
-            url = w.url
-            lacks = most - affinity[url]
-            seconds = plans[url].seconds
-            if lacks:
-                seconds += lacks * per_token * w.speed.token_x * (1 + w.waiting) / (1 + heat)
-            placement[url] = seconds
-            if i == 0 or (seconds, loads[url]) < soonest_key:
-                soonest, soonest_key = w, (seconds, loads[url])
-        if most == 0:
-            return self._decide(o, soonest, "cache_miss")
-        low = min(loads.values())
-        if self.thresholds.imbalanced(loads[best.url], low):  # sglang-router's rule: the lightest
-            lightest = min(
-                (w for w in workers if loads[w.url] == low), key=lambda w: placement[w.url]
+        tokens = request.tokens or ()
+        states = [w.state for w in workers]
+        if self._native:
+            tree = self.trees.trees[request.type]
+            choice, reason, cached, longer, pull, work = self.core.decide(
+                tree, tokens, request.num_tokens, states, self.trees.ttl_s
             )
-            return self._decide(o, lightest, "overload")
-        if soonest is not best and placement[soonest.url] < placement[best.url]:
-            # to another holder of as much; off a busy holder; or, nothing being held
-            # anywhere, off the prefix's busy home
-            if held[soonest.url] >= most:
-                return self._decide(o, soonest, "cache_hit")
-            return self._decide(o, soonest, "overload" if held[best.url] else "home_busy")
-        return self._decide(o, best, "cache_hit" if held[best.url] else "home")
-
-    def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
-        """The decision for `choice`; the reason says how its prefix comes (`pull` or
-        `..._pull` when it pulls it, `host_hit` when part of it loads from its host tier)."""
-        mine = o.held[choice.url]
-        plan = o.plans[choice.url]
-        if plan.pull:
-            reason = "pull" if reason in ("cache_hit", "cache_miss") else reason + "_pull"
-        elif reason == "cache_hit" and o.view.host(choice.url):
-            reason = "host_hit"
-        holders: list[tuple[Worker, int]] = []
-        if self.pulls and choice.can_pull:
-            longer = (
-                (w, o.held[w.url])
-                for w in o.workers
-                if w is not choice and w.agent is not None and o.held[w.url] > mine
+        else:
+            view = self.trees.match(request.type, tokens)
+            held = [
+                (view.held.get(w.url, -1), view.device.get(w.url, -1), view.home.get(w.url, -1))
+                for w in workers
+            ]
+            choice, reason, cached, longer, pull, work = self.core.decide_view(
+                held, tokens, request.num_tokens, states
             )
-            holders = sorted(longer, key=lambda x: -x[1])
-        pull_from = o.best if plan.pull else None
-        return Decision(choice, mine, holders, reason, pull_from, plan.work)
+        holders = [(workers[i], n) for i, n in longer]
+        pull_from = workers[pull] if pull is not None else None
+        return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
 
 
 class Cost(PromptTree):
     """Mooncake-style: the lowest expected TTFT, counting a pull of a longer prefix."""
 
     name = "cost"
-
-    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        o = self._options(request, workers)
-        choice = min(workers, key=lambda w: (o.plans[w.url].seconds, o.loads[w.url]))
-        return self._decide(o, choice, "cache_hit" if o.held[choice.url] else "cache_miss")
 
 
 POLICIES: dict[str, type[Policy]] = {

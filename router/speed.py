@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from mempool._radix import WorkerState
+
 T_REF = 0.01  # the overhead's unit in the fit (10 ms): every coefficient is of order 1
 DECAY = 0.98  # a sample's weight fades by this a request (about the last 50 weigh)
 SOLVE_EVERY = 4  # refit after this many samples (each one for the first 2 * this)
@@ -82,17 +84,47 @@ _R_PRIOR = [sum(_R[i][j] * PRIOR[j] for j in range(N)) for i in range(N)]
 @dataclass(slots=True)
 class EngineSpeed:
     """One worker's coefficients over the cost model's constants (all 1.0 and no overhead:
-    as the constants say)."""
+    as the constants say). They live in its `WorkerState` (the native decision reads them
+    there); this keeps the fit."""
 
-    overhead_s: float = PRIOR[0] * T_REF
-    queue_x: float = PRIOR[1]
-    token_x: float = PRIOR[2]
-    pair_x: float = PRIOR[3]
+    coefficients: WorkerState = field(default_factory=WorkerState)
     samples: int = 0
     learn: bool = True  # False: stays at the constants (--engine-speed fixed)
     # the forgetting sums of w x x^T and w x y over the samples
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * N for _ in range(N)])
     _xy: list[float] = field(default_factory=lambda: [0.0] * N)
+
+    @property
+    def overhead_s(self) -> float:
+        return self.coefficients.overhead_s
+
+    @overhead_s.setter
+    def overhead_s(self, value: float) -> None:
+        self.coefficients.overhead_s = value
+
+    @property
+    def queue_x(self) -> float:
+        return self.coefficients.queue_x
+
+    @queue_x.setter
+    def queue_x(self, value: float) -> None:
+        self.coefficients.queue_x = value
+
+    @property
+    def token_x(self) -> float:
+        return self.coefficients.token_x
+
+    @token_x.setter
+    def token_x(self, value: float) -> None:
+        self.coefficients.token_x = value
+
+    @property
+    def pair_x(self) -> float:
+        return self.coefficients.pair_x
+
+    @pair_x.setter
+    def pair_x(self, value: float) -> None:
+        self.coefficients.pair_x = value
 
     @property
     def slowness(self) -> float:

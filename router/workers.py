@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,12 +26,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from mempool._radix import WorkerState
 from router.speed import EngineSpeed
 
 log = logging.getLogger(__name__)
-
-RATE_WINDOW = 32  # the last requests a worker finished, for the rate it serves them at
-MIN_RATE_SAMPLES = 4
 
 
 class WorkerType(Enum):
@@ -88,20 +85,25 @@ class Agent:
         return {"instance_id": self.instance_id, "host": self.host, "port": self.port}
 
 
+def _figure(name: str, doc: str) -> property:
+    """A counter kept in the worker's WorkerState, where the native decision reads it."""
+    return property(
+        lambda self: getattr(self.state, name),
+        lambda self, value: setattr(self.state, name, value),
+        doc=doc,
+    )
+
+
 @dataclass(eq=False, slots=True)
 class Worker:
-    """One engine instance behind the router."""
+    """One engine instance behind the router. Its load figures, learned speed and abilities
+    live in `state` (a native WorkerState), which the routing decision reads in one call."""
 
     url: str
     type: WorkerType = WorkerType.COLOCATED
     bootstrap_port: int | None = None
     healthy: bool = True
     model_id: str | None = None
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-    reported_reqs: int = 0
-    reported_waiting: int = 0
-    reported_pending_tokens: int = 0
     health_failures: int = 0
     health_successes: int = 0
     breaker: BreakerState = BreakerState.CLOSED
@@ -109,51 +111,67 @@ class Worker:
     breaker_successes: int = 0
     breaker_opened_at: float = 0.0
     processed: int = 0
-    # other router replicas' requests in flight to it, as they last published them
-    peer_in_flight: int = 0
-    peer_in_flight_tokens: int = 0
-    agent: Agent | None = None  # its MemPool agent, when it pulls and serves prefixes
     learned: bool = False  # its /get_server_info was read (model, agent, KV-event source)
-    pulls_served: int = 0  # requests in flight that pull a prefix from this worker
     # the deadlines of the exchanges in flight to it (router.forward.relay.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
     exchanges: set[asyncio.Timeout] = field(default_factory=set)
     # called whenever its load figures change (the registry's load_changed: requests held
     # for an expected wait re-evaluate then, instead of polling)
     changed: Callable[[], None] = field(default=lambda: None, repr=False)
-    # requests of this router not begun yet, as far as their first byte tells (see InFlight)
-    unstarted: int = 0
-    # when its last requests ended: the rate it serves them at
-    finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
+    state: WorkerState = field(init=False, repr=False)
     # how much slower than the cost model's constants it computes (router.speed)
-    speed: EngineSpeed = field(default_factory=EngineSpeed)
+    speed: EngineSpeed = field(init=False, repr=False)
+    _agent: Agent | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state = WorkerState(self.url, self.type is WorkerType.PREFILL)
+        self.speed = EngineSpeed(self.state)
+
+    in_flight = _figure("in_flight", "this router's requests in flight to it")
+    in_flight_tokens = _figure("in_flight_tokens", "their prompt tokens not prefilled yet")
+    reported_reqs = _figure("reported_reqs", "requests it reported running")
+    reported_waiting = _figure("reported_waiting", "requests it reported waiting")
+    reported_pending_tokens = _figure("reported_pending_tokens", "tokens it reported queued")
+    peer_in_flight = _figure(
+        "peer_in_flight", "other router replicas' requests in flight to it, as last published"
+    )
+    peer_in_flight_tokens = _figure("peer_in_flight_tokens", "their prompt tokens")
+    pulls_served = _figure("pulls_served", "requests in flight pulling a prefix from it")
+    unstarted = _figure(
+        "unstarted", "this router's requests not begun yet, as their first byte tells (InFlight)"
+    )
+
+    @property
+    def agent(self) -> Agent | None:
+        """Its MemPool agent, when it pulls and serves prefixes."""
+        return self._agent
+
+    @agent.setter
+    def agent(self, agent: Agent | None) -> None:
+        self._agent = agent
+        self.state.has_agent = agent is not None
+        self.state.can_pull = agent is not None and agent.pulls
 
     @property
     def load(self) -> int:
         """Requests in flight: the routers' count (this one's plus its replicas') or the
         worker's, whichever is larger."""
-        return max(self.in_flight + self.peer_in_flight, self.reported_reqs + self.reported_waiting)
+        return self.state.load
 
     @property
     def queued_tokens(self) -> int:
-        return max(self.in_flight_tokens + self.peer_in_flight_tokens, self.reported_pending_tokens)
+        return self.state.queued_tokens
 
     @property
     def waiting(self) -> int:
         """Requests waiting to begin on it: this router's not begun, or the worker's own
         count of waiting requests, whichever is larger."""
-        return max(self.unstarted, self.reported_waiting)
+        return self.state.waiting
 
     def service_rate(self, now: float | None = None) -> float | None:
-        """Requests it finished per second lately (None: too few to tell); a worker that
+        """Requests it finished per second over its last 32 (None: under 4); a worker that
         stopped finishing any is slower than its last ones say."""
-        done = self.finished_at
-        if len(done) < MIN_RATE_SAMPLES:
-            return None
-        now = time.monotonic() if now is None else now
-        span = max(done[-1] - done[0], 1e-3)
-        lately = max(now - done[0], span)
-        return min((len(done) - 1) / span, len(done) / lately)
+        return self.state.service_rate(now)
 
     def measured_wait_s(self, now: float | None = None) -> float:
         """Seconds a request sent now is expected to wait before it begins: the requests
@@ -161,26 +179,23 @@ class Worker:
         requests not begun, the oldest is taken as being prefilled (the cost model's queued
         work prices its rest): counted, one request in prefill read as a whole service time
         of wait (1/rate, 0.2-0.4 s on the sweep's workers against 5-175 ms of prefill)."""
-        waiting = max(self.unstarted - 1, self.reported_waiting)
-        if not waiting:
-            return 0.0
-        rate = self.service_rate(now)
-        return waiting / rate if rate else 0.0
+        return self.state.measured_wait_s(now)
 
     @property
     def can_pull(self) -> bool:
         """It pulls a longer prefix from a peer when a request names one (our workers with
         --enable-mempool-pull; a real SGLang server does not)."""
-        return self.agent is not None and self.agent.pulls
+        return self.state.can_pull
 
     @contextlib.contextmanager
     def serving_pull(self) -> Iterator[None]:
         """Count a request that pulls a prefix from this worker while it runs."""
-        self.pulls_served += 1
+        state = self.state
+        state.pulls_served += 1
         try:
             yield
         finally:
-            self.pulls_served -= 1
+            state.pulls_served -= 1
 
     def abandon_exchanges(self) -> int:
         """Stop waiting for it: every exchange in flight ends now with a TimeoutError (a
@@ -219,36 +234,40 @@ class InFlight:
     compute counted as queued prefill work until its first byte (`prefill_done`), and, when
     its first byte marks its beginning, counted as waiting until then."""
 
-    __slots__ = ("_tokens", "_waiting", "worker")
+    __slots__ = ("_state", "_tokens", "_waiting", "worker")
 
     def __init__(self, worker: Worker, prefill_tokens: int, waiting: bool = False) -> None:
         self.worker = worker
+        self._state = worker.state
         self._tokens = max(prefill_tokens, 0)
         self._waiting = waiting
 
     def __enter__(self) -> InFlight:
-        self.worker.in_flight += 1
-        self.worker.in_flight_tokens += self._tokens
-        self.worker.unstarted += self._waiting
+        state = self._state
+        state.in_flight += 1
+        state.in_flight_tokens += self._tokens
+        state.unstarted += self._waiting
         self.worker.changed()
         return self
 
     def prefill_done(self) -> None:
         """The worker has begun answering: its prompt is no longer queued work."""
         if self._tokens or self._waiting:
-            self.worker.in_flight_tokens -= self._tokens
-            self.worker.unstarted -= self._waiting
+            state = self._state
+            state.in_flight_tokens -= self._tokens
+            state.unstarted -= self._waiting
             self._tokens, self._waiting = 0, False
             self.worker.changed()
 
     def __exit__(self, *exc: object) -> None:
-        self.worker.in_flight_tokens -= self._tokens
-        self.worker.unstarted -= self._waiting
+        state = self._state
+        state.in_flight_tokens -= self._tokens
+        state.unstarted -= self._waiting
         self._tokens, self._waiting = 0, False
-        self.worker.in_flight -= 1
+        state.in_flight -= 1
         self.worker.processed += 1
         if not exc or exc[0] is None:  # a failure is not service (it may be instant)
-            self.worker.finished_at.append(time.monotonic())
+            state.finish()
         self.worker.changed()
 
 

@@ -50,7 +50,7 @@ from benchmarks.multiturn.queue_floor import prefill_servers
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Request
 from connector.worker.latency_model import LatencyModel
-from router.heat import PrefixHeat
+from mempool._radix import Heat
 from router.policies import (
     CostModel,
     Policy,
@@ -161,7 +161,7 @@ class Replay:
             trees = cast(PromptTrees, self.trees)  # the part of PromptTrees policies read
             self.policy = make_policy(policy, trees, Thresholds(), CostModel(), pulls=False)
             if isinstance(self.policy, PromptTree):  # heat decays on the replay's clock
-                self.policy.heat = PrefixHeat(PAGE, clock=lambda: self.now)
+                self.policy.heat = Heat(PAGE, clock=lambda: self.now)
 
     def run(self, requests: Sequence[Request]) -> ReplayResult:
         """The requests in send order; the policies' random tie-breaks are seeded (and the

@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from router.heat import PrefixHeat
+from mempool._radix import Heat
 from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerType
@@ -21,7 +21,7 @@ class Clock:
 
 def test_heat_counts_earlier_requests_and_decays() -> None:
     clock = Clock()
-    heat = PrefixHeat(page_size=4, half_life_s=10.0, clock=clock)
+    heat = Heat(page_size=4, half_life_s=10.0, clock=clock)
     tokens = list(range(40))
     assert heat.bump(tokens, 3) == 0.0  # under a page: no prefix
     assert heat.bump(tokens, 16) == 0.0  # the first request
@@ -53,7 +53,7 @@ def test_a_hot_prefix_leaves_a_busy_holder_where_a_cold_one_stays() -> None:
 
 def test_share_is_a_prefix_part_of_all_recent_requests() -> None:
     clock = Clock()
-    heat = PrefixHeat(page_size=4, half_life_s=10.0, clock=clock)
+    heat = Heat(page_size=4, half_life_s=10.0, clock=clock)
     a, b = list(range(16)), list(range(100, 116))
     assert heat.bump(a, 16) == 0.0 and heat.share(0.0) == 0.0  # nothing before it
     heat.bump(b, 16)

@@ -257,7 +257,8 @@ def test_a_prefix_evicted_everywhere_goes_back_where_it_lived() -> None:
     assert decision.worker is ws[2] and decision.reason == "home"
     assert decision.predicted_cached == 0  # nothing is expected to be cached there
     ws[2].reported_waiting = 40  # its queue would cost more than computing elsewhere
-    ws[2].finished_at.extend([0.0, 1.0, 2.0, 3.0])
+    for t in (0.0, 1.0, 2.0, 3.0):
+        ws[2].state.finish(t)
     assert policy.select(RouteRequest(tokens, "", None), ws).worker is not ws[2]
 
 

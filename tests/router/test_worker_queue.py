@@ -12,7 +12,8 @@ from router.workers import Worker, WorkerType
 
 
 def finish(worker: Worker, times: list[float]) -> None:
-    worker.finished_at.extend(times)
+    for t in times:
+        worker.state.finish(t)
 
 
 def test_a_streamed_request_waits_until_its_first_byte() -> None:
@@ -21,12 +22,12 @@ def test_a_streamed_request_waits_until_its_first_byte() -> None:
         assert worker.unstarted == 1 and worker.waiting == 1
         flight.prefill_done()
         assert worker.unstarted == 0 and worker.in_flight == 1
-    assert worker.in_flight == 0 and len(worker.finished_at) == 1
+    assert worker.in_flight == 0 and worker.state.finished == 1
     with worker.request(100) as flight:  # a non-streamed answer: its first byte is its end
         assert worker.unstarted == 0
     with pytest.raises(RuntimeError), worker.request(5, True):
         raise RuntimeError("the worker failed")
-    assert worker.unstarted == 0 and len(worker.finished_at) == 2  # a failure is no service
+    assert worker.unstarted == 0 and worker.state.finished == 2  # a failure is no service
 
 
 def test_the_service_rate_comes_from_recent_finishes_and_decays_when_they_stop() -> None:

@@ -1,0 +1,320 @@
+// The router's decision (decide.hpp). Ties go to the first worker, as Python's min() and max()
+// give them, so the reference model in the tests decides the same on the same input.
+#include "decide.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace route {
+
+namespace {
+
+int64_t floor_pages(int64_t tokens, int64_t page) {  // Python's // for a positive page
+    int64_t q = tokens / page;
+    if (tokens % page != 0 && tokens < 0) q -= 1;
+    return q * page;
+}
+
+// Tokens of an `n`-token prompt an engine holding `held` of it reuses: whole pages only, and
+// never the last prompt token, which it always computes.
+int64_t reusable(int64_t held, int64_t n, int64_t page) {
+    return floor_pages(std::min(held, n - 1), page);
+}
+
+struct Terms {
+    double tokens_s, pairs_s;
+};
+
+Terms prefill_terms(const Costs& c, int64_t fresh, int64_t cached) {
+    double nf = static_cast<double>(fresh);
+    return {nf * c.prefill_s_per_token,
+            nf * (static_cast<double>(cached) + nf / 2) * c.prefill_s_per_token_pair};
+}
+
+}  // namespace
+
+Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64_t host,
+          const WorkerState* source, int64_t best, int64_t load, double now) {
+    double work = 0;
+    double queue = queue_s(c, w, host, load, now, &work);
+    double loading = static_cast<double>(host) * c.host_load_s_per_token;
+    Terms own_t = prefill_terms(c, n - cached, cached);
+    Plan own{queue + w.prefill_s(own_t.tokens_s, own_t.pairs_s), n - cached, false,
+             {work, own_t.tokens_s, own_t.pairs_s, loading}};
+    if (source == nullptr || best <= cached || !w.can_pull) return own;
+    double moved = static_cast<double>(best - cached) * c.transfer_s_per_token *
+                   static_cast<double>(1 + source->pulls_served);
+    Terms t = prefill_terms(c, n - best, best);
+    double pull = queue + moved + w.prefill_s(t.tokens_s, t.pairs_s);
+    if (pull >= own.seconds) return own;
+    return Plan{pull, n - best, true, {work, t.tokens_s, t.pairs_s, loading + moved}};
+}
+
+// ------------------------------------------------------------------ a worker's figures
+
+int64_t WorkerState::load() const {
+    return std::max(in_flight + peer_in_flight, reported_reqs + reported_waiting);
+}
+
+int64_t WorkerState::queued_tokens() const {
+    return std::max(in_flight_tokens + peer_in_flight_tokens, reported_pending_tokens);
+}
+
+int64_t WorkerState::waiting() const { return std::max(unstarted, reported_waiting); }
+
+void WorkerState::finish(double at) {
+    if (finished_n_ < kRateWindow) {
+        finished_at_[(finished_head_ + finished_n_) % kRateWindow] = at;
+        finished_n_++;
+    } else {
+        finished_at_[finished_head_] = at;
+        finished_head_ = (finished_head_ + 1) % kRateWindow;
+    }
+}
+
+double WorkerState::finished(int i) const {
+    return finished_at_[(finished_head_ + i) % kRateWindow];
+}
+
+// Requests it finished per second lately; a worker that stopped finishing any is slower than
+// its last ones say.
+bool WorkerState::service_rate(double now, double& rate) const {
+    if (finished_n_ < kMinRateSamples) return false;
+    double first = finished(0), last = finished(finished_n_ - 1);
+    double span = std::max(last - first, 1e-3);
+    double lately = std::max(now - first, span);
+    rate = std::min((finished_n_ - 1) / span, finished_n_ / lately);
+    return true;
+}
+
+// The requests waiting ahead of a new one over the rate it serves them; of this router's
+// requests not begun, the oldest is taken as being prefilled.
+double WorkerState::measured_wait_s(double now) const {
+    int64_t waiting = std::max(unstarted - 1, reported_waiting);
+    if (waiting <= 0) return 0.0;
+    double rate = 0;
+    if (!service_rate(now, rate) || rate == 0) return 0.0;
+    return static_cast<double>(waiting) / rate;
+}
+
+double queue_s(const Costs& c, const WorkerState& w, int64_t host, int64_t load, double now,
+               double* work_out) {
+    double work = static_cast<double>(w.queued_tokens()) * c.prefill_s_per_token +
+                  static_cast<double>(load) * c.busy_s_per_request;
+    double modelled = work * w.queue_x;
+    if (!w.prefill && w.waiting()) modelled = std::max(modelled, w.measured_wait_s(now));
+    if (work_out) *work_out = work;
+    return modelled + static_cast<double>(host) * c.host_load_s_per_token;
+}
+
+// ------------------------------------------------------------------ prefix heat
+
+Heat::Heat(uint32_t page_size, double half_life_s, size_t max_entries, double now)
+    : ps_(page_size), rate_(std::log(2.0) / half_life_s), max_entries_(max_entries),
+      total_at_(now) {}
+
+double Heat::bump(const uint32_t* tokens, size_t n, int64_t length, double now) {
+    before_ = total_ * std::exp(-rate_ * (now - total_at_));
+    total_ = before_ + 1.0;
+    total_at_ = now;
+    if (length < static_cast<int64_t>(ps_) || static_cast<size_t>(length) > n) return 0.0;
+    std::string key(sizeof(int64_t) + ps_ * sizeof(uint32_t), '\0');
+    std::memcpy(key.data(), &length, sizeof(int64_t));
+    std::memcpy(key.data() + sizeof(int64_t), tokens + (length - ps_), ps_ * sizeof(uint32_t));
+    double count = 0.0;
+    auto it = counts_.find(key);
+    if (it != counts_.end()) {
+        count = it->second.count * std::exp(-rate_ * (now - it->second.at));
+        order_.erase(it->second.order);
+        counts_.erase(it);
+    }
+    order_.push_back(key);
+    counts_.emplace(std::move(key), Entry{count + 1.0, now, std::prev(order_.end())});
+    if (counts_.size() > max_entries_) {  // the least recently seen goes
+        counts_.erase(order_.front());
+        order_.pop_front();
+    }
+    return count;
+}
+
+// ------------------------------------------------------------------ the decision
+
+const char* reason_name(Reason r) {
+    switch (r) {
+        case Reason::CacheHit: return "cache_hit";
+        case Reason::CacheMiss: return "cache_miss";
+        case Reason::HostHit: return "host_hit";
+        case Reason::Home: return "home";
+        case Reason::HomeBusy: return "home_busy";
+        case Reason::Overload: return "overload";
+        case Reason::Pull: return "pull";
+        case Reason::OverloadPull: return "overload_pull";
+        case Reason::HomeBusyPull: return "home_busy_pull";
+        case Reason::HomePull: return "home_pull";
+    }
+    return "policy";
+}
+
+namespace {
+
+Reason pulled(Reason r) {
+    switch (r) {
+        case Reason::CacheHit: case Reason::CacheMiss: return Reason::Pull;
+        case Reason::Overload: return Reason::OverloadPull;
+        case Reason::HomeBusy: return Reason::HomeBusyPull;
+        case Reason::Home: return Reason::HomePull;
+        default: return r;
+    }
+}
+
+struct Options {
+    std::vector<int64_t> held, loads, host;
+    std::vector<Plan> plans;
+    size_t best = 0;  // the holder of the longest prefix
+};
+
+Options options(const Settings& s, const std::vector<const WorkerState*>& ws,
+                const std::vector<Held>& view, int64_t n, double now) {
+    Options o;
+    size_t k = ws.size();
+    int64_t page = s.page_size;
+    o.held.resize(k);
+    o.loads.resize(k);
+    o.host.resize(k);
+    int64_t key_held = 0, key_load = 0;
+    for (size_t i = 0; i < k; i++) {
+        int64_t found = std::max<int64_t>(view[i].any, 0);
+        int64_t mine = reusable(found, n, page);
+        o.held[i] = mine;
+        o.loads[i] = ws[i]->load();
+        // (mine, -load) > the best's: more held, or as much and less loaded
+        if (i == 0 || mine > key_held || (mine == key_held && -o.loads[i] > key_load)) {
+            o.best = i;
+            key_held = mine;
+            key_load = -o.loads[i];
+        }
+        o.host[i] = std::max<int64_t>(found - std::max<int64_t>(view[i].device, 0), 0);
+    }
+    int64_t most = o.held[o.best];
+    const WorkerState* source =
+        s.pulls && most && ws[o.best]->has_agent ? ws[o.best] : nullptr;
+    o.plans.reserve(k);
+    for (size_t i = 0; i < k; i++) {
+        int64_t host = std::min(o.host[i], o.held[i]);
+        const WorkerState* from = source != ws[i] ? source : nullptr;
+        o.plans.push_back(plan(s.costs, *ws[i], n, o.held[i], host, from, most, o.loads[i], now));
+    }
+    return o;
+}
+
+Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, const Options& o,
+              size_t choice, Reason reason) {
+    Choice c;
+    c.worker = choice;
+    int64_t mine = o.held[choice];
+    const Plan& p = o.plans[choice];
+    if (p.pull) {
+        reason = pulled(reason);
+    } else if (reason == Reason::CacheHit && o.host[choice]) {
+        reason = Reason::HostHit;
+    }
+    c.reason = reason;
+    c.predicted_cached = mine;
+    if (s.pulls && ws[choice]->can_pull) {
+        for (size_t i = 0; i < ws.size(); i++) {
+            if (i != choice && ws[i]->has_agent && o.held[i] > mine) {
+                c.holders.emplace_back(i, o.held[i]);
+            }
+        }
+        std::stable_sort(c.holders.begin(), c.holders.end(),
+                         [](const auto& a, const auto& b) { return a.second > b.second; });
+    }
+    c.pull_from = p.pull ? static_cast<int64_t>(o.best) : -1;
+    c.work = p.work;
+    return c;
+}
+
+}  // namespace
+
+Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
+              const std::vector<Held>& view, const uint32_t* tokens, size_t n,
+              int64_t num_tokens, Heat* heat, double now, double heat_now) {
+    Options o = options(s, ws, view, num_tokens, now);
+    size_t k = ws.size();
+    if (s.rule == Rule::Cost) {
+        size_t choice = 0;
+        for (size_t i = 1; i < k; i++) {
+            const Plan& a = o.plans[i];
+            const Plan& b = o.plans[choice];
+            if (a.seconds < b.seconds || (a.seconds == b.seconds && o.loads[i] < o.loads[choice])) {
+                choice = i;
+            }
+        }
+        return choose(s, ws, o, choice, o.held[choice] ? Reason::CacheHit : Reason::CacheMiss);
+    }
+    // Where the prefix lives, or lived last: a prefix evicted everywhere is computed again
+    // where it lived rather than scattered.
+    int64_t page = s.page_size;
+    std::vector<int64_t> affinity = o.held;
+    size_t best = o.best;
+    bool homes = false;
+    for (size_t i = 0; i < k; i++) {
+        if (view[i].home >= 0) {
+            homes = true;
+            affinity[i] = std::max(o.held[i], reusable(view[i].home, num_tokens, page));
+        }
+    }
+    if (homes) {  // max by (affinity, held, -load), the first of equals
+        best = 0;
+        for (size_t i = 1; i < k; i++) {
+            if (affinity[i] != affinity[best]) {
+                if (affinity[i] > affinity[best]) best = i;
+            } else if (o.held[i] != o.held[best]) {
+                if (o.held[i] > o.held[best]) best = i;
+            } else if (o.loads[i] < o.loads[best]) {
+                best = i;
+            }
+        }
+    }
+    int64_t most = affinity[best];
+    double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
+    if (h) {  // a hot prefix with copies enough: one more only displaces other cache
+        int64_t copies = 0;
+        for (int64_t a : affinity) copies += a >= most;
+        if (static_cast<double>(copies) >= heat->share(h) * static_cast<double>(k)) h = 0.0;
+    }
+    std::vector<double> placement(k);
+    size_t soonest = 0;
+    for (size_t i = 0; i < k; i++) {
+        int64_t lacks = most - affinity[i];
+        double seconds = o.plans[i].seconds;
+        if (lacks) {
+            seconds += static_cast<double>(lacks) * s.costs.prefill_s_per_token *
+                       ws[i]->token_x * static_cast<double>(1 + ws[i]->waiting()) / (1 + h);
+        }
+        placement[i] = seconds;
+        if (i == 0 || seconds < placement[soonest] ||
+            (seconds == placement[soonest] && o.loads[i] < o.loads[soonest])) {
+            soonest = i;
+        }
+    }
+    if (most == 0) return choose(s, ws, o, soonest, Reason::CacheMiss);
+    int64_t low = *std::min_element(o.loads.begin(), o.loads.end());
+    if (s.thresholds.imbalanced(o.loads[best], low)) {  // sglang-router's rule: the lightest
+        size_t lightest = k;
+        for (size_t i = 0; i < k; i++) {
+            if (o.loads[i] == low && (lightest == k || placement[i] < placement[lightest])) {
+                lightest = i;
+            }
+        }
+        return choose(s, ws, o, lightest, Reason::Overload);
+    }
+    if (soonest != best && placement[soonest] < placement[best]) {
+        if (o.held[soonest] >= most) return choose(s, ws, o, soonest, Reason::CacheHit);
+        return choose(s, ws, o, soonest, o.held[best] ? Reason::Overload : Reason::HomeBusy);
+    }
+    return choose(s, ws, o, best, o.held[best] ? Reason::CacheHit : Reason::Home);
+}
+
+}  // namespace route

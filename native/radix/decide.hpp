@@ -1,0 +1,155 @@
+// The router's decision in plain C++ (no Python): each worker's figures, the cost model's
+// expected time to first token, prefix heat, and the prompt_tree and cost policies' choice.
+// router.policies documents the rules; tests/router/policy_model.py is the reference model the
+// tests drive beside it. The binding (bind_decide.cpp) fills `Held` from a prompt tree's walk.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace route {
+
+constexpr int kRateWindow = 32;  // the last requests a worker finished, for its service rate
+constexpr int kMinRateSamples = 4;
+
+// One worker as the router sees it: counters the request path keeps, what the worker reports,
+// its learned speed over the cost model's constants (router.speed), and what it can do.
+struct WorkerState {
+    int64_t in_flight = 0, in_flight_tokens = 0;            // this router's requests
+    int64_t peer_in_flight = 0, peer_in_flight_tokens = 0;  // other replicas' (router.replicas)
+    int64_t reported_reqs = 0, reported_waiting = 0, reported_pending_tokens = 0;
+    int64_t unstarted = 0;     // this router's requests not begun (first byte not seen)
+    int64_t pulls_served = 0;  // requests in flight pulling a prefix from it
+    bool prefill = false;      // a PD prefill: its queue is the model alone
+    bool has_agent = false;    // serves MemPool pulls
+    bool can_pull = false;     // pulls a longer prefix when a request names one
+    double overhead_s = 0.0, queue_x = 1.0, token_x = 1.0, pair_x = 1.0;
+
+    int64_t load() const;
+    int64_t queued_tokens() const;
+    int64_t waiting() const;
+    void finish(double at);  // a request ended at `at` (time.monotonic)
+    int finished() const { return finished_n_; }
+    bool service_rate(double now, double& rate) const;  // false: too few to tell
+    double measured_wait_s(double now) const;
+    double prefill_s(double tokens_s, double pairs_s) const {
+        return overhead_s + token_x * tokens_s + pair_x * pairs_s;
+    }
+
+  private:
+    double finished_at_[kRateWindow] = {};
+    int finished_n_ = 0, finished_head_ = 0;  // ring: the oldest at head once full
+    double finished(int i) const;             // i-th oldest
+};
+
+// The cost model's constants (router.policies.CostModel).
+struct Costs {
+    double prefill_s_per_token = 4.0e-5;
+    double transfer_s_per_token = 5.2e-6;
+    double busy_s_per_request = 2.0e-3;
+    double host_load_s_per_token = 2.6e-6;
+    double prefill_s_per_token_pair = 1.3e-9;
+};
+
+struct Work {
+    double queue_s = 0, tokens_s = 0, pairs_s = 0, fixed_s = 0;
+};
+
+struct Plan {
+    double seconds = 0;
+    int64_t computed = 0;
+    bool pull = false;
+    Work work;
+};
+
+// How `w` would serve a prompt of `n` tokens holding `cached` of them (`host` of those on its
+// host tier, to load first); `source` (or null) holds `best` and may be pulled from, its link
+// shared with the pulls already planned from it.
+Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64_t host,
+          const WorkerState* source, int64_t best, int64_t load, double now);
+
+// Seconds before a new prefill starts on `w` (host: tokens to load from its host tier first);
+// `work` gets its modelled part at the constants.
+double queue_s(const Costs& c, const WorkerState& w, int64_t host, int64_t load, double now,
+               double* work);
+
+// How hot a prefix is: how many recent requests reused it, decayed over time (keyed by its
+// length and last page). A prefix one conversation reuses (its history) is not worth copying
+// to another worker: the copy displaces other cache there and serves nobody else. A prefix
+// many requests share (a system or tool prompt) is: each copy spreads its traffic over one
+// more worker. The prompt_tree rule divides the price of moving a prefix by its heat while
+// the prefix has fewer copies than its share of all requests needs workers: once it has as
+// many, another copy only displaces other prefixes' cache (the 10-prefix sweep cell, 4
+// workers: hit 86% against cache_aware's 92% with every hot move discounted; 88-89% with
+// this bound).
+class Heat {
+  public:
+    Heat(uint32_t page_size, double half_life_s, size_t max_entries, double now);
+    double bump(const uint32_t* tokens, size_t n, int64_t length, double now);
+    double share(double heat) const { return before_ > 0 ? heat / before_ : 0.0; }
+    double before() const { return before_; }
+    size_t size() const { return counts_.size(); }
+    uint32_t page_size() const { return ps_; }
+
+  private:
+    struct Entry {
+        double count, at;
+        std::list<std::string>::iterator order;
+    };
+    uint32_t ps_;
+    double rate_;
+    size_t max_entries_;
+    double before_ = 0.0, total_ = 0.0, total_at_;
+    std::unordered_map<std::string, Entry> counts_;
+    std::list<std::string> order_;  // least recently seen first
+};
+
+struct Thresholds {
+    int64_t balance_abs = 64;
+    double balance_rel = 1.5;
+    bool imbalanced(int64_t high, int64_t low) const {
+        return high - low > balance_abs && high > low * balance_rel;
+    }
+};
+
+// What the trees hold of the prompt for one candidate (tokens; -1: no entry).
+struct Held {
+    int64_t any = -1, device = -1, home = -1;
+};
+
+enum class Reason : uint8_t {
+    CacheHit, CacheMiss, HostHit, Home, HomeBusy, Overload, Pull, OverloadPull, HomeBusyPull,
+    HomePull
+};
+const char* reason_name(Reason r);
+
+struct Choice {
+    size_t worker = 0;
+    Reason reason = Reason::CacheMiss;
+    int64_t predicted_cached = 0;
+    std::vector<std::pair<size_t, int64_t>> holders;  // longer prefixes, longest first
+    int64_t pull_from = -1;
+    Work work;
+};
+
+enum class Rule : uint8_t { PromptTree, Cost };
+
+struct Settings {
+    Rule rule = Rule::PromptTree;
+    uint32_t page_size = 16;
+    bool pulls = true;
+    Costs costs;
+    Thresholds thresholds;
+};
+
+// The choice among `workers` (never empty) for a prompt of `num_tokens` tokens whose first
+// `n` ids are `tokens` (what the trees matched), `held` per worker; `heat` is bumped by the
+// prompt_tree rule. `now`: time.monotonic, for measured waits; `heat_now`: the heat's clock.
+Choice decide(const Settings& s, const std::vector<const WorkerState*>& workers,
+              const std::vector<Held>& held, const uint32_t* tokens, size_t n,
+              int64_t num_tokens, Heat* heat, double now, double heat_now);
+
+}  // namespace route

@@ -1,0 +1,201 @@
+"""The native decision against the Python reference model (tests/router/policy_model.py):
+the same trees, workers and requests give the same choice, reason, prediction, holders, pull
+and priced work; bad input raises a clear Python exception."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mempool._radix import Decider, Heat, WorkerState
+from router.policies import Cost, CostModel, PromptTree, RouteRequest, Thresholds
+from router.trees import PromptTrees, Tier
+from router.workers import Agent, Worker, WorkerType
+from tests.router.policy_model import PrefixHeat, ReferencePolicy
+
+PAGE = 4
+FUTURE = 1e12  # finish times ahead of any clock: a service rate that does not move with now
+
+
+class Clock:
+    now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=40)
+worker_st = st.fixed_dictionaries(
+    {
+        "prefill": st.booleans(),
+        "in_flight": st.integers(0, 6),
+        "in_flight_tokens": st.integers(0, 20_000),
+        "peer_in_flight": st.integers(0, 3),
+        "reported_reqs": st.integers(0, 6),
+        "reported_waiting": st.integers(0, 3),
+        "reported_pending_tokens": st.integers(0, 20_000),
+        "unstarted": st.integers(0, 3),
+        "pulls_served": st.integers(0, 2),
+        "agent": st.sampled_from([None, True, True, False]),  # None, pulls, serves only
+        "finished": st.integers(0, 8),
+        "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05)),
+    }
+)
+
+
+def make_worker(i: int, spec: dict) -> Worker:
+    kind = WorkerType.PREFILL if spec["prefill"] else WorkerType.COLOCATED
+    w = Worker(f"http://127.0.0.1:{9000 + i}", kind)
+    for name in (
+        "in_flight",
+        "in_flight_tokens",
+        "peer_in_flight",
+        "reported_reqs",
+        "reported_waiting",
+        "reported_pending_tokens",
+        "unstarted",
+        "pulls_served",
+    ):
+        setattr(w, name, spec[name])
+    if spec["agent"] is not None:
+        w.agent = Agent(i + 1, "127.0.0.1", 7000 + i, pulls=spec["agent"])
+    for k in range(spec["finished"]):
+        w.state.finish(FUTURE + k * 0.25)
+    w.speed.queue_x, w.speed.token_x, w.speed.pair_x, w.speed.overhead_s = spec["x"]
+    return w
+
+
+def same(a, b) -> None:
+    assert (a.worker.url, a.reason, a.predicted_cached) == (
+        b.worker.url,
+        b.reason,
+        b.predicted_cached,
+    )
+    assert [(w.url, n) for w, n in a.holders] == [(w.url, n) for w, n in b.holders]
+    assert (a.pull_from and a.pull_from.url) == (b.pull_from and b.pull_from.url)
+    assert a.work == pytest.approx(b.work, rel=1e-9, abs=1e-15)
+
+
+doc_st = st.lists(st.integers(0, 1000), min_size=8, max_size=48)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rule=st.sampled_from(["prompt_tree", "cost"]),
+    specs=st.lists(worker_st, min_size=1, max_size=5),
+    docs=st.lists(doc_st, min_size=1, max_size=3),  # prefixes the requests share
+    held=st.lists(
+        st.tuples(
+            st.integers(0, 4), st.sampled_from(list(Tier)), st.integers(0, 2), st.integers(1, 48)
+        ),
+        max_size=12,
+    ),
+    requests=st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.integers(0, 48),
+            tokens_st,
+            st.integers(0, 9),
+            st.sampled_from([0.0, 0.5, 30.0]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    pulls=st.booleans(),
+    balance=st.tuples(st.sampled_from([0, 4, 64]), st.floats(1.0, 2.0)),
+)
+def test_the_native_decision_is_the_reference_models(
+    rule,
+    specs,
+    docs,
+    held,
+    requests,
+    pulls,
+    balance,
+) -> None:
+    clock = Clock()
+    trees = PromptTrees(page_size=PAGE, ttl_s=1e9, clock=clock)
+    ws = [make_worker(i, s) for i, s in enumerate(specs)]
+    for i, tier, doc, cut in held:
+        tokens = docs[doc % len(docs)][:cut]
+        trees.record(WorkerType.COLOCATED, f"http://127.0.0.1:{9000 + i}", tokens, tier)
+    thresholds = Thresholds(balance_abs=balance[0], balance_rel=balance[1])
+    cost = CostModel()
+    native = (PromptTree if rule == "prompt_tree" else Cost)(trees, thresholds, cost, pulls)
+    heat_clock = Clock()
+    if rule == "prompt_tree":
+        native.heat = Heat(PAGE, clock=heat_clock)
+    model = ReferencePolicy(
+        rule, trees, thresholds, cost, pulls, PrefixHeat(PAGE, clock=heat_clock)
+    )
+    for doc, cut, suffix, rest, later in requests:
+        heat_clock.now += later
+        tokens = docs[doc % len(docs)][:cut] + suffix
+        same(
+            native.select(RouteRequest(array("I", tokens), "", None, rest_tokens=rest), ws),
+            model.select(RouteRequest(tokens, "", None, rest_tokens=rest), ws),
+        )
+
+
+def test_a_hot_prefix_is_counted_alike() -> None:
+    clock = Clock()
+    heat, model = Heat(PAGE, half_life_s=10.0, clock=clock), PrefixHeat(PAGE, 10.0, clock=clock)
+    tokens = list(range(40))
+    for length, later in ((3, 0), (16, 0), (16, 1), (20, 0), (16, 10), (16, 0)):
+        clock.now += later
+        assert heat.bump(array("I", tokens), length) == pytest.approx(model.bump(tokens, length))
+        assert heat.before == pytest.approx(model.before)
+    assert len(heat) == 2  # (16, last page) and (20, last page)
+
+
+def test_heat_keeps_at_most_its_entries() -> None:
+    heat = Heat(PAGE, max_entries=3, clock=Clock())
+    for length in (4, 8, 12, 16):
+        heat.bump(list(range(16)), length)
+    assert len(heat) == 3
+    assert heat.bump(list(range(16)), 4) == 0.0  # the least recently seen went
+
+
+def test_bad_input_raises_a_clear_error() -> None:
+    trees = PromptTrees(page_size=PAGE)
+    core = CostModel().decider("prompt_tree", PAGE)
+    tree = trees.trees[WorkerType.COLOCATED]
+    state = WorkerState("http://a:1")
+    with pytest.raises(ValueError, match="at least one worker"):
+        core.decide(tree, [1, 2, 3, 4], 4, [])
+    with pytest.raises(TypeError, match="WorkerState"):
+        core.decide(tree, [1, 2, 3, 4], 4, ["http://a:1"])
+    with pytest.raises(ValueError, match="num_tokens"):
+        core.decide(tree, [1, 2, 3, 4], 0, [state])
+    with pytest.raises(ValueError, match="page size"):
+        CostModel().decider("cost", 8).decide(tree, [1] * 8, 8, [state])
+    with pytest.raises(TypeError, match="RadixTree"):
+        core.decide(object(), [1], 1, [state])
+    with pytest.raises(ValueError, match=r"one .* entry per worker"):
+        core.decide_view([], [1], 1, [state])
+    with pytest.raises(ValueError, match="rule"):
+        CostModel().decider("round_robin")
+    with pytest.raises(ValueError, match="prefill_s_per_token"):
+        CostModel(prefill_s_per_token=-1.0).decider("cost")
+    with pytest.raises(ValueError, match="half_life_s"):
+        Heat(PAGE, half_life_s=0.0)
+    with pytest.raises(TypeError, match="Heat"):
+        core.heat = "hot"
+    with pytest.raises(TypeError, match="url"):
+        WorkerState(5)  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="token ids"):
+        core.decide(tree, [1, -2, 3, 4], 4, [state])
+    assert isinstance(Decider, type)
+
+
+def test_an_empty_prompt_is_a_miss_on_the_least_loaded() -> None:
+    trees = PromptTrees(page_size=PAGE)
+    ws = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
+    ws[0].in_flight = 2
+    d = PromptTree(trees, Thresholds(), CostModel()).select(
+        RouteRequest((), "", None, rest_tokens=5), ws
+    )
+    assert (d.worker, d.reason, d.predicted_cached) == (ws[1], "cache_miss", 0)
