@@ -166,3 +166,115 @@ class RadixTree:
     def _known_holders(self) -> int: ...
     @property
     def _memory_bytes(self) -> int: ...
+
+# The router's decision (native/radix/decide.cpp; router.policies documents the rules).
+
+class WorkerState:
+    """One worker's figures as the decision reads them: the router's counters, the worker's
+    reports, its learned speed (router.workers.Worker keeps one)."""
+
+    def __init__(self, url: str | None = None, prefill: bool = False) -> None: ...
+    @property
+    def url(self) -> str | None: ...
+    @property
+    def prefill(self) -> bool: ...
+    in_flight: int
+    in_flight_tokens: int
+    peer_in_flight: int
+    peer_in_flight_tokens: int
+    reported_reqs: int
+    reported_waiting: int
+    reported_pending_tokens: int
+    unstarted: int
+    pulls_served: int
+    has_agent: bool
+    can_pull: bool
+    overhead_s: float
+    queue_x: float
+    token_x: float
+    pair_x: float
+    @property
+    def load(self) -> int: ...
+    @property
+    def queued_tokens(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def finished(self) -> int:
+        """Requests counted for the service rate (the last 32 at most)."""
+    def finish(self, at: float | None = None) -> None:
+        """A request ended at `at` (time.monotonic; None: now)."""
+    def service_rate(self, now: float | None = None) -> float | None: ...
+    def measured_wait_s(self, now: float | None = None) -> float: ...
+
+class Heat:
+    """Decayed counts of requests per prefix (its length and last page)."""
+
+    def __init__(
+        self,
+        page_size: int = 16,
+        half_life_s: float = 30.0,
+        max_entries: int = 16384,
+        clock: Callable[[], float] | None = None,
+    ) -> None: ...
+    def bump(self, tokens: _Tokens, length: int) -> float:
+        """Requests that reused the first `length` tokens before this one (decayed); this one
+        is counted, among all requests as well. 0 for a prefix under a page."""
+    def share(self, heat: float) -> float: ...
+    @property
+    def before(self) -> float: ...
+    @property
+    def page_size(self) -> int: ...
+    def __len__(self) -> int: ...
+
+_Choice = tuple[int, str, int, list[tuple[int, int]], int | None, tuple[float, float, float, float]]
+
+class Decider:
+    """The prompt_tree or cost rule with the cost model's constants."""
+
+    def __init__(
+        self,
+        rule: str,
+        page_size: int,
+        pulls: bool,
+        balance_abs: int,
+        balance_rel: float,
+        prefill_s_per_token: float,
+        transfer_s_per_token: float,
+        busy_s_per_request: float,
+        host_load_s_per_token: float,
+        prefill_s_per_token_pair: float,
+        heat: Heat | None = None,
+    ) -> None: ...
+    heat: Heat | None
+    @property
+    def page_size(self) -> int: ...
+    def decide(
+        self,
+        tree: RadixTree,
+        tokens: _Tokens,
+        num_tokens: int,
+        workers: Sequence[WorkerState],
+        ttl: float | None = None,
+    ) -> _Choice:
+        """(worker index, reason, predicted cached tokens, longer holders as (index, tokens)
+        longest first, index pulled from or None, work terms at the constants)."""
+    def decide_view(
+        self,
+        view: Sequence[tuple[int, int, int]],
+        tokens: _Tokens,
+        num_tokens: int,
+        workers: Sequence[WorkerState],
+    ) -> _Choice:
+        """`decide` over a view given per worker as (any tier, device, home), -1 for none."""
+    def plan(
+        self,
+        worker: WorkerState,
+        num_tokens: int,
+        cached: int,
+        host: int = 0,
+        source: WorkerState | None = None,
+        best: int = 0,
+        load: int | None = None,
+    ) -> tuple[float, int, bool, tuple[float, float, float, float]]: ...
+    def queue_s(self, worker: WorkerState, host: int = 0, load: int | None = None) -> float: ...

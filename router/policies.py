@@ -55,8 +55,9 @@ class RouteRequest:
 
 def reusable(held: int, n: int, page: int) -> int:
     """Tokens of an `n`-token prompt an engine holding `held` of it reuses: whole pages only,
-    and never the last prompt token, which it always computes."""
-    return min(held, n - 1) // page * page
+    and never the last prompt token, which it always computes (none of a prompt whose tokens
+    are not counted yet: a text still being encoded)."""
+    return max(min(held, n - 1), 0) // page * page
 
 
 @dataclass(slots=True)

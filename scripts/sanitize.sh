@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The radix tree's tests under AddressSanitizer and UndefinedBehaviorSanitizer:
-# `bash scripts/sanitize.sh [PYTEST ARGS]`. Builds mempool._radix with
-# -fsanitize=address,undefined (debug, -O1 -g) into a temporary directory, loads that build in
-# place of the installed one and runs the extension's tests against it (by default
-# tests/mempool/test_radix*.py). Any memory error or undefined behaviour aborts the run.
+# The native code's tests (the radix tree, the decision) under AddressSanitizer and
+# UndefinedBehaviorSanitizer: `bash scripts/sanitize.sh [PYTEST ARGS]`. Builds mempool._radix
+# with -fsanitize=address,undefined (debug, -O1 -g) into a temporary directory, loads that
+# build in place of the installed one and runs the extension's tests against it (by default
+# tests/mempool/test_radix*.py and tests/router/test_decide_native.py). Any memory error or
+# undefined behaviour aborts the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp="$(mktemp -d)"
@@ -34,7 +35,7 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_init_order=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 export MEMSERVE_SANITIZED_RADIX="$module"
 (($#)) || set -- tests/mempool/test_radix.py tests/mempool/test_radix_incremental.py \
-    tests/mempool/test_radix_native.py
+    tests/mempool/test_radix_native.py tests/router/test_decide_native.py
 python3 - "$@" <<'EOF'
 """Load the sanitized mempool._radix ahead of the installed one, then run pytest."""
 

@@ -18,8 +18,9 @@ from benchmarks.load.bodies import CHAT, body, served_model
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
 from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
-from benchmarks.router_overhead.phases import latency_phase, rps_phase
+from benchmarks.router_overhead.phases import latency_phase, max_rps, rps_phase
 from benchmarks.router_overhead.plots import plot
+from benchmarks.router_overhead.profile import profile
 from benchmarks.router_overhead.report import write
 from benchmarks.router_overhead.settings import (
     FULL,
@@ -28,10 +29,13 @@ from benchmarks.router_overhead.settings import (
     RPS_MAX_TOKENS,
     SEED,
     SMALL_MAX_TOKENS,
+    Settings,
 )
 from benchmarks.router_overhead.systems import (
     WORKER_ARGS,
     WORKERS,
+    System,
+    check_before,
     cpu_sets,
     make_systems,
     start_systems,
@@ -52,6 +56,7 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
         before = before.resolve()
         if not (before / "router" / "__main__.py").is_file():
             raise SystemExit(f"--before {before}: no router/__main__.py there")
+        check_before(before)
     settings = QUICK if quick else FULL
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
@@ -101,6 +106,7 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
                 )
             )
             run_async(rps_phase(systems, rps_payloads, settings, progress))
+            profiled = run_async(profile_ours(systems, rps_payloads, settings, log_dir))
         finally:
             stop_systems(systems, workers)
         tokenizer_conversations = conversations[: settings.tokenizer_conversations]
@@ -134,6 +140,7 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
         "systems": [system_figures(s, baseline) for s in systems],
         "tokenizer": tok,
         "decision": decision,
+        "profile": profiled,
         "workloads": {
             "small_prompt_tokens_p50": _median(baseline.prompt_tokens.get("small")),
             "cold_8k_prompt_tokens_p50": statistics.median(c.tokens for c in conversations),
@@ -159,6 +166,23 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     return figures
 
 
+async def profile_ours(
+    systems: list[System], payloads: list[bytes], settings: Settings, log_dir: Path
+) -> dict[str, Any]:
+    """py-spy on ours prompt_tree, one process on the smallest CPU set, at its max rate."""
+    ours = next(
+        (s for s in systems if s.kind == "ours" and s.policy == "prompt_tree" and s.available),
+        None,
+    )
+    if ours is None:
+        return {"available": False, "reason": "ours did not run"}
+
+    async def at_max_rate(seconds: float) -> None:
+        await max_rps(ours.rps_urls, payloads, settings, seconds, None)
+
+    return await profile(ours, at_max_rate, settings, log_dir)
+
+
 def _median(values: Sequence[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
@@ -171,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         help="also run the router from DIR (a worktree of an earlier commit, e.g. `git "
-        "worktree add ../before HEAD~1`) beside this one: a before/after in the same run",
+        "worktree add ../before HEAD~1`, installed in DIR/.venv) beside this one: a "
+        "before/after in the same run",
     )
     quick = "fewer requests, shorter rps runs"
     return benchmark_main(argv, NAME, package.__doc__, run, quick, extra=extra)

@@ -9,6 +9,7 @@ from typing import Any
 
 from benchmarks.harness import finite, table_section, write_results
 from benchmarks.router_overhead.figures import cpu_rows
+from benchmarks.router_overhead.profile import section as profile_section
 from benchmarks.router_overhead.settings import (
     NAME,
     RPS_MAX_TOKENS,
@@ -156,6 +157,7 @@ def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
                 "The router's own CPU per request, in the max rps windows",
                 [{k: ms(v) for k, v in row.items()} for row in cpu_rows(fig)],
             ),
+            *profile_section(fig.get("profile")),
         ],
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,33 @@ def system_name(router: str, policy: str, cores: int, processes: int | None = No
     return f"{router} {policy}{procs} @{cores}c"
 
 
+def before_python(before: Path) -> Path:
+    """The interpreter of `--before DIR`'s own install (DIR/.venv): an editable install maps
+    the package names to the checkout it was installed from, whatever the working directory,
+    so ours would answer in its place (and its native module is built there)."""
+    return before / ".venv" / "bin" / "python"
+
+
+def check_before(before: Path) -> None:
+    """SystemExit unless `before`'s interpreter imports the router from `before`."""
+    python = before_python(before)
+    setup = (
+        f"python -m venv --system-site-packages {before}/.venv && "
+        f"{python} -m pip install --no-build-isolation --no-deps -e {before}"
+    )
+    if not python.is_file():
+        raise SystemExit(f"--before {before}: it needs its own install ({setup})")
+    where = subprocess.run(
+        [str(python), "-c", "import router; print(router.__file__)"],
+        cwd=before,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    if not where or Path(where).resolve().parents[1] != before.resolve():
+        raise SystemExit(f"--before {before}: its python imports router from {where!r} ({setup})")
+
+
 def make_systems(
     worker_urls: list[str],
     log_dir: Path,
@@ -154,6 +182,7 @@ def make_systems(
                 command = module_command("router", port, [*args, "--processes", str(procs)])
                 log = log_dir / f"{tag}.log"
                 if router == BEFORE and before is not None:
+                    command[0] = str(before_python(before))  # its own install, not ours
                     proc = Launch(name, [*pin, *command], port, log, before, OFFLINE_ENV)
                     system = System(name, "reference", router, policy, n, launch=proc)
                 else:

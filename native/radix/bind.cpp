@@ -324,6 +324,9 @@ std::shared_ptr<Core> radix_py::tree_core(nb::handle tree) {
 
 NB_MODULE(_radix, m) {
     m.doc() = "The page radix tree in C++ (mempool.radix re-exports it).";
+    // A process that exits with trees and workers still referenced (the router's globals)
+    // is not leaking them; nanobind would list each one on stderr at exit.
+    nb::set_leak_warnings(false);
     nb::module_ errors = nb::module_::import_("mempool.errors");
     g_invalid_request = errors.attr("InvalidRequest").inc_ref().ptr();
     g_invalid_tokens = errors.attr("InvalidTokens").inc_ref().ptr();

@@ -3,6 +3,7 @@
 // for every candidate worker and returns the choice in one call.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
 #include <cmath>
 #include <limits>
@@ -108,7 +109,7 @@ struct Decider {
     nb::tuple run(const std::vector<const route::WorkerState*>& ws,
                   const std::vector<route::Held>& held, const uint32_t* tokens, size_t n,
                   int64_t num_tokens) {
-        if (num_tokens < 1) raise(PyExc_ValueError, "num_tokens must be at least 1");
+        if (num_tokens < 0) raise(PyExc_ValueError, "num_tokens must not be negative");
         PyHeat* h = settings.rule == route::Rule::PromptTree ? heat() : nullptr;
         double heat_now = h ? h->clock() : 0.0;
         route::Choice c = route::decide(settings, ws, held, tokens, n, num_tokens,

@@ -10,16 +10,10 @@ namespace route {
 
 namespace {
 
-int64_t floor_pages(int64_t tokens, int64_t page) {  // Python's // for a positive page
-    int64_t q = tokens / page;
-    if (tokens % page != 0 && tokens < 0) q -= 1;
-    return q * page;
-}
-
 // Tokens of an `n`-token prompt an engine holding `held` of it reuses: whole pages only, and
-// never the last prompt token, which it always computes.
+// never the last prompt token, which it always computes (none of a prompt not counted yet).
 int64_t reusable(int64_t held, int64_t n, int64_t page) {
-    return floor_pages(std::min(held, n - 1), page);
+    return std::max<int64_t>(std::min(held, n - 1), 0) / page * page;
 }
 
 struct Terms {
@@ -278,6 +272,13 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         }
     }
     int64_t most = affinity[best];
+    // Expected TTFT on each worker, plus the prefix it lacks, paid once more: recomputed,
+    // that work delays every request queued behind it; pulled, the copy displaces as much of
+    // other requests' cache there, which they recompute later. So leaving a holder must win
+    // by more than this request's own TTFT, pull or not (measured: scoring pulls as free
+    // moved 42% of multi-round QA turns off their holders and halved the host-tier hits).
+    // A prefix many requests reuse pays for its copy over all of them, while it has fewer
+    // copies than its share of the traffic needs workers (Heat).
     double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
     if (h) {  // a hot prefix with copies enough: one more only displaces other cache
         int64_t copies = 0;
@@ -311,6 +312,8 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         return choose(s, ws, o, lightest, Reason::Overload);
     }
     if (soonest != best && placement[soonest] < placement[best]) {
+        // to another holder of as much; off a busy holder; or, nothing being held anywhere,
+        // off the prefix's busy home
         if (o.held[soonest] >= most) return choose(s, ws, o, soonest, Reason::CacheHit);
         return choose(s, ws, o, soonest, o.held[best] ? Reason::Overload : Reason::HomeBusy);
     }

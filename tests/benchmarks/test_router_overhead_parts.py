@@ -12,6 +12,7 @@ from pathlib import Path
 
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus
 from benchmarks.router_overhead.cpu import tree_cpu_s
+from benchmarks.router_overhead.profile import section, summarize
 from benchmarks.router_overhead.systems import BEFORE, cpu_sets, make_systems
 from localrun.processes import LOOPBACK
 from tests.http_client import call
@@ -64,7 +65,8 @@ def test_the_python_floor_forwards_and_says_what_fails(model_dir: Path, tmp_path
 
 def test_before_runs_an_earlier_checkouts_router_beside_ours(tmp_path: Path) -> None:
     """`--before DIR`: the same router command, started from DIR, on every CPU set, listed as
-    a reference (not ours); a DIR without a router is refused with a message."""
+    a reference (not ours) and run by DIR's own install; a DIR without a router or without
+    its own install is refused with a message."""
     peers = {p: PeerStatus(False, None, "not here") for p in (SGLANG_ROUTER, SMG)}
     systems = make_systems(["http://127.0.0.1:1"], tmp_path, peers, before=tmp_path)
     before = [s for s in systems if s.name.startswith(BEFORE)]
@@ -72,7 +74,8 @@ def test_before_runs_an_earlier_checkouts_router_beside_ours(tmp_path: Path) -> 
     assert [s.policy for s in before].count("round_robin") == 1
     for s in before:
         assert s.kind == "reference" and s.launch is not None and s.launch.cwd == tmp_path
-        assert "router" in s.launch.args
+        assert "router" in s.launch.args  # run by DIR's own install, not by ours
+        assert str(tmp_path / ".venv" / "bin" / "python") in s.launch.args
     assert any("[granian]" in s.name for s in systems)  # full runs: the floor's variants too
     quick = make_systems(["http://127.0.0.1:1"], tmp_path, peers, floor_variants=False)
     assert not any(s.name.startswith(BEFORE) or "[" in s.name for s in quick)
@@ -87,3 +90,37 @@ def test_before_runs_an_earlier_checkouts_router_beside_ours(tmp_path: Path) -> 
         timeout=60,
     )
     assert done.returncode != 0 and "no router/__main__.py there" in done.stderr
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "__main__.py").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.router_overhead", "--out", str(tmp_path)]
+        + ["--before", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "it needs its own install" in done.stderr
+
+
+def test_a_profile_sums_self_time_by_function_and_inclusive_time_by_module() -> None:
+    """py-spy's raw stacks: the top of each stack is self time; a project module counts
+    every sample that passes through it once; one on every stack (the entry) is left out."""
+    raw = "\n".join(
+        [
+            "main (router/__main__.py:10);select (router/policies.py:300);decide (_radix.so) 5",
+            "main (router/__main__.py:10);serve (router/http_app.py:20);"
+            "serve (router/http_app.py:9) 3",
+            "main (router/__main__.py:10);_PyEval_EvalFrameDefault (libpython3.11.so) 2",
+            "not a stack line",
+        ]
+    )
+    fig = summarize(raw)
+    assert fig["samples"] == 10
+    assert fig["self"][0] == {"name": "decide (_radix.so)", "share": 0.5}
+    assert {"name": "serve (http_app.py)", "share": 0.3} in fig["self"]
+    inclusive = {row["name"]: row["share"] for row in fig["inclusive"]}
+    assert inclusive == {"router/policies.py": 0.5, "router/http_app.py": 0.3}
+    page = "\n".join(section({"available": True, "system": "ours", "seconds": 2, **fig}))
+    assert "`decide (_radix.so)` | 50.0%" in page
+    assert "No profile" in "\n".join(section({"available": False, "reason": "no py-spy"}))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mempool._radix import Decider, Heat, WorkerState
+from mempool.errors import InvalidRequest
 from router.policies import Cost, CostModel, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, Worker, WorkerType
@@ -97,7 +98,7 @@ doc_st = st.lists(st.integers(0, 1000), min_size=8, max_size=48)
         st.tuples(
             st.integers(0, 2),
             st.integers(0, 48),
-            tokens_st,
+            st.lists(st.integers(0, 3), max_size=40),  # none: a prompt all in `rest`
             st.integers(0, 9),
             st.sampled_from([0.0, 0.5, 30.0]),
         ),
@@ -167,13 +168,13 @@ def test_bad_input_raises_a_clear_error() -> None:
     with pytest.raises(ValueError, match="at least one worker"):
         core.decide(tree, [1, 2, 3, 4], 4, [])
     with pytest.raises(TypeError, match="WorkerState"):
-        core.decide(tree, [1, 2, 3, 4], 4, ["http://a:1"])
+        core.decide(tree, [1, 2, 3, 4], 4, ["http://a:1"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="num_tokens"):
-        core.decide(tree, [1, 2, 3, 4], 0, [state])
+        core.decide(tree, [1, 2, 3, 4], -1, [state])
     with pytest.raises(ValueError, match="page size"):
         CostModel().decider("cost", 8).decide(tree, [1] * 8, 8, [state])
     with pytest.raises(TypeError, match="RadixTree"):
-        core.decide(object(), [1], 1, [state])
+        core.decide(object(), [1], 1, [state])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"one .* entry per worker"):
         core.decide_view([], [1], 1, [state])
     with pytest.raises(ValueError, match="rule"):
@@ -183,19 +184,20 @@ def test_bad_input_raises_a_clear_error() -> None:
     with pytest.raises(ValueError, match="half_life_s"):
         Heat(PAGE, half_life_s=0.0)
     with pytest.raises(TypeError, match="Heat"):
-        core.heat = "hot"
+        core.heat = "hot"  # type: ignore[assignment]
     with pytest.raises(TypeError, match="url"):
         WorkerState(5)  # type: ignore[arg-type]
-    with pytest.raises(Exception, match="token ids"):
+    with pytest.raises(InvalidRequest, match="token ids"):
         core.decide(tree, [1, -2, 3, 4], 4, [state])
     assert isinstance(Decider, type)
 
 
-def test_an_empty_prompt_is_a_miss_on_the_least_loaded() -> None:
+@pytest.mark.parametrize("rest", [5, 0])  # 0: a text whose tokens are not counted yet
+def test_an_empty_prompt_is_a_miss_on_the_least_loaded(rest: int) -> None:
     trees = PromptTrees(page_size=PAGE)
     ws = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
     ws[0].in_flight = 2
     d = PromptTree(trees, Thresholds(), CostModel()).select(
-        RouteRequest((), "", None, rest_tokens=5), ws
+        RouteRequest((), "", None, rest_tokens=rest), ws
     )
     assert (d.worker, d.reason, d.predicted_cached) == (ws[1], "cache_miss", 0)
