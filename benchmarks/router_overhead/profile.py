@@ -1,8 +1,9 @@
-"""Where our router's CPU goes at its maximum rate: py-spy samples of the router process
-(native frames included, so time in the C++ tree and decision, granian and the tokenizer
-shows as such) while the max-rate clients keep it busy, summed by function (self time) and
-by the project's module a sample passes through (inclusive). No py-spy on the machine, or no
-permission to attach: the run says so and goes on without a profile."""
+"""Where our router's CPU goes at its maximum rate: py-spy samples of the thread holding the
+GIL in the router process (`--gil`: the Python work and what it calls, not the threads that
+wait or spin), native frames included (time in the C++ decision, granian's calls and socket
+writes shows as such), while the max-rate clients keep it busy, summed by function (self
+time) and by the project's module a sample passes through (inclusive). No py-spy on the
+machine, or no permission to attach: the run says so and goes on without a profile."""
 
 from __future__ import annotations
 
@@ -78,9 +79,9 @@ async def profile(
     server = system.server
     if py_spy is None or server is None:
         return {"available": False, "reason": "py-spy is not installed" if server else "no router"}
-    seconds = max(settings.rps_duration_s, 2.0)
+    seconds = max(settings.rps_duration_s, 5.0)
     out = out_dir / "profile.txt"
-    command = [py_spy, "record", "--native", "--nonblocking", "--rate", str(RATE_HZ)]
+    command = [py_spy, "record", "--native", "--gil", "--rate", str(RATE_HZ)]
     command += ["--duration", str(int(seconds)), "--format", "raw", "--output", str(out)]
     command += ["--pid", str(server.proc.pid)]
     spy = await asyncio.create_subprocess_exec(
@@ -102,9 +103,10 @@ def section(fig: dict[str, Any] | None) -> list[str]:
         reason = (fig or {}).get("reason", "not run")
         return [*lines, f"No profile in this run: {reason}.", ""]
     lines += [
-        f"py-spy (native frames, {RATE_HZ} Hz) on `{fig['system']}` for {fig['seconds']:g} s "
-        f"at the maximum rate: {fig['samples']:,} samples of the router process. Self time is "
-        "the function on top of the stack; a module's "
+        f"py-spy (`--native --gil`, {RATE_HZ} Hz) on `{fig['system']}` for {fig['seconds']:g} "
+        f"s at the maximum rate: {fig['samples']:,} samples of the router's thread holding the "
+        "GIL (the Python work and what it calls). Self time is the function on top of the "
+        "stack; a module's "
         "inclusive time counts every sample that passes through it.",
         "",
         "| self time | share | | project module (inclusive) | share |",
