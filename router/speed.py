@@ -81,6 +81,16 @@ _R = _prior_matrix()
 _R_PRIOR = [sum(_R[i][j] * PRIOR[j] for j in range(N)) for i in range(N)]
 
 
+def delegated(holder: str, name: str, doc: str) -> property:
+    """An attribute kept in a native WorkerState (`self.<holder>.<name>`), where the native
+    decision reads it."""
+    return property(
+        lambda self: getattr(getattr(self, holder), name),
+        lambda self, value: setattr(getattr(self, holder), name, value),
+        doc=doc,
+    )
+
+
 @dataclass(slots=True)
 class EngineSpeed:
     """One worker's coefficients over the cost model's constants (all 1.0 and no overhead:
@@ -94,50 +104,25 @@ class EngineSpeed:
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * N for _ in range(N)])
     _xy: list[float] = field(default_factory=lambda: [0.0] * N)
 
-    @property
-    def overhead_s(self) -> float:
-        return self.coefficients.overhead_s
-
-    @overhead_s.setter
-    def overhead_s(self, value: float) -> None:
-        self.coefficients.overhead_s = value
-
-    @property
-    def queue_x(self) -> float:
-        return self.coefficients.queue_x
-
-    @queue_x.setter
-    def queue_x(self, value: float) -> None:
-        self.coefficients.queue_x = value
-
-    @property
-    def token_x(self) -> float:
-        return self.coefficients.token_x
-
-    @token_x.setter
-    def token_x(self, value: float) -> None:
-        self.coefficients.token_x = value
-
-    @property
-    def pair_x(self) -> float:
-        return self.coefficients.pair_x
-
-    @pair_x.setter
-    def pair_x(self, value: float) -> None:
-        self.coefficients.pair_x = value
+    overhead_s = delegated("coefficients", "overhead_s", "seconds every request pays")
+    queue_x = delegated("coefficients", "queue_x", "x the constants' queued work")
+    token_x = delegated("coefficients", "token_x", "x the constants' per-token prefill")
+    pair_x = delegated("coefficients", "pair_x", "x the constants' attention pairs")
 
     @property
     def slowness(self) -> float:
         """How many times the constants' per-token prefill time this engine takes (the
         figure `/workers` shows)."""
-        return self.token_x
+        return self.coefficients.token_x
 
     def prefill_s(self, tokens_s: float, pairs_s: float) -> float:
         """A request's own prefill at this engine's speed, with the overhead it pays."""
-        return self.overhead_s + self.token_x * tokens_s + self.pair_x * pairs_s
+        c = self.coefficients
+        return c.overhead_s + c.token_x * tokens_s + c.pair_x * pairs_s
 
     def expected_s(self, work: Work) -> float:
-        return self.queue_x * work.queue_s + self.prefill_s(work.tokens_s, work.pairs_s)
+        c = self.coefficients
+        return c.queue_x * work.queue_s + self.prefill_s(work.tokens_s, work.pairs_s)
 
     def observe(self, measured_s: float, work: Work) -> None:
         """A request priced at `work` took `measured_s` to its first token."""

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from mempool._radix import WorkerState
-from router.speed import EngineSpeed
+from router.speed import EngineSpeed, delegated
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,6 @@ class Agent:
         return {"instance_id": self.instance_id, "host": self.host, "port": self.port}
 
 
-def _figure(name: str, doc: str) -> property:
-    """A counter kept in the worker's WorkerState, where the native decision reads it."""
-    return property(
-        lambda self: getattr(self.state, name),
-        lambda self, value: setattr(self.state, name, value),
-        doc=doc,
-    )
-
-
 @dataclass(eq=False, slots=True)
 class Worker:
     """One engine instance behind the router. Its load figures, learned speed and abilities
@@ -127,18 +118,26 @@ class Worker:
         self.state = WorkerState(self.url, self.type is WorkerType.PREFILL)
         self.speed = EngineSpeed(self.state)
 
-    in_flight = _figure("in_flight", "this router's requests in flight to it")
-    in_flight_tokens = _figure("in_flight_tokens", "their prompt tokens not prefilled yet")
-    reported_reqs = _figure("reported_reqs", "requests it reported running")
-    reported_waiting = _figure("reported_waiting", "requests it reported waiting")
-    reported_pending_tokens = _figure("reported_pending_tokens", "tokens it reported queued")
-    peer_in_flight = _figure(
-        "peer_in_flight", "other router replicas' requests in flight to it, as last published"
+    in_flight = delegated("state", "in_flight", "this router's requests in flight to it")
+    in_flight_tokens = delegated(
+        "state", "in_flight_tokens", "their prompt tokens not prefilled yet"
     )
-    peer_in_flight_tokens = _figure("peer_in_flight_tokens", "their prompt tokens")
-    pulls_served = _figure("pulls_served", "requests in flight pulling a prefix from it")
-    unstarted = _figure(
-        "unstarted", "this router's requests not begun yet, as their first byte tells (InFlight)"
+    reported_reqs = delegated("state", "reported_reqs", "requests it reported running")
+    reported_waiting = delegated("state", "reported_waiting", "requests it reported waiting")
+    reported_pending_tokens = delegated(
+        "state", "reported_pending_tokens", "tokens it reported queued"
+    )
+    peer_in_flight = delegated(
+        "state",
+        "peer_in_flight",
+        "other router replicas' requests in flight to it, as last published",
+    )
+    peer_in_flight_tokens = delegated("state", "peer_in_flight_tokens", "their prompt tokens")
+    pulls_served = delegated("state", "pulls_served", "requests in flight pulling a prefix from it")
+    unstarted = delegated(
+        "state",
+        "unstarted",
+        "this router's requests not begun yet, as their first byte tells (InFlight)",
     )
 
     @property

@@ -81,26 +81,23 @@ def test_before_runs_an_earlier_checkouts_router_beside_ours(tmp_path: Path) -> 
     assert not any(s.name.startswith(BEFORE) or "[" in s.name for s in quick)
     ours = [s for s in systems if s.kind == "ours"]
     assert ours and all(s.launch is not None and s.launch.cwd != tmp_path for s in ours)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.router_overhead", "--out", str(tmp_path)]
-        + ["--before", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0 and "no router/__main__.py there" in done.stderr
+
+    def refusal() -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.router_overhead", "--out", str(tmp_path)]
+            + ["--before", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode != 0
+        return done.stderr
+
+    assert "no router/__main__.py there" in refusal()
     (tmp_path / "router").mkdir()
     (tmp_path / "router" / "__main__.py").write_text("")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.router_overhead", "--out", str(tmp_path)]
-        + ["--before", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0 and "it needs its own install" in done.stderr
+    assert "it needs its own install" in refusal()
 
 
 def test_a_profile_sums_self_time_by_function_and_inclusive_time_by_module() -> None:
