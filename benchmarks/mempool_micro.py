@@ -40,7 +40,9 @@ from typing import Any
 from rich.progress import Progress
 
 import mempool
-from benchmarks.harness import benchmark_main, percentile, progress_bar, step, write_results
+from benchmarks.harness import benchmark_main, percentile, progress_bar, step
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.page import write_results
 from mempool import (
     KVBlockSpec,
     Layout,
@@ -822,10 +824,7 @@ def plot(
 ) -> None:
     """Latency curves in the manner of MemServe's figure 9, with its figures and our targets;
     then eviction and expiry against the size of the index."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.4), constrained_layout=True)
@@ -888,8 +887,7 @@ def plot(
     third.grid(True, which="both", alpha=0.3)
     third.legend(fontsize=8)
     fig.suptitle("MemPool micro-benchmarks (cf. MemServe figure 9); medians")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- driver

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
 from benchmarks.multiturn.results import params_text, peers_text, publish, sim_model, target_rows
@@ -33,6 +33,7 @@ from benchmarks.multiturn.targets import (
     with_errors,
 )
 from benchmarks.peers import PeerStatus
+from benchmarks.report.table import markdown_table
 
 TARGET_MULTIPLE = 4.0
 HIT_VS_ORACLE = 0.9  # ours >= this x the oracle's hit ratio

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
 from benchmarks.multiturn.capacity_report import spread
 from benchmarks.multiturn.paired import system_label
 from benchmarks.multiturn.paired_plots import plot_paired
@@ -43,6 +43,7 @@ from benchmarks.multiturn.targets import (
     with_errors,
 )
 from benchmarks.peers import PeerStatus
+from benchmarks.report.table import markdown_table
 
 Run = dict[str, Any]
 FLOOR = "floor"  # a Target's `other`: the run's own floor

@@ -34,21 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks.harness import (
-    machine_facts,
-    markdown_table,
-    percentile,
-    progress_bar,
-    shown_command,
-    step,
-    write_results,
-)
+from benchmarks.harness import percentile, progress_bar, shown_command, step
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.oracle import PAGE, held_pages, lru_insert, page_keys
 from benchmarks.multiturn.queue_floor import prefill_servers
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Request
+from benchmarks.report.page import machine_facts, write_results
+from benchmarks.report.table import markdown_table
 from connector.worker.latency_model import LatencyModel
 from router.heat import PrefixHeat
 from router.policies import (

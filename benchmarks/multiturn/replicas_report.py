@@ -14,7 +14,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
+from benchmarks.report.table import markdown_table
 
 SINGLE = "ours prompt_tree"
 HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router

@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table, write_results
+from benchmarks.harness import finite
 from benchmarks.multiturn import replicas_report
 from benchmarks.multiturn.plan import Plan
 from benchmarks.multiturn.plots import plot_all
 from benchmarks.multiturn.targets import all_targets, foreseen, prediction, ratio_text
 from benchmarks.peers import PeerStatus
+from benchmarks.report.page import write_results
+from benchmarks.report.table import markdown_table
 
 NAME = "results"
 

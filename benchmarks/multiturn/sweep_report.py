@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
 from benchmarks.multiturn.paired_report import (
     Extra,
     Run,
@@ -22,7 +22,6 @@ from benchmarks.multiturn.paired_report import (
     runs_of,
     slug,
 )
-from benchmarks.multiturn.plots import _plt, _save
 from benchmarks.multiturn.sweep_preset import (
     CACHE_AWARE,
     ENGINE_TEXT,
@@ -33,6 +32,8 @@ from benchmarks.multiturn.sweep_preset import (
 )
 from benchmarks.multiturn.targets import foreseen, pct, prediction, ratio
 from benchmarks.multiturn.workloads import CHAT
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.table import markdown_table
 
 HEATMAP = "sweep_heatmap.png"
 FIGURES = (("mean", "ttft_mean_s"), ("p99", "ttft_p99_s"))
@@ -183,7 +184,7 @@ def plot_heatmap(path: Path, data: dict[str, Any]) -> bool:
     cells, columns, values = data["cells"], data["columns"], data["values"]
     if not cells or not any(finite(v) for row in values for v in row):
         return False
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
     grid = [[v if finite(v) else float("nan") for v in row] for row in values]
@@ -206,7 +207,7 @@ def plot_heatmap(path: Path, data: dict[str, Any]) -> bool:
     ax.xaxis.tick_top()
     fig.colorbar(image, ax=ax, label="ours / cache_aware (median)")
     ax.set_title("TTFT, ours over cache_aware per cell (framed: a target missed)", fontsize=9)
-    return bool(_save(fig, path))
+    return bool(save(fig, path))
 
 
 def target_summary(targets: dict[str, Any]) -> list[str]:

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table, table_section
+from benchmarks.harness import finite
 from benchmarks.multiturn.results import publish, sim_text, target_rows
 from benchmarks.multiturn.targets import ratio
 from benchmarks.overload import plots
 from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADLINE
 from benchmarks.overload.targets import Workers, all_targets, by_step, paired_ratios
+from benchmarks.report.table import markdown_table, table_section
 
 Run = dict[str, Any]
 TITLE = "Overload ramp: goodput and TTFT of admitted requests, {} to {} of the sustained rate"

@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, table_section, write_results
+from benchmarks.harness import finite
+from benchmarks.report.page import write_results
+from benchmarks.report.table import table_section
 from benchmarks.router_overhead.figures import cpu_rows
 from benchmarks.router_overhead.settings import (
     NAME,

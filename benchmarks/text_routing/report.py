@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import jsonable, markdown_table
+from benchmarks.harness import jsonable
+from benchmarks.report.table import markdown_table
 
 JSON_NAME = "results.json"
 MD_NAME = "README.md"
