@@ -43,6 +43,7 @@ import mempool
 from benchmarks.harness import benchmark_main, percentile, progress_bar, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
+from benchmarks.report.targets import check
 from mempool import (
     KVBlockSpec,
     Layout,
@@ -716,11 +717,6 @@ def scale_figures(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     """Our targets with whether each is met, and MemServe's published figures beside them."""
-
-    def check(value: float, op: str, limit: float) -> dict[str, Any]:
-        met = {"<=": value <= limit, "<": value < limit, "==": value == limit}[op]
-        return {"value": value, "op": op, "limit": limit, "met": met}
-
     targets = {
         "alloc_ns_per_block": check(fig["alloc_ns_per_block"], "<=", TARGET_ALLOC_NS_PER_BLOCK),
         "insert_4k_us": check(fig["insert_4k_us"], "<=", TARGET_INSERT_4K_US),

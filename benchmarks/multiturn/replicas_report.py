@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks.harness import finite
 from benchmarks.report import seeds
-from benchmarks.report.table import markdown_table, rounded
+from benchmarks.report.table import markdown_table, percent, rounded
 
 SINGLE = "ours prompt_tree"
 HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router
@@ -151,10 +151,8 @@ def sections(figures: dict[str, Any]) -> list[str]:
             rows.append(
                 {
                     "seed": p["seed"] if p["seed"] is not None else "-",
-                    "hit 1 router": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
-                    "hit replicas": f"{p['hit_replicas']:.1%}"
-                    if finite(p["hit_replicas"])
-                    else None,
+                    "hit 1 router": percent(p["hit_single"], 1),
+                    "hit replicas": percent(p["hit_replicas"], 1),
                     "gap (points)": rounded(p["hit_gap_points"], 1),
                     "TTFT p50 1 / 2": f"{rounded(p['ttft_p50_s_single'])} / "
                     f"{rounded(p['ttft_p50_s_replicas'])}",
@@ -215,8 +213,8 @@ def processes_sections(figures: dict[str, Any]) -> list[str]:
             "workload": workload,
             "seed": p["seed"] if p["seed"] is not None else "-",
             "system": p["system"],
-            "hit 1 process": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
-            "hit N processes": f"{p['hit_processes']:.1%}" if finite(p["hit_processes"]) else None,
+            "hit 1 process": percent(p["hit_single"], 1),
+            "hit N processes": percent(p["hit_processes"], 1),
             "gap (points)": rounded(p["hit_gap_points"], 1),
             f"within {PROCESS_GAP_POINTS:g} points": p["within"],
         }

@@ -37,13 +37,16 @@ def spread_text(
     parens: bool = False,
     always: bool = False,
     spec: str | None = None,
+    unit: str = "",
 ) -> str | None:
     """`median [min..max]` (or `(min..max)`), the median alone where the seeds agree (unless
-    `always`); None where nothing was measured. `spec` formats each number instead."""
+    `always`); None where nothing was measured. `spec` formats each number instead of
+    `digits`; `unit` follows the median."""
     if not figure or not finite(figure.get("median")):
         return None
     fmt = spec or f".{digits}f"
     mid, low, high = (format(figure[k], fmt) for k in ("median", "min", "max"))
+    mid += unit
     if figure["min"] == figure["max"] and not always:
         return mid
     return f"{mid} ({low}..{high})" if parens else f"{mid} [{low}..{high}]"

@@ -3,17 +3,18 @@ asserted (a benchmark measures; a missed target is a finding with its reasons, n
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from benchmarks.harness import finite
 from benchmarks.report.table import rounded
 
+OPS = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt, "==": operator.eq}
+
 
 def check(value: Any, op: str, limit: float, about: str | None = None) -> dict[str, Any]:
-    """A target's record: met is None where the value was not measured."""
-    met = None
-    if finite(value):
-        met = value >= limit if op == ">=" else value <= limit
+    """A target's record: `value op limit`, met None where the value was not measured."""
+    met = OPS[op](value, limit) if finite(value) else None
     out = {"value": value, "op": op, "limit": limit, "met": met}
     if about is not None:
         out["about"] = about

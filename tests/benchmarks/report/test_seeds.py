@@ -31,3 +31,7 @@ def test_ratios_are_paired_within_a_seed() -> None:
     theirs = {1: {"x": 4.0}, 2: {"x": 0.0}}  # seed 2: nothing to divide by; seed 3 absent
     assert paired(mine, theirs, lambda a, b: ratio(a["x"], b["x"])) == {1: 0.5}
     assert ratio(1.0, None) is None
+
+
+def test_a_unit_follows_the_median() -> None:
+    assert spread_text({"median": 50, "min": 40, "max": 60}, 0, unit="%") == "50% [40..60]"

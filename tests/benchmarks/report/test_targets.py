@@ -22,3 +22,10 @@ def test_a_targets_row_shows_the_seeds_range_and_why_only_when_missed() -> None:
     assert rows[0]["why missed"] == ""
     assert "seeds min..max" not in rows[1]
     assert rows[1]["why missed"] == "slow"
+
+
+def test_every_comparison_is_a_bound() -> None:
+    assert check(2.0, "<", 2.0)["met"] is False
+    assert check(2.0, ">", 1.0)["met"] is True
+    assert check(4.0, "==", 4.0)["met"] is True
+    assert check(float("nan"), "==", 4.0)["met"] is None
