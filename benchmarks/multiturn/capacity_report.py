@@ -32,7 +32,7 @@ from benchmarks.multiturn.targets import (
 )
 from benchmarks.peers import PeerStatus
 from benchmarks.report.page import publish
-from benchmarks.report.seeds import ratio, spread, spread_text
+from benchmarks.report.seeds import Run, ratio, spread, spread_text
 from benchmarks.report.table import markdown_table, rounded
 from benchmarks.report.targets import check, target_rows
 
@@ -42,7 +42,6 @@ HIT_VS_CACHE_AWARE = 2.0  # ours >= this x cache_aware's
 P99_VS_CACHE_AWARE = 0.5  # ours <= this x cache_aware's p99 TTFT
 P99_VS_FLOOR = 1.5  # ours <= this x the floor's p99 TTFT
 
-Run = dict[str, Any]
 Config = tuple[str, float, float]  # workload, multiple, host ratio
 
 # name -> (what it is, the value of one run against its seed's cache_aware run or None)

@@ -34,11 +34,10 @@ from benchmarks.multiturn.targets import (
 )
 from benchmarks.peers import PeerStatus
 from benchmarks.report.page import publish
-from benchmarks.report.seeds import ratio, spread, spread_text
+from benchmarks.report.seeds import Run, ratio, spread, spread_text
 from benchmarks.report.table import markdown_table, rounded
 from benchmarks.report.targets import check, target_rows
 
-Run = dict[str, Any]
 FLOOR = "floor"  # a Target's `other`: the run's own floor
 
 WRITTEN_BACK_TEXT = (

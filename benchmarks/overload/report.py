@@ -15,11 +15,10 @@ from benchmarks.overload import plots
 from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADLINE
 from benchmarks.overload.targets import Workers, all_targets, by_step, paired_ratios
 from benchmarks.report.page import publish
-from benchmarks.report.seeds import median_of, ratio, spread, spread_text
+from benchmarks.report.seeds import Run, median_of, ratio, spread, spread_text
 from benchmarks.report.table import markdown_table, percent, rounded, table_section
 from benchmarks.report.targets import target_rows
 
-Run = dict[str, Any]
 TITLE = "Overload ramp: goodput and TTFT of admitted requests, {} to {} of the sustained rate"
 
 

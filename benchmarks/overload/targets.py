@@ -18,12 +18,10 @@ from typing import Any
 from benchmarks.harness import finite
 from benchmarks.overload.preset import CACHE_AWARE, PAST_SATURATION, WITH_DEADLINE
 from benchmarks.report import seeds as over_seeds
-from benchmarks.report.seeds import ratio
+from benchmarks.report.seeds import Run, ratio
 from benchmarks.report.targets import check
 
 GOODPUT_KEPT = 0.9  # past saturation, goodput >= this x its peak
-
-Run = dict[str, Any]
 
 
 def by_step(runs: Sequence[Run], system: str) -> dict[float, dict[int, Run]]:
