@@ -16,7 +16,6 @@ import benchmarks.router_overhead as package
 from benchmarks.harness import benchmark_main, progress_bar, run_async, shown_path, step
 from benchmarks.load.bodies import CHAT, body, served_model
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
-from benchmarks.report.seeds import median_of
 from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
 from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
 from benchmarks.router_overhead.phases import latency_phase, rps_phase
@@ -136,11 +135,9 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
         "tokenizer": tok,
         "decision": decision,
         "workloads": {
-            "small_prompt_tokens_p50": median_of(baseline.prompt_tokens.get("small") or ()),
+            "small_prompt_tokens_p50": _median(baseline.prompt_tokens.get("small")),
             "cold_8k_prompt_tokens_p50": statistics.median(c.tokens for c in conversations),
-            "multi_turn_prompt_tokens_p50": median_of(
-                baseline.prompt_tokens.get("multi_turn") or ()
-            ),
+            "multi_turn_prompt_tokens_p50": _median(baseline.prompt_tokens.get("multi_turn")),
             "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, False)),
             "conversations": settings.conversations,
             "turns_per_conversation": settings.turns,
@@ -160,6 +157,10 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     write(out_dir, figures, settings)
     plot(out_dir / f"{NAME}.png", figures)
     return figures
+
+
+def _median(values: Sequence[float] | None) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
