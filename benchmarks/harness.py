@@ -1,26 +1,18 @@
-"""What every benchmark shares: its command line, its event loop, progress bars and the
-result files (one JSON for machines, one Markdown page for people).
-
-Every benchmark writes the same pair so that results from different runs and machines can be
-diffed and compared without per-benchmark parsing code. Results are written with the standard
-library only, so writing them never depends on an optional package (orjson is not guaranteed
-installed). Starting and stopping server processes is `localrun.processes`.
+"""What every benchmark shares: its command line, its event loop, progress bars, and how
+paths, commands and numbers may appear in a result. The result files themselves are
+`benchmarks.report`; starting and stopping server processes is `localrun.processes`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import platform
 import shlex
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeGuard, TypeVar
 
@@ -40,37 +32,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "MEMSERVE_ROUTER_PROCESSES": "1"}
 
 T = TypeVar("T")
-
-
-def machine_facts() -> dict[str, Any]:
-    """Where and when the figures were taken: timings mean little without the machine."""
-    facts: dict[str, Any] = {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "timestamp_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    facts.update(_git_state())
-    return facts
-
-
-def _git_state() -> dict[str, Any]:
-    """Commit and dirty flag, so a figure can be traced to the code it measured."""
-    try:
-        commit = _git("rev-parse", "--short", "HEAD")
-        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    return {"git_commit": commit, "git_dirty": dirty}
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
-    )
-    return done.stdout.strip()
 
 
 def shown_path(path: Path | str) -> str:
@@ -119,74 +80,6 @@ def jsonable(value: Any) -> Any:
 def finite(value: Any) -> TypeGuard[float]:
     """A real number to show: not None, not a bool, not NaN or infinite."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def format_cell(value: Any) -> str:
-    """Short, stable rendering for table cells (floats to 4 significant digits)."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if value is None:
-        return "—"
-    if isinstance(value, float):  # whole counts stored as floats read better as counts
-        return f"{int(value):,}" if value.is_integer() and abs(value) >= 1e4 else f"{value:.4g}"
-    return str(value).replace("|", r"\|").replace("\n", " ")
-
-
-def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A GitHub-flavoured table; columns are the union of the rows' keys, in first-seen order."""
-    if not rows:
-        return "_no rows_"
-    columns: list[str] = []
-    for row in rows:
-        columns.extend(k for k in row if k not in columns)
-    lines = [
-        "| " + " | ".join(columns) + " |",
-        "|" + "|".join("---" for _ in columns) + "|",
-    ]
-    lines.extend("| " + " | ".join(format_cell(row.get(c)) for c in columns) + " |" for row in rows)
-    return "\n".join(lines)
-
-
-def table_section(heading: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A `## heading` and its table, as Markdown lines for `write_results(body=...)`."""
-    return [f"## {heading}", "", markdown_table(rows), ""]
-
-
-def write_results(
-    out_dir: Path,
-    name: str,
-    figures: dict[str, Any],
-    table_rows: list[dict[str, Any]] | None,
-    title: str,
-    notes: list[str],
-    machine: dict[str, Any] | None = None,
-    body: Sequence[str] = (),
-    page: str | None = None,
-) -> tuple[Path, Path]:
-    """Write `{name}.json` (the figures plus a `machine` entry: this one's, unless the figures
-    were measured elsewhere) and `{name}.md` (or `page`, say README.md); return both.
-
-    The page: the title, the headline table (none when `table_rows` is None), the Markdown
-    lines of `body`, the notes, the machine. JSON uses sorted keys and indentation so that
-    two runs diff line by line.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    facts = machine or machine_facts()
-    payload = jsonable({**figures, "machine": facts})
-    json_path = out_dir / f"{name}.json"
-    json_path.write_text(without_home(json.dumps(payload, indent=2, sort_keys=True) + "\n"))
-
-    parts = [f"# {title}", ""]
-    if table_rows is not None:
-        parts += [markdown_table(table_rows), ""]
-    parts += body
-    if notes:
-        parts += ["## Notes", "", *(f"- {note}" for note in notes), ""]
-    parts += ["## Machine", "", *(f"- {k}: {format_cell(v)}" for k, v in facts.items()), ""]
-    md_path = out_dir / (page or f"{name}.md")
-    md_path.write_text(without_home("\n".join(parts)))
-    return json_path, md_path
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

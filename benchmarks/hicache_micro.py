@@ -31,7 +31,10 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-from benchmarks.harness import benchmark_main, progress_bar, step, table_section, write_results
+from benchmarks.harness import benchmark_main, progress_bar, step
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.page import write_results
+from benchmarks.report.table import table_section
 from connector.sglang.backend import MemPoolStorage
 from connector.sglang.cpu_paths import (
     Controller,
@@ -185,10 +188,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
 
 
 def plot(out: Path, results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.26
@@ -206,8 +206,7 @@ def plot(out: Path, results: dict[str, Any]) -> None:
     ax.set_title("SGLang HiCache L3 backends, through SGLang's controller paths")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"{NAME}.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / f"{NAME}.png", dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,10 @@ from typing import Any
 from rich.progress import Progress
 
 import mempool
-from benchmarks.harness import benchmark_main, percentile, progress_bar, step, write_results
+from benchmarks.harness import benchmark_main, percentile, progress_bar, step
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.page import write_results
+from benchmarks.report.targets import check
 from mempool import (
     KVBlockSpec,
     Layout,
@@ -714,11 +717,6 @@ def scale_figures(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     """Our targets with whether each is met, and MemServe's published figures beside them."""
-
-    def check(value: float, op: str, limit: float) -> dict[str, Any]:
-        met = {"<=": value <= limit, "<": value < limit, "==": value == limit}[op]
-        return {"value": value, "op": op, "limit": limit, "met": met}
-
     targets = {
         "alloc_ns_per_block": check(fig["alloc_ns_per_block"], "<=", TARGET_ALLOC_NS_PER_BLOCK),
         "insert_4k_us": check(fig["insert_4k_us"], "<=", TARGET_INSERT_4K_US),
@@ -822,10 +820,7 @@ def plot(
 ) -> None:
     """Latency curves in the manner of MemServe's figure 9, with its figures and our targets;
     then eviction and expiry against the size of the index."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.4), constrained_layout=True)
@@ -888,8 +883,7 @@ def plot(
     third.grid(True, which="both", alpha=0.3)
     third.legend(fontsize=8)
     fig.suptitle("MemPool micro-benchmarks (cf. MemServe figure 9); medians")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- driver

@@ -44,14 +44,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
-    parse_args,
-    percentile,
-    progress_bar,
-    step,
-    table_section,
-    write_results,
-)
+from benchmarks.harness import parse_args, percentile, progress_bar, step
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.page import write_results
+from benchmarks.report.table import table_section
 from mempool import KVBlockSpec, Layout, MemPool, MemType
 from mempool.transfer.base import DataTransport, PeerInfo, Segment
 from mempool.transfer.rdma import coalesce
@@ -468,10 +464,7 @@ def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
 
 def plot(path: Path, models: dict[str, Any]) -> None:
     """Median GB/s per case and model, whiskers from the slowest to the fastest repetition."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), squeeze=False)
     colours = {"raw": "0.45", "tcp": "C0", "mooncake": "C1"}
@@ -494,8 +487,7 @@ def plot(path: Path, models: dict[str, Any]) -> None:
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("One request's KV between two MemPools on loopback (calls in parentheses)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- run

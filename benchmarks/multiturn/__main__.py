@@ -291,18 +291,16 @@ def run_paired_preset(
     with Session.open(args.log_dir) as session:
         records, calibration, plan = paired_cli.run(kind, parser, args, session)
     elapsed = time.perf_counter() - started
-    paired_cli.write(
-        kind,
-        args.out,
-        plan.preset,
-        records,
-        calibration,
-        plan.setup,
-        plan.notes,
-        session.peers,
-        elapsed,
-        command_line(argv),
-    )
+    figures = {
+        "preset": plan.preset,
+        "runs": records,
+        "calibration": calibration,
+        "setup": plan.setup,
+        "notes": plan.notes,
+        "elapsed_s": elapsed,
+        "command": command_line(argv),
+    }
+    paired_cli.write(kind, args.out, figures, session.peers)
     return finished(plan.preset, len(records), elapsed, args.out, kind.page)
 
 
@@ -392,7 +390,7 @@ def report_only(
 
     kind = paired_cli.kind_of(str(preset))
     if kind is not None:
-        paired_cli.report_again(kind, out, figures, peers)
+        paired_cli.write(kind, out, figures, peers)
         print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
         return 0
     if str(preset).startswith("capacity"):

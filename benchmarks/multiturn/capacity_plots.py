@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite
-from benchmarks.multiturn.plots import _plt, _save, color
+from benchmarks.report.figures import color, pyplot, save
 
 HIT_PLOT = "capacity_hit_ratio.png"
 P99_PLOT = "capacity_p99_ttft.png"
@@ -56,7 +56,7 @@ def plot_capacity(out_dir: Path, summary: Sequence[dict[str, Any]]) -> list[str]
         (HIT_PLOT, "reuse_ratio", "oracle_hit_ratio", "reused / prompt tokens", False),
         (P99_PLOT, "ttft_p99_s", "floor_ttft_p99_s", "p99 TTFT (s)", True),
     ):
-        fig, axes = _plt().subplots(
+        fig, axes = pyplot().subplots(
             len(workloads),
             len(tiers),
             figsize=(max(5.6 * len(tiers), 8.0), 4.4 * len(workloads)),
@@ -80,6 +80,6 @@ def plot_capacity(out_dir: Path, summary: Sequence[dict[str, Any]]) -> list[str]
         axes[0][0].legend(fontsize=7)
         what = "hit ratio (device + host + pulled)" if key == "reuse_ratio" else "p99 TTFT"
         fig.suptitle(f"Capacity-bound: {what}; median over the seeds, bars: min..max")
-        if _save(fig, out_dir / name):
+        if save(fig, out_dir / name):
             written.append(name)
     return written

@@ -16,16 +16,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
 from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
-from benchmarks.multiturn.results import params_text, peers_text, publish, sim_model, target_rows
+from benchmarks.multiturn.results import params_text, peers_text, sim_model
 from benchmarks.multiturn.targets import (
-    check,
     foreseen,
     pct,
     prediction,
-    ratio,
     ratio_text,
     reasons,
     secs,
@@ -33,6 +31,10 @@ from benchmarks.multiturn.targets import (
     with_errors,
 )
 from benchmarks.peers import PeerStatus
+from benchmarks.report.page import publish
+from benchmarks.report.seeds import Run, ratio, spread, spread_text
+from benchmarks.report.table import markdown_table, rounded
+from benchmarks.report.targets import check, target_rows
 
 TARGET_MULTIPLE = 4.0
 HIT_VS_ORACLE = 0.9  # ours >= this x the oracle's hit ratio
@@ -40,7 +42,6 @@ HIT_VS_CACHE_AWARE = 2.0  # ours >= this x cache_aware's
 P99_VS_CACHE_AWARE = 0.5  # ours <= this x cache_aware's p99 TTFT
 P99_VS_FLOOR = 1.5  # ours <= this x the floor's p99 TTFT
 
-Run = dict[str, Any]
 Config = tuple[str, float, float]  # workload, multiple, host ratio
 
 # name -> (what it is, the value of one run against its seed's cache_aware run or None)
@@ -90,13 +91,6 @@ DERIVED: dict[str, Callable[[Run], float | None]] = {
 
 def _figure(run: Run, key: str) -> Any:
     return DERIVED[key](run) if key in DERIVED else run.get(key)
-
-
-def spread(values: Sequence[float]) -> dict[str, Any] | None:
-    """Median and min..max of per-seed values (None without any)."""
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def config_of(run: Run) -> Config:
@@ -313,16 +307,6 @@ def tier_text(run: Run) -> str:
 # --------------------------------------------------------------------------- Markdown
 
 
-def _r(value: Any, digits: int = 3) -> Any:
-    return round(value, digits) if finite(value) else value
-
-
-def spread_text(figure: dict[str, Any] | None) -> str | None:
-    if not figure or not finite(figure.get("median")):
-        return None
-    return f"{figure['median']:.2f} [{figure['min']:.2f}..{figure['max']:.2f}]"
-
-
 def ratio_rows(summary: Sequence[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
     rows = []
     for e in summary:
@@ -334,7 +318,7 @@ def ratio_rows(summary: Sequence[dict[str, Any]], workload: str) -> list[dict[st
             "system": e["system"],
         }
         for name in PAIRED:
-            row[name.replace("_", " ")] = spread_text(e.get(name))
+            row[name.replace("_", " ")] = spread_text(e.get(name), always=True)
         rows.append(row)
     return rows
 
@@ -356,13 +340,13 @@ def figure_rows(summary: Sequence[dict[str, Any]], config: Config) -> list[dict[
                 "recomputed": pct(e.get("recomputed_share")),
                 "predicted/reported": ratio_text(e.get("predicted_vs_reported")),
                 "foreseen": pct(e["foreseen_share"]) if finite(e.get("foreseen_share")) else None,
-                "TTFT mean": _r(e.get("ttft_mean_s")),
-                "p50": _r(e.get("ttft_p50_s")),
-                "p99": _r(e.get("ttft_p99_s")),
-                "floor p99": _r(e.get("floor_ttft_p99_s")),
-                "p99/floor": spread_text(e.get("p99_vs_floor")),
-                "KV pulled GiB": _r(pulled / 2**30, 2) if finite(pulled) else None,
-                "sent/s": _r(e.get("offered_rps"), 2),
+                "TTFT mean": rounded(e.get("ttft_mean_s")),
+                "p50": rounded(e.get("ttft_p50_s")),
+                "p99": rounded(e.get("ttft_p99_s")),
+                "floor p99": rounded(e.get("floor_ttft_p99_s")),
+                "p99/floor": spread_text(e.get("p99_vs_floor"), always=True),
+                "KV pulled GiB": rounded(pulled / 2**30, 2) if finite(pulled) else None,
+                "sent/s": rounded(e.get("offered_rps"), 2),
                 "GPU busy": pct(e.get("gpu_utilization")),
                 "errors": e.get("errors"),
                 "aborted": _count(e.get("engine_aborts")),

@@ -159,52 +159,23 @@ def run(
     return records, rater.calibrations, plan
 
 
-def write(
-    kind: Kind,
-    out: Path,
-    preset: str,
-    runs: list[dict[str, Any]],
-    calibration: dict[str, Any],
-    setup: dict[str, Any],
-    notes: Sequence[str],
-    peers: dict[str, PeerStatus],
-    elapsed_s: float,
-    command: str,
-    machine: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return write_paired(
-        out,
-        preset,
-        kind.title,
-        runs,
-        calibration,
-        setup,
-        [*kind.notes, *notes],
-        kind.targets_for,
-        peers,
-        elapsed_s,
-        command,
-        machine,
-        kind.page,
-        kind.extra,
-    )
-
-
-def report_again(
-    kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]
-) -> None:
-    """results.md, the targets and the plots again from an earlier results.json."""
+def write(kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]) -> None:
+    """results.json, results.md, the targets and the plots from a run's figures as
+    results.json holds them: a new run's, or an earlier one's reported again."""
     own = [n for n in figures.get("notes") or [] if n not in kind.notes]  # the run's own
-    write(
-        kind,
+    write_paired(
         out,
         figures["preset"],
+        kind.title,
         figures["runs"],
         figures.get("calibration") or {},
         figures.get("setup") or {},
-        own,
+        [*kind.notes, *own],
+        kind.targets_for,
         peers,
         figures.get("elapsed_s", 0.0),
         figures.get("command", ""),
         figures.get("machine") or None,
+        kind.page,
+        kind.extra,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite
-from benchmarks.multiturn.plots import _plt, _save, color
+from benchmarks.report.figures import color, pyplot, save
 
 CDF_PLOT = "ttft_cdf.png"
 BUSY_PLOT = "worker_busy.png"
@@ -44,7 +44,7 @@ def plot_paired(
 def _grid(n: int, width: float, height: float) -> tuple[Any, list[Any]]:
     cols = min(n, 2)
     rows = -(-n // cols)
-    fig, axes = _plt().subplots(
+    fig, axes = pyplot().subplots(
         rows, cols, figsize=(width * cols, height * rows), squeeze=False, constrained_layout=True
     )
     flat = [ax for row in axes for ax in row]
@@ -85,9 +85,9 @@ def plot_cdf(
         ax.legend(fontsize=6, loc="lower right")
     fig.suptitle("TTFT CDF per system (every seed's requests pooled)")
     if not drawn:
-        _plt().close(fig)
+        pyplot().close(fig)
         return False
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_busy(path: Path, summary: Sequence[dict[str, Any]], configs: list[str]) -> bool:
@@ -115,6 +115,6 @@ def plot_busy(path: Path, summary: Sequence[dict[str, Any]], configs: list[str])
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Busy time per worker (hatched: decode); line: even share, dotted: half")
     if not drawn:
-        _plt().close(fig)
+        pyplot().close(fig)
         return False
-    return _save(fig, path)
+    return save(fig, path)

@@ -18,24 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
-from benchmarks.multiturn.capacity_report import spread
+from benchmarks.harness import finite
 from benchmarks.multiturn.paired import system_label
 from benchmarks.multiturn.paired_plots import plot_paired
-from benchmarks.multiturn.results import (
-    params_text,
-    peers_text,
-    publish,
-    sim_model,
-    sim_text,
-    target_rows,
-)
+from benchmarks.multiturn.results import params_text, peers_text, sim_model, sim_text
 from benchmarks.multiturn.targets import (
-    check,
     foreseen,
     pct,
     prediction,
-    ratio,
     ratio_text,
     reasons,
     secs,
@@ -43,8 +33,11 @@ from benchmarks.multiturn.targets import (
     with_errors,
 )
 from benchmarks.peers import PeerStatus
+from benchmarks.report.page import publish
+from benchmarks.report.seeds import Run, ratio, spread, spread_text
+from benchmarks.report.table import markdown_table, rounded
+from benchmarks.report.targets import check, target_rows
 
-Run = dict[str, Any]
 FLOOR = "floor"  # a Target's `other`: the run's own floor
 
 WRITTEN_BACK_TEXT = (
@@ -447,21 +440,9 @@ def reachable(target: Target, mine: dict[int, Run], theirs: dict[int, Run]) -> s
 # --------------------------------------------------------------------------- Markdown
 
 
-def _r(value: Any, digits: int = 3) -> Any:
-    return round(value, digits) if finite(value) else value
-
-
-def spread_text(figure: dict[str, Any] | None, digits: int = 2) -> str | None:
-    if not figure or not finite(figure.get("median")):
-        return None
-    if figure["min"] == figure["max"]:
-        return f"{figure['median']:.{digits}f}"
-    return f"{figure['median']:.{digits}f} [{figure['min']:.{digits}f}..{figure['max']:.{digits}f}]"
-
-
 def gib(entry: dict[str, Any], key: str) -> Any:
     value = med(entry, key)
-    return _r(value / 2**30, 2) if finite(value) else None
+    return rounded(value / 2**30, 2) if finite(value) else None
 
 
 def rows_of(
@@ -475,14 +456,14 @@ def latency_row(e: dict[str, Any]) -> dict[str, Any]:
     seen = med(e, "foreseen_share")
     return {
         "TTFT mean": spread_text(e.get("ttft_mean_s"), 3),
-        "p50": _r(med(e, "ttft_p50_s")),
+        "p50": rounded(med(e, "ttft_p50_s")),
         "p99": spread_text(e.get("ttft_p99_s"), 3),
-        "floor p99": _r(med(e, "floor_ttft_p99_s")),
+        "floor p99": rounded(med(e, "floor_ttft_p99_s")),
         "p99/floor": spread_text(e.get("p99_vs_floor")),
         "queued floor p99": spread_text(e.get("queue_floor_ttft_p99_s"), 3),
         "LRU queued p99": spread_text(e.get("lru_queue_floor_ttft_p99_s"), 3),
-        "JCT mean": _r(med(e, "jct_mean_s")),
-        "JCT p99": _r(med(e, "jct_p99_s")),
+        "JCT mean": rounded(med(e, "jct_mean_s")),
+        "JCT p99": rounded(med(e, "jct_p99_s")),
         "hit": pct(med(e, "reuse_ratio")),
         "oracle": pct(med(e, "oracle_hit_ratio")),
         "LRU ref": pct(med(e, "lru_hit_ratio")),
@@ -509,14 +490,14 @@ def movement_row(e: dict[str, Any]) -> dict[str, Any]:
     return {
         "KV P->D GiB": gib(e, "kv_pd_bytes"),
         "KV write-back GiB": gib(e, "kv_writeback_bytes"),
-        "write-backs": _r(med(e, "writebacks"), 0),
+        "write-backs": rounded(med(e, "writebacks"), 0),
         "KV pulled GiB": gib(e, "kv_pulled_bytes"),
         "requests per worker": share_text(e.get("request_shares"), e.get("worker_roles")),
         "busy per worker": share_text(e.get("busy_shares"), e.get("worker_roles")),
         "least busy / mean": spread_text(e.get("busy_balance")),
-        "sent/s": _r(med(e, "offered_rps"), 2),
+        "sent/s": rounded(med(e, "offered_rps"), 2),
         "GPU busy": pct(med(e, "gpu_utilization")),
-        "CPU ms/req": _r(med(e, "cpu_ms_per_request"), 0),
+        "CPU ms/req": rounded(med(e, "cpu_ms_per_request"), 0),
         "errors": e.get("errors"),
         "429 retries": e.get("retries_429"),
         "aborted": e.get("engine_aborts"),
@@ -538,9 +519,9 @@ def calibration_rows(calibration: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "config": key,
                 "reference": c.get("reference"),
-                "floor bound req/s": _r(c.get("floor_bound_rps"), 2),
+                "floor bound req/s": rounded(c.get("floor_bound_rps"), 2),
                 "offered->completed req/s": path or c.get("stopped"),
-                "sustained req/s": _r(sustained, 2),
+                "sustained req/s": rounded(sustained, 2),
                 "runs offered at": f"{c.get('load', 0):.0%} = {c.get('load', 0) * sustained:.2f}"
                 if finite(sustained)
                 else None,

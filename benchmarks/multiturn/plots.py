@@ -9,15 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite
-
-
-def _plt() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from benchmarks.report.figures import color, pyplot, save
 
 
 def _series(
@@ -32,24 +24,6 @@ def _series(
         for ax, value in zip(axes, values, strict=True):
             ys = [value(r) for _, r in items]
             ax.plot(xs, ys, marker="o", color=color(system), label=system)
-
-
-def _save(fig: Any, path: Path) -> bool:
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return True
-
-
-_COLORS: dict[str, str] = {}
-# matplotlib's ten, then five darker ones: the full preset compares twelve systems
-_PALETTE = [f"C{i}" for i in range(10)] + ["black", "#843c39", "#393b79", "#637939", "#e7ba52"]
-
-
-def color(system: str) -> str:
-    """One colour per system in every plot (in the order systems are first seen)."""
-    if system not in _COLORS:
-        _COLORS[system] = _PALETTE[len(_COLORS) % len(_PALETTE)]
-    return _COLORS[system]
 
 
 def _ok(run: dict[str, Any]) -> bool:
@@ -83,7 +57,7 @@ def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     pts = {k: v for k, v in pts.items() if len(v) > 1}  # systems the sweep ran
     if not pts:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
     keys = ("ttft_mean_s", "ttft_p99_s", "jct_mean_s")
     _series(axes, pts, [operator.itemgetter(k) for k in keys])
@@ -94,7 +68,7 @@ def plot_rate(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Multi-round QA on 4 colocated sim instances: latency against request rate")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -105,7 +79,7 @@ def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     ]
     if not panels:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
     for ax, workload in zip(axes[0], panels, strict=True):
         for run in runs:
@@ -124,7 +98,7 @@ def plot_per_turn(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -135,7 +109,7 @@ def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
             workloads.append(run["workload"])
     if not workloads:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4.8), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
         subset = [
@@ -170,7 +144,7 @@ def plot_hits(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     axes[0][0].set_ylabel("cached / prompt tokens")
     fig.suptitle("Token hit ratio against the oracle (4 colocated instances)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
@@ -181,7 +155,7 @@ def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
             pts.setdefault(run["system"], []).append((ratio, run))
     if not pts:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), constrained_layout=True)
     _series(axes, pts, [operator.itemgetter("ttft_p99_s"), lambda r: r.get("hit_ratio") or 0])
     axes[0].set_title("p99 TTFT (s)")
@@ -191,14 +165,14 @@ def plot_share(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("LooGLE-like document QA, 4 colocated: prompt tree vs session (MemServe fig. 14)")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_pd(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
     subset = [r for r in runs if r["group"] == "pd" and _ok(r)]
     if not subset:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), constrained_layout=True)
     names = [f"{r['cluster']}\n{r['system']}" for r in subset]
     xs = range(len(subset))
@@ -215,4 +189,4 @@ def plot_pd(path: Path, runs: Sequence[dict[str, Any]]) -> bool:
         ax.set_xticks(list(xs), names, rotation=60, fontsize=7, ha="right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("PD clusters at equal instance count (2): ShareGPT-like multi-turn")
-    return _save(fig, path)
+    return save(fig, path)

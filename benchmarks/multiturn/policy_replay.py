@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -34,21 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from benchmarks.harness import (
-    machine_facts,
-    markdown_table,
-    percentile,
-    progress_bar,
-    shown_command,
-    step,
-    write_results,
-)
+from benchmarks.harness import percentile, progress_bar, shown_command, step
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.oracle import PAGE, held_pages, lru_insert, page_keys
 from benchmarks.multiturn.queue_floor import prefill_servers
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Request
+from benchmarks.report.page import machine_facts, write_results
+from benchmarks.report.seeds import spread, spread_text
+from benchmarks.report.table import markdown_table
 from connector.worker.latency_model import LatencyModel
 from mempool._radix import Heat
 from router.policies import (
@@ -329,13 +323,8 @@ def summary_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _spread(values: Sequence[float], percent: bool = False) -> str:
-    if not values:
-        return "—"
-    scale, unit, digits = (100.0, "%", 0) if percent else (1.0, "", 2)
-    low, mid, high = (v * scale for v in (min(values), statistics.median(values), max(values)))
-    if len(values) == 1 or low == high:
-        return f"{mid:.{digits}f}{unit}"
-    return f"{mid:.{digits}f}{unit} [{low:.{digits}f}..{high:.{digits}f}]"
+    scaled = [v * 100 for v in values] if percent else values
+    return spread_text(spread(scaled), 0 if percent else 2, unit="%" if percent else "") or "—"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,11 +10,12 @@ comes from its calibration at the start of each replicated run.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
+from benchmarks.report import seeds
+from benchmarks.report.table import markdown_table, percent, rounded
 
 SINGLE = "ours prompt_tree"
 HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router
@@ -58,11 +59,9 @@ def pairs(
 
 
 def spread(values: Sequence[Any]) -> dict[str, Any]:
-    """Median, min and max of the finite values (None when there are none)."""
+    """Median, min and max of the finite values (None when there are none), and how many."""
     xs = [v for v in values if finite(v)]
-    if not xs:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    return {**(seeds.spread(xs) or dict.fromkeys(("median", "min", "max"))), "n": len(xs)}
 
 
 def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -126,16 +125,9 @@ def _ms(seconds: Any) -> Any:
     return round(seconds * 1e3, 2) if finite(seconds) else None
 
 
-def _f(value: Any, digits: int = 3) -> Any:
-    return round(value, digits) if finite(value) else None
-
-
 def _range(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
-    if not s.get("n"):
-        return "?"
-    mid, lo, hi = (s[k] * scale for k in ("median", "min", "max"))
-    text = format(mid, fmt)
-    return text if s["n"] == 1 else f"{text} ({format(lo, fmt)}..{format(hi, fmt)})"
+    scaled = {k: s[k] * scale for k in ("median", "min", "max")} if s.get("n") else None
+    return seeds.spread_text(scaled, parens=True, spec=fmt) or "?"
 
 
 def sections(figures: dict[str, Any]) -> list[str]:
@@ -159,22 +151,20 @@ def sections(figures: dict[str, Any]) -> list[str]:
             rows.append(
                 {
                     "seed": p["seed"] if p["seed"] is not None else "-",
-                    "hit 1 router": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
-                    "hit replicas": f"{p['hit_replicas']:.1%}"
-                    if finite(p["hit_replicas"])
-                    else None,
-                    "gap (points)": _f(p["hit_gap_points"], 1),
-                    "TTFT p50 1 / 2": f"{_f(p['ttft_p50_s_single'])} / "
-                    f"{_f(p['ttft_p50_s_replicas'])}",
-                    "TTFT p99 1 / 2": f"{_f(p['ttft_p99_s_single'])} / "
-                    f"{_f(p['ttft_p99_s_replicas'])}",
-                    "tok/s 1 / 2": f"{_f(p['output_tokens_per_s_single'], 0)} / "
-                    f"{_f(p['output_tokens_per_s_replicas'], 0)}",
+                    "hit 1 router": percent(p["hit_single"], 1),
+                    "hit replicas": percent(p["hit_replicas"], 1),
+                    "gap (points)": rounded(p["hit_gap_points"], 1),
+                    "TTFT p50 1 / 2": f"{rounded(p['ttft_p50_s_single'])} / "
+                    f"{rounded(p['ttft_p50_s_replicas'])}",
+                    "TTFT p99 1 / 2": f"{rounded(p['ttft_p99_s_single'])} / "
+                    f"{rounded(p['ttft_p99_s_replicas'])}",
+                    "tok/s 1 / 2": f"{rounded(p['output_tokens_per_s_single'], 0)} / "
+                    f"{rounded(p['output_tokens_per_s_replicas'], 0)}",
                     "lag p50 ms": _ms(p["lag_p50_s"]),
                     "lag p99 ms": _ms(p["lag_p99_s"]),
-                    "lag ops": _f(p["lag_count"], 0),
-                    "front ms": _f(p["front_added_p50_ms"], 2),
-                    "front chat ms": _f(p["front_chat_added_p50_ms"], 2),
+                    "lag ops": rounded(p["lag_count"], 0),
+                    "front ms": rounded(p["front_added_p50_ms"], 2),
+                    "front chat ms": rounded(p["front_chat_added_p50_ms"], 2),
                 }
             )
         out += [f"### {workload}", "", markdown_table(rows), ""]
@@ -223,9 +213,9 @@ def processes_sections(figures: dict[str, Any]) -> list[str]:
             "workload": workload,
             "seed": p["seed"] if p["seed"] is not None else "-",
             "system": p["system"],
-            "hit 1 process": f"{p['hit_single']:.1%}" if finite(p["hit_single"]) else None,
-            "hit N processes": f"{p['hit_processes']:.1%}" if finite(p["hit_processes"]) else None,
-            "gap (points)": _f(p["hit_gap_points"], 1),
+            "hit 1 process": percent(p["hit_single"], 1),
+            "hit N processes": percent(p["hit_processes"], 1),
+            "gap (points)": rounded(p["hit_gap_points"], 1),
             f"within {PROCESS_GAP_POINTS:g} points": p["within"],
         }
         for workload, found in figures.items()

@@ -7,14 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table, write_results
+from benchmarks.harness import finite
 from benchmarks.multiturn import replicas_report
 from benchmarks.multiturn.plan import Plan
 from benchmarks.multiturn.plots import plot_all
 from benchmarks.multiturn.targets import all_targets, foreseen, prediction, ratio_text
 from benchmarks.peers import PeerStatus
-
-NAME = "results"
+from benchmarks.report.page import publish
+from benchmarks.report.table import markdown_table, percent, rounded
+from benchmarks.report.targets import target_rows
 
 
 def sim_model() -> dict[str, Any]:
@@ -39,14 +40,6 @@ def sim_text(model: dict[str, Any]) -> str:
     )
 
 
-def _r(value: Any, digits: int = 3) -> Any:
-    return round(value, digits) if finite(value) else value
-
-
-def _pct(value: Any) -> Any:
-    return f"{value:.1%}" if finite(value) else None
-
-
 def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
     row: dict[str, Any] = {"system": run["system"]}
     if run.get("seed") is not None:
@@ -61,43 +54,28 @@ def run_row(run: dict[str, Any], with_cluster: bool = False) -> dict[str, Any]:
             "req": run.get("completed"),
             "err": run.get("errors"),
             "429 retries": run.get("retries_429"),
-            "sent/s": _r(run.get("offered_rps"), 2),
-            "TTFT mean": _r(run.get("ttft_mean_s")),
-            "p50": _r(run.get("ttft_p50_s")),
-            "p90": _r(run.get("ttft_p90_s")),
-            "p99": _r(run.get("ttft_p99_s")),
-            "TPOT mean ms": _r((run.get("tpot_mean_s") or 0) * 1e3, 1)
+            "sent/s": rounded(run.get("offered_rps"), 2),
+            "TTFT mean": rounded(run.get("ttft_mean_s")),
+            "p50": rounded(run.get("ttft_p50_s")),
+            "p90": rounded(run.get("ttft_p90_s")),
+            "p99": rounded(run.get("ttft_p99_s")),
+            "TPOT mean ms": rounded((run.get("tpot_mean_s") or 0) * 1e3, 1)
             if run.get("tpot_mean_s") is not None
             else None,
-            "JCT mean": _r(run.get("jct_mean_s")),
-            "JCT p99": _r(run.get("jct_p99_s")),
-            "tok/s": _r(run.get("output_tokens_per_s"), 0),
-            "hit": _pct(run.get("hit_ratio")),
-            "oracle": _pct(run.get("oracle_hit_ratio")),
-            "GPU busy": _pct(run.get("gpu_utilization")),
+            "JCT mean": rounded(run.get("jct_mean_s")),
+            "JCT p99": rounded(run.get("jct_p99_s")),
+            "tok/s": rounded(run.get("output_tokens_per_s"), 0),
+            "hit": percent(run.get("hit_ratio"), 1),
+            "oracle": percent(run.get("oracle_hit_ratio"), 1),
+            "GPU busy": percent(run.get("gpu_utilization"), 1),
             # ours: its trees' cached tokens over the workers' (peers count neither)
             "predicted/reported": ratio_text(prediction(run)),
-            "foreseen": _pct(foreseen(run)),
+            "foreseen": percent(foreseen(run), 1),
         }
     )
     if run.get("kv_bytes_moved"):
-        row["KV moved GiB"] = _r(run["kv_bytes_moved"] / 2**30, 2)
+        row["KV moved GiB"] = rounded(run["kv_bytes_moved"] / 2**30, 2)
     return row
-
-
-def target_rows(targets: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for name, t in targets.items():
-        row = {"target": name, "value": _r(t.get("value"), 3)}
-        if "spread" in t:  # a median over seeds: their min..max too
-            lo, hi = t["spread"]
-            row["seeds min..max"] = f"{lo:.2f}..{hi:.2f}" if finite(lo) and finite(hi) else None
-        row["limit"] = f"{t['op']} {t['limit']:g}"
-        row["met"] = t.get("met")
-        row["figures"] = t.get("detail", "")
-        row["why missed"] = t.get("why", "") if t.get("met") is not True else ""
-        rows.append(row)
-    return rows
 
 
 def per_turn_rows(runs: Sequence[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
@@ -110,7 +88,7 @@ def per_turn_rows(runs: Sequence[dict[str, Any]], workload: str) -> list[dict[st
         turns = run.get("per_turn_ttft_mean_s") or {}
         row: dict[str, Any] = {"system": run["system"]}
         for t, v in turns.items():
-            row[f"turn {int(t) + 1}"] = _r(v)
+            row[f"turn {int(t) + 1}"] = rounded(v)
         rows.append(row)
     return rows
 
@@ -245,23 +223,6 @@ def params_text(params: dict[str, Any], leave: Sequence[str] = ("seed",)) -> str
         for k, v in params.items()
         if k not in leave
     )
-
-
-def publish(
-    out_dir: Path,
-    figures: dict[str, Any],
-    title: str,
-    body: list[str],
-    notes: list[str],
-    machine: dict[str, Any] | None,
-    page: str | None = None,
-) -> None:
-    """results.json and results.md (or `page`): `body` (Markdown lines), then the plots
-    named in `figures["plots"]`, the notes and the machine (no headline table: the body
-    holds it)."""
-    plots = [f"![{p}]({p})" for p in figures.get("plots") or ()]
-    body = [*body, *plots, ""]
-    write_results(out_dir, NAME, figures, None, title, notes, machine, body, page)
 
 
 def write_all(

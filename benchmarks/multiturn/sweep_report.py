@@ -6,12 +6,11 @@ heat map of ours' ratios to cache_aware per cell.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table
+from benchmarks.harness import finite
 from benchmarks.multiturn.paired_report import (
     Extra,
     Run,
@@ -22,7 +21,6 @@ from benchmarks.multiturn.paired_report import (
     runs_of,
     slug,
 )
-from benchmarks.multiturn.plots import _plt, _save
 from benchmarks.multiturn.sweep_preset import (
     CACHE_AWARE,
     ENGINE_TEXT,
@@ -31,34 +29,30 @@ from benchmarks.multiturn.sweep_preset import (
     cell_of,
     targets_for,
 )
-from benchmarks.multiturn.targets import foreseen, pct, prediction, ratio
+from benchmarks.multiturn.targets import foreseen, pct, prediction
 from benchmarks.multiturn.workloads import CHAT
+from benchmarks.report.figures import pyplot, save
+from benchmarks.report.seeds import median_of, paired, ratio
+from benchmarks.report.table import markdown_table, rounded
 
 HEATMAP = "sweep_heatmap.png"
 FIGURES = (("mean", "ttft_mean_s"), ("p99", "ttft_p99_s"))
 
 
 def per_seed_ratios(mine: dict[int, Run], theirs: dict[int, Run], figure: str) -> dict[int, float]:
-    """seed -> mine's figure over theirs in that seed (seeds where both measured it)."""
-    out = {}
-    for seed, run in mine.items():
-        value = ratio(run.get(figure), (theirs.get(seed) or {}).get(figure))
-        if finite(value) and not run.get("errors") and not theirs[seed].get("errors"):
-            out[seed] = value
-    return out
-
-
-def median_of(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
+    """seed -> mine's figure over theirs in that seed (seeds where both ran without errors)."""
+    return paired(
+        mine,
+        theirs,
+        lambda a, b: (
+            None if a.get("errors") or b.get("errors") else ratio(a.get(figure), b.get(figure))
+        ),
+    )
 
 
 def seeds_text(values: dict[int, float]) -> str | None:
     """Per seed, in seed order: `0.91/0.88/0.95`."""
     return "/".join(f"{values[s]:.2f}" for s in sorted(values)) if values else None
-
-
-def _r(value: Any, digits: int = 3) -> Any:
-    return round(value, digits) if finite(value) else None
 
 
 def cell_rows(
@@ -88,12 +82,12 @@ def cell_rows(
                 "engines": ENGINE_TEXT.get(cell.engine, cell.engine).removeprefix("4 colocated, "),
                 "KV/worker": first.get("instance_kv_tokens"),
                 "hot set": first.get("hot_set_tokens"),
-                "sustained req/s": _r(cal.get("sustained_rps"), 2),
-                "offered req/s": _r(first.get("rate"), 2),
+                "sustained req/s": rounded(cal.get("sustained_rps"), 2),
+                "offered req/s": rounded(first.get("rate"), 2),
                 "seeds": len({r["seed"] for r in mine}),
-                "GPU busy": pct(median_of([g for g in gpu if finite(g)])),
-                "CPU ms/req": _r(median_of([c for c in cpu if finite(c)]), 0),
-                "max machine load": _r(max(loads), 1) if loads else None,
+                "GPU busy": pct(median_of(gpu)),
+                "CPU ms/req": rounded(median_of(cpu), 0),
+                "max machine load": rounded(max(loads), 1) if loads else None,
             }
         )
     return rows
@@ -118,20 +112,20 @@ def table_rows(runs: Sequence[Run], summary: Sequence[dict[str, Any]]) -> list[d
                 "cell": config,
                 "system": system,
                 "seeds": len(mine),
-                "TTFT mean s": _r(med(entry, "ttft_mean_s")),
-                "TTFT p99 s": _r(med(entry, "ttft_p99_s")),
+                "TTFT mean s": rounded(med(entry, "ttft_mean_s")),
+                "TTFT p99 s": rounded(med(entry, "ttft_p99_s")),
             }
             for name, figure in FIGURES:
                 per_seed = {} if system == ca else per_seed_ratios(mine, theirs, figure)
                 row[f"{name}/CA per seed"] = seeds_text(per_seed)
-                row[f"{name}/CA"] = _r(median_of(list(per_seed.values())), 2)
+                row[f"{name}/CA"] = rounded(median_of(list(per_seed.values())), 2)
                 row[f"_{name}_per_seed"] = per_seed
             row["hit"] = pct(med(entry, "reuse_ratio"))
             predicted = [p for r in mine.values() if finite(p := prediction(r))]
-            row["predicted/reported cached"] = _r(median_of(predicted), 2)
+            row["predicted/reported cached"] = rounded(median_of(predicted), 2)
             hits = [f for r in mine.values() if finite(f := foreseen(r))]
             if hits:  # (routers from before it counted them: no column)
-                row["foreseen/reported cached"] = _r(median_of(hits), 2)
+                row["foreseen/reported cached"] = rounded(median_of(hits), 2)
             row["errors"] = entry.get("errors")
             rows.append(row)
     return rows
@@ -183,7 +177,7 @@ def plot_heatmap(path: Path, data: dict[str, Any]) -> bool:
     cells, columns, values = data["cells"], data["columns"], data["values"]
     if not cells or not any(finite(v) for row in values for v in row):
         return False
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
     grid = [[v if finite(v) else float("nan") for v in row] for row in values]
@@ -206,7 +200,7 @@ def plot_heatmap(path: Path, data: dict[str, Any]) -> bool:
     ax.xaxis.tick_top()
     fig.colorbar(image, ax=ax, label="ours / cache_aware (median)")
     ax.set_title("TTFT, ours over cache_aware per cell (framed: a target missed)", fontsize=9)
-    return bool(_save(fig, path))
+    return bool(save(fig, path))
 
 
 def target_summary(targets: dict[str, Any]) -> list[str]:

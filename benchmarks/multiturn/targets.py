@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.harness import finite
+from benchmarks.report.seeds import ratio
+from benchmarks.report.targets import check
 
 HIT_FRACTION = 0.9  # prompt_tree's hit ratio >= this x the oracle's
 P99_VS_CACHE_AWARE = 0.6  # prompt_tree p99 TTFT <= this x sglang-router cache_aware's
@@ -19,17 +21,6 @@ def find(runs: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
         if run.get("available") and all(run.get(k) == v for k, v in match.items()):
             return run
     return None
-
-
-def check(value: Any, op: str, limit: float, about: str) -> dict[str, Any]:
-    met = None
-    if finite(value):
-        met = value >= limit if op == ">=" else value <= limit
-    return {"value": value, "op": op, "limit": limit, "met": met, "about": about}
-
-
-def ratio(a: Any, b: Any) -> float | None:
-    return a / b if finite(a) and finite(b) and b else None
 
 
 def prediction(run: dict[str, Any]) -> float | None:

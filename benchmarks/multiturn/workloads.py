@@ -251,11 +251,6 @@ class MultiRoundQA:
             },
         )
 
-    def with_qps(self, qps: float) -> MultiRoundQA:
-        from dataclasses import replace
-
-        return replace(self, qps=qps)
-
 
 # --------------------------------------------------------------------------- ShareGPT-like
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite
-from benchmarks.multiturn.plots import _plt, _save, color
 from benchmarks.overload.preset import WITH_DEADLINE
 from benchmarks.overload.targets import GOODPUT_KEPT, by_step
+from benchmarks.report.figures import color, pyplot, save
 
 PNG = "overload.png"
 
@@ -44,7 +44,7 @@ def plot(
     """Write the figure; its file name, or None without runs."""
     if not runs:
         return None
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.6), constrained_layout=True)
@@ -84,5 +84,5 @@ def plot(
     fig.suptitle(
         "Overload ramp, 4 colocated sim workers: lines the median over seeds, bands min..max"
     )
-    _save(fig, out_dir / PNG)
+    save(fig, out_dir / PNG)
     return PNG

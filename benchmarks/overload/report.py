@@ -5,19 +5,20 @@ plot. Everything here is computed from the runs, so `--report-only` can redo it.
 from __future__ import annotations
 
 import os
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, markdown_table, table_section
-from benchmarks.multiturn.results import publish, sim_text, target_rows
-from benchmarks.multiturn.targets import ratio
+from benchmarks.harness import finite
+from benchmarks.multiturn.results import sim_text
 from benchmarks.overload import plots
 from benchmarks.overload.preset import CACHE_AWARE, WITH_DEADLINE, WITHOUT_DEADLINE
 from benchmarks.overload.targets import Workers, all_targets, by_step, paired_ratios
+from benchmarks.report.page import publish
+from benchmarks.report.seeds import Run, median_of, ratio, spread, spread_text
+from benchmarks.report.table import markdown_table, percent, rounded, table_section
+from benchmarks.report.targets import target_rows
 
-Run = dict[str, Any]
 TITLE = "Overload ramp: goodput and TTFT of admitted requests, {} to {} of the sustained rate"
 
 
@@ -26,17 +27,12 @@ def values(seeds: dict[int, Run], key: str) -> list[float]:
 
 
 def med(seeds: dict[int, Run], key: str, digits: int = 2) -> float | None:
-    got = values(seeds, key)
-    return round(statistics.median(got), digits) if got else None
+    return rounded(median_of(values(seeds, key)), digits)
 
 
-def with_spread(seeds: dict[int, Run], key: str, digits: int = 2) -> str | None:
-    """`median (min..max)` over the seeds, or the one value."""
-    got = values(seeds, key)
-    if not got:
-        return None
-    text = f"{statistics.median(got):.{digits}f}"
-    return text if len(got) == 1 else f"{text} ({min(got):.{digits}f}..{max(got):.{digits}f})"
+def with_spread(seeds: dict[int, Run], key: str) -> str | None:
+    """`median (min..max)` over the seeds, or the value they agree on."""
+    return spread_text(spread(values(seeds, key)), parens=True)
 
 
 def system_order(runs: Sequence[Run]) -> list[str]:
@@ -68,25 +64,17 @@ def step_rows(runs: Sequence[Run], deadline_s: float) -> list[dict[str, Any]]:
                     "errors": med(seeds, "errors", 0),
                     "goodput req/s": with_spread(seeds, "goodput_rps"),
                     "throughput req/s": med(seeds, "throughput_rps"),
-                    "within SLO": pct(statistics.median(values(seeds, "slo_share")))
-                    if values(seeds, "slo_share")
-                    else None,
+                    "within SLO": percent(median_of(values(seeds, "slo_share"))),
                     "TTFT p50": med(seeds, "ttft_p50_s"),
                     "TTFT p99": with_spread(seeds, "ttft_p99_s"),
                     "longest wait": round(max(waits), 2) if waits else None,
                     "/ D": round(max(waits) / deadline_s, 2) if waits else None,
                     "waits > D": int(sum(values(seeds, "over_deadline"))),
                     "retracted": int(sum(values(seeds, "retracted"))),
-                    "hit": pct(statistics.median(values(seeds, "hit_ratio")))
-                    if values(seeds, "hit_ratio")
-                    else None,
+                    "hit": percent(median_of(values(seeds, "hit_ratio"))),
                 }
             )
     return rows
-
-
-def pct(x: Any) -> str | None:
-    return f"{x:.0%}" if finite(x) else None
 
 
 def ratio_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
@@ -98,13 +86,7 @@ def ratio_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     for fraction in fractions:
         row: dict[str, Any] = {"load": f"{fraction:.0%}"}
         for system in ours:
-            s = ratios[system].get(fraction)
-            text = None
-            if s is not None:
-                text = f"{s['median']:.2f}"
-                if s["min"] != s["max"]:
-                    text += f" ({s['min']:.2f}..{s['max']:.2f})"
-            row[f"{system} / cache_aware"] = text
+            row[f"{system} / cache_aware"] = spread_text(ratios[system].get(fraction), parens=True)
         rows.append(row)
     return rows
 
@@ -123,23 +105,19 @@ def run_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
             "good": r["good"],
             "goodput": round(r["goodput_rps"], 2),
             "thr": round(r["throughput_rps"], 2),
-            "p50": _r(r.get("ttft_p50_s")),
-            "p99": _r(r.get("ttft_p99_s")),
-            "wait p99": _r(r.get("wait_p99_s")),
-            "wait max": _r(r.get("wait_max_s")),
+            "p50": rounded(r.get("ttft_p50_s"), 2),
+            "p99": rounded(r.get("ttft_p99_s"), 2),
+            "wait p99": rounded(r.get("wait_p99_s"), 2),
+            "wait max": rounded(r.get("wait_max_s"), 2),
             "retracted": r.get("retracted"),
             # ours: the cached tokens its trees predicted over those the workers reported
-            "predicted/reported": _r(
-                ratio(r.get("router_predicted_cached"), r.get("router_reported_cached"))
+            "predicted/reported": rounded(
+                ratio(r.get("router_predicted_cached"), r.get("router_reported_cached")), 2
             ),
-            "load avg": _r(r.get("loadavg_1m"), 1),
+            "load avg": rounded(r.get("loadavg_1m"), 1),
         }
         for r in runs
     ]
-
-
-def _r(value: Any, digits: int = 2) -> Any:
-    return round(value, digits) if finite(value) else None
 
 
 def definitions(setup: dict[str, Any]) -> list[str]:
@@ -180,7 +158,7 @@ def calibration_rows(setup: dict[str, Any]) -> list[dict[str, Any]]:
         {
             "offered req/s": round(r["rate"], 2),
             "first tokens/s": round(r["first_tokens_rps"], 2),
-            "within SLO": pct(r["slo_share"]),
+            "within SLO": percent(r["slo_share"]),
             "held": r["held"],
             "why not": r["why"],
         }

@@ -11,19 +11,17 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import finite
-from benchmarks.multiturn.capacity_report import spread
-from benchmarks.multiturn.targets import check, ratio
 from benchmarks.overload.preset import CACHE_AWARE, PAST_SATURATION, WITH_DEADLINE
+from benchmarks.report import seeds as over_seeds
+from benchmarks.report.seeds import Run, ratio
+from benchmarks.report.targets import check
 
 GOODPUT_KEPT = 0.9  # past saturation, goodput >= this x its peak
-
-Run = dict[str, Any]
 
 
 def by_step(runs: Sequence[Run], system: str) -> dict[float, dict[int, Run]]:
@@ -36,8 +34,7 @@ def by_step(runs: Sequence[Run], system: str) -> dict[float, dict[int, Run]]:
 
 
 def median_of(runs: dict[int, Run], key: str) -> float | None:
-    values = [r[key] for r in runs.values() if finite(r.get(key))]
-    return statistics.median(values) if values else None
+    return over_seeds.median_of(r.get(key) for r in runs.values())
 
 
 def goodput_kept(steps: dict[float, dict[int, Run]]) -> dict[str, Any]:
@@ -58,7 +55,7 @@ def goodput_kept(steps: dict[float, dict[int, Run]]) -> dict[str, Any]:
         lows = [mine[f] for f in mine if f > PAST_SATURATION]
         if top > 0 and lows:
             per_seed.append(min(lows) / top)
-    if (s := spread(per_seed)) is not None:
+    if (s := over_seeds.spread(per_seed)) is not None:
         t["spread"] = (s["min"], s["max"])
     t["detail"] = (
         "; ".join(f"{f:.0%}: {g:.2f} req/s" for f, g in known.items())
@@ -146,14 +143,11 @@ def paired_ratios(
     """fraction -> median and min..max over seeds of `system`'s `key` / `peer`'s."""
     mine, theirs = by_step(runs, system), by_step(runs, peer)
     out: dict[float, dict[str, Any] | None] = {}
-    for fraction, seeds in mine.items():
-        values = [
-            v
-            for seed, run in seeds.items()
-            if seed in theirs.get(fraction, {})
-            and (v := ratio(run.get(key), theirs[fraction][seed].get(key))) is not None
-        ]
-        out[fraction] = spread(values)
+    for fraction, runs_at in mine.items():
+        per_seed = over_seeds.paired(
+            runs_at, theirs.get(fraction, {}), lambda a, b: ratio(a.get(key), b.get(key))
+        )
+        out[fraction] = over_seeds.spread(per_seed.values())
     return out
 
 

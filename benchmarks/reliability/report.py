@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import table_section, write_results
 from benchmarks.reliability.http_limits import HEADER_TIMEOUT_S, MAX_PAYLOAD, LimitResult
+from benchmarks.report.page import write_results
+from benchmarks.report.table import table_section
 
 NAME = "results"
 TITLE = "Reliability: faults injected into real processes, and bad inputs"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report.figures import pyplot, save
 from benchmarks.router_overhead.settings import (
     TARGET_MULTI_TURN_ADDED_P50_MS,
     WORKLOAD_TITLES,
@@ -13,10 +14,7 @@ from benchmarks.router_overhead.settings import (
 
 
 def plot(path: Path, fig: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     systems = [s for s in fig["systems"] if s["available"]]
     routers = [s for s in systems if s["kind"] != "baseline"]
@@ -57,5 +55,4 @@ def plot(path: Path, fig: dict[str, Any]) -> None:
     right.set_title(f"(b) max rps, {settings['concurrency']} clients, max_tokens 1")
     right.grid(True, axis="y", alpha=0.3)
     figure.suptitle("Router overhead over 2 sim workers (--time-scale 0)")
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path, dpi=120)

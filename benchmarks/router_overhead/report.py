@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite, table_section, write_results
+from benchmarks.harness import finite
+from benchmarks.report.page import write_results
+from benchmarks.report.table import rounded, table_section
 from benchmarks.router_overhead.figures import cpu_rows
 from benchmarks.router_overhead.profile import section as profile_section
 from benchmarks.router_overhead.settings import (
@@ -17,10 +19,6 @@ from benchmarks.router_overhead.settings import (
     WORKLOADS,
     Settings,
 )
-
-
-def ms(value: Any) -> Any:
-    return round(value, 3) if finite(value) else value
 
 
 def latency_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
@@ -39,8 +37,8 @@ def latency_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
                 row[f"{w} p50 ms"] = f"({lat['p50']:.2f})"
                 row[f"{w} p99 ms"] = f"({lat['p99']:.2f})"
             else:
-                row[f"{w} p50 ms"] = ms(added["p50"])
-                row[f"{w} p99 ms"] = ms(added["p99"])
+                row[f"{w} p50 ms"] = rounded(added["p50"])
+                row[f"{w} p99 ms"] = rounded(added["p99"])
         row["max rps"] = round(s["rps"]["rps"], 1) if s["rps"] else None
         row["note"] = "end-to-end latency, not added" if s["kind"] == "baseline" else ""
         rows.append(row)
@@ -56,11 +54,11 @@ def absolute_row(s: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"system": s["name"]}
     for w in WORKLOADS:
         lat = s["latency_ms"][w]
-        row[f"{w} p50"] = ms(lat["p50"])
-        row[f"{w} p99"] = ms(lat["p99"])
+        row[f"{w} p50"] = rounded(lat["p50"])
+        row[f"{w} p99"] = rounded(lat["p99"])
     if s["rps"]:
-        row["at max rps p50"] = ms(s["rps"]["latency_ms"]["p50"])
-        row["at max rps p99"] = ms(s["rps"]["latency_ms"]["p99"])
+        row["at max rps p50"] = rounded(s["rps"]["latency_ms"]["p50"])
+        row["at max rps p99"] = rounded(s["rps"]["latency_ms"]["p99"])
     return row
 
 
@@ -74,7 +72,7 @@ def paired_row(s: dict[str, Any]) -> dict[str, Any]:
     baseline = s["kind"] == "baseline"
     for w in WORKLOADS:
         paired = None if baseline else s["added_paired_ms"][w]["p50"]
-        row[f"{w} paired added p50 ms"] = ms(paired)
+        row[f"{w} paired added p50 ms"] = rounded(paired)
     for w in WORKLOADS:
         cached = s["worker_cached_fraction"][w]
         row[f"{w} cached"] = f"{cached:.0%}" if cached is not None else None
@@ -131,9 +129,7 @@ def target_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def scaling_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {k: (round(v, 2) if finite(v) else v) for k, v in row.items()} for row in fig["scaling"]
-    ]
+    return [{k: rounded(v, 2) for k, v in row.items()} for row in fig["scaling"]]
 
 
 def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
@@ -155,7 +151,7 @@ def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
             *table_section("Max rps per core, and from 1 core to more", scaling_rows(fig)),
             *table_section(
                 "The router's own CPU per request, in the max rps windows",
-                [{k: ms(v) for k, v in row.items()} for row in cpu_rows(fig)],
+                [{k: rounded(v) for k, v in row.items()} for row in cpu_rows(fig)],
             ),
             *profile_section(fig.get("profile")),
         ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.harness import finite
+from benchmarks.report.targets import check
 from benchmarks.router_overhead.figures import headline, peer_on, router_cpu_us
 from benchmarks.router_overhead.settings import (
     TARGET_COLD_ADDED_P50_MS,
@@ -14,11 +14,6 @@ from benchmarks.router_overhead.settings import (
     TARGET_RPS_RATIO,
 )
 from benchmarks.router_overhead.systems import FLOOR
-
-
-def check(value: Any, op: str, limit: float) -> dict[str, Any]:
-    met = None if not finite(value) else (value <= limit if op == "<=" else value >= limit)
-    return {"value": value, "op": op, "limit": limit, "met": met}
 
 
 def targets(fig: dict[str, Any]) -> dict[str, Any]:

@@ -6,18 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from benchmarks.report.figures import pyplot, save
 
 
 def plot_latency(path: Path, fig: dict[str, Any]) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rows = fig["windows"]
     mids = [(w["t0_s"] + w["t1_s"]) / 2 / 60 for w in rows]
     figure, (top, bottom) = plt.subplots(
@@ -47,12 +40,11 @@ def plot_latency(path: Path, fig: dict[str, Any]) -> None:
     bottom.legend(fontsize=8)
     c = fig["config"]
     figure.suptitle(f"Soak: {c['rps']:g} req/s for {c['minutes']:g} min")
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path)
 
 
 def plot_rss(path: Path, fig: dict[str, Any]) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     figure, (top, bottom) = plt.subplots(
         2, 1, figsize=(10, 7), sharex=True, constrained_layout=True
     )
@@ -85,8 +77,7 @@ def plot_rss(path: Path, fig: dict[str, Any]) -> None:
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize=7)
     bottom.set_title("router tree pages and workers' used KV blocks")
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path)
 
 
 def plot(out_dir: Path, fig: dict[str, Any]) -> None:

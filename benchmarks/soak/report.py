@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import table_section, write_results
+from benchmarks.report.page import write_results
+from benchmarks.report.table import table_section
 
 NAME = "results"
 LATENCY_PNG = "latency.png"

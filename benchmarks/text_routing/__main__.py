@@ -15,7 +15,6 @@ from typing import Any
 import benchmarks.text_routing as package
 from benchmarks.harness import (
     REPO_ROOT,
-    machine_facts,
     progress_bar,
     shown_command,
     shown_path,
@@ -23,6 +22,7 @@ from benchmarks.harness import (
     stop_children_on_terminate,
 )
 from benchmarks.load.bodies import served_model
+from benchmarks.report.page import machine_facts
 from benchmarks.text_routing.cells import (
     REQUESTS,
     ROUTES,

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import jsonable, markdown_table
-
-JSON_NAME = "results.json"
-MD_NAME = "README.md"
+from benchmarks.report.page import write_results
+from benchmarks.report.table import markdown_table
 
 
 def n(value: float | int) -> str:
@@ -52,25 +49,21 @@ def table_rows(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write(out_dir: Path, figures: dict[str, Any]) -> tuple[Path, Path]:
-    """Both files, replacing what `out_dir` held under those names."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / JSON_NAME
-    json_path.write_text(json.dumps(jsonable(figures), indent=2, sort_keys=True) + "\n")
-    md_path = out_dir / MD_NAME
-    md_path.write_text(page(figures))
-    return json_path, md_path
+    """results.json and README.md, replacing what `out_dir` held under those names."""
+    title = "Text prompts: does the router predict the cache hit? (issue 37)"
+    return write_results(
+        out_dir, "results", figures, None, title, [], figures["machine"], body(figures), "README.md"
+    )
 
 
-def page(figures: dict[str, Any]) -> str:
+def body(figures: dict[str, Any]) -> list[str]:
     cells = figures["cells"]
     machine = figures["machine"]
     met = sum(c["target_met"] for c in cells)
     commit = machine.get("git_commit", "?") + (
         " (with local changes)" if machine.get("git_dirty") else ""
     )
-    lines = [
-        "# Text prompts: does the router predict the cache hit? (issue 37)",
-        "",
+    return [
         f"Measured at commit `{commit}` on {figures['date']} with `{figures['command']}` "
         f"({figures['mode']} run, {figures['elapsed_s']:.0f} s).",
         "",
@@ -116,9 +109,4 @@ def page(figures: dict[str, Any]) -> str:
         "repository's own files are read as they are at the commit above. No data file ships; "
         "see `benchmarks/text_routing/README.md`.",
         "",
-        "## Machine",
-        "",
-        *(f"- {k}: {v}" for k, v in machine.items()),
-        "",
     ]
-    return "\n".join(lines)

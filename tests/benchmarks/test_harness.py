@@ -55,17 +55,3 @@ def test_sigterm_stops_the_servers_a_benchmark_started(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(bench.pid, signal.SIGKILL)
-
-
-def test_results_show_the_home_directory_as_a_tilde(tmp_path: Path) -> None:
-    """A server's message quoted in a result may name a file under the home directory (a
-    model's path as its id): every benchmark's files show it as ~, in JSON and Markdown."""
-    from benchmarks.harness import write_results
-
-    model = str(Path.home() / ".cache" / "model")
-    row = {"answer": f"model 'x' not found; served: ['{model}']"}
-    json_path, md_path = write_results(tmp_path, "r", {"rows": [row]}, [row], "T", [])
-    for path in (json_path, md_path):
-        text = path.read_text()
-        assert str(Path.home()) + os.sep not in text, path
-        assert f"~{os.sep}.cache{os.sep}model" in text, path

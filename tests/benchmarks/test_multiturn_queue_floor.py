@@ -4,7 +4,6 @@ reachability of a p99 target."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,41 +148,3 @@ def test_a_p99_target_says_on_how_many_seeds_its_limit_is_out_of_reach() -> None
     assert "below the floor's on 0 of 2 seeds and below the queued floor's on 1 of 2" in floor_why
     # 1.5 s: above seed 1's queued floor (1.1 s) but below its LRU reference's (1.4 s)
     assert "(the LRU reference's queued floor's on 1 of 2)" in floor_why
-
-
-def test_backfill_queues_a_hot_prefix_run_at_its_planned_times(model_dir: Path) -> None:
-    from benchmarks.multiturn.hot_prefix import HotPrefix
-    from benchmarks.multiturn.queue_floor_backfill import backfill
-    from benchmarks.multiturn.text import Vocab
-    from shared.token_cache import CachedEncoder
-    from shared.tokenizer import ChatTokenizer
-
-    tokenizer = ChatTokenizer(model_dir)
-    builder = HotPrefix(prefixes=4, prefix_min_tokens=512, prefix_max_tokens=1024, requests=12)
-    params = {k: getattr(builder, k) for k in HotPrefix.__dataclass_fields__}
-    floor_model = {"chunked_prefill_size": 256, "time_scale": 2.0}
-    slow: dict[str, Any] = {
-        "workload": "hot_prefix",
-        "workload_params": params,
-        "floor_model": floor_model,
-    }
-    runs: list[dict[str, Any]] = [
-        {**slow, "worker_roles": ["colocated"]},
-        {**slow, "worker_roles": ["prefill", "prefill", "decode", "decode"]},
-        # KV for about one prefix a worker: the LRU reference evicts
-        {**slow, "worker_roles": ["prefill", "prefill"], "instance_kv_tokens": 1200},
-        {**slow, "worker_roles": ["prefill", "prefill"], "instance_kv_tokens": 1 << 20},
-        {**slow, "worker_roles": ["colocated"], "instance_kv_tokens": 1200, "hicache_ratio": 2},
-        {"workload": "multi_round_qa"},  # closed loop: only the run knows its send times
-    ]
-    assert backfill(runs, Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)) == 5
-    one, two = runs[0]["queue_floor_ttft_p99_s"], runs[1]["queue_floor_ttft_p99_s"]
-    assert one is not None and two is not None and one >= two > 0
-    assert "queue_floor_ttft_p99_s" not in runs[5]
-    # the LRU reference only where the device KV is known and no host tier holds more
-    assert [("lru_hit_ratio" in run) for run in runs] == [False, False, True, True, False, False]
-    small, ample = runs[2], runs[3]
-    assert small["lru_hit_ratio"] < ample["lru_hit_ratio"]
-    assert ample["lru_queue_floor_ttft_p99_s"] == pytest.approx(ample["queue_floor_ttft_p99_s"])
-    assert small["lru_queue_floor_ttft_p99_s"] >= ample["lru_queue_floor_ttft_p99_s"]
-    assert backfill(runs, Vocab.from_tokenizer(tokenizer), CachedEncoder(tokenizer)) == 0
