@@ -142,6 +142,7 @@ def write(out_dir: Path, fig: dict[str, Any], settings: Settings) -> None:
         latency_rows(fig),
         "Router overhead: latency added over direct-to-worker, and max requests/s",
         notes(fig, settings),
+        machine=fig.get("machine"),  # a page rebuilt from its JSON keeps the run's stamp
         body=[
             *table_section("End-to-end latency (ms)", absolute_rows(fig)),
             *table_section("Paired added latency and the workers' cache hits", paired_rows(fig)),
