@@ -97,7 +97,7 @@ class Plan:
     work: Work | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class CostModel:
     """Expected TTFT terms; defaults are the sim's H100 Llama-3.1-8B figures, scaled per
     worker by its learned speed (`Worker.speed`, router.speed): its queue, per-token and
@@ -120,7 +120,9 @@ class CostModel:
     _queue: Decider = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._queue = self.decider("cost")  # its queue_s, for admission and /workers
+        # its queue_s and plan, for admission and /workers (frozen: the constants the native
+        # deciders were built with cannot change under them)
+        object.__setattr__(self, "_queue", self.decider("cost"))
 
     def decider(
         self,
