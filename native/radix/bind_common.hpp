@@ -255,6 +255,7 @@ class Tokens {
     Tokens& operator=(const Tokens&) = delete;
 
     const uint32_t* data() const { return data_; }
+    size_t size() const { return n_; }
     size_t whole() const { return whole_; }
 
   private:

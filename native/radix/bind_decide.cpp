@@ -159,7 +159,7 @@ struct Decider {
                 held[i] = route::Held{std::max(device, host), device, tokens_of(py[i]->home_key)};
             }
         }
-        return run(ws, held, t.data(), static_cast<size_t>(len), num_tokens);  // all, for heat
+        return run(ws, held, t.data(), t.size(), num_tokens);  // every id, for the heat
     }
 
     // The same rule over a view given per worker as (held in any tier, on device, home),
@@ -183,7 +183,7 @@ struct Decider {
         if (len < 0) PyErr_Clear();
         if (len == 0) return run(ws, held, nullptr, 0, num_tokens);
         Tokens t(tokens, scratch, 1);
-        return run(ws, held, t.data(), static_cast<size_t>(len), num_tokens);
+        return run(ws, held, t.data(), t.size(), num_tokens);
     }
 };
 
@@ -289,7 +289,7 @@ void radix_py::bind_decide(nb::module_& m) {
                 double now = h.clock();
                 if (len == 0) return h.heat.bump(nullptr, 0, length, now);
                 Tokens t(tokens, h.scratch, 1);
-                return h.heat.bump(t.data(), static_cast<size_t>(len), length, now);
+                return h.heat.bump(t.data(), t.size(), length, now);
             },
             nb::arg("tokens"), nb::arg("length"))
         .def("share", [](PyHeat& h, double heat) { return h.heat.share(heat); }, nb::arg("heat"))

@@ -201,3 +201,21 @@ def test_an_empty_prompt_is_a_miss_on_the_least_loaded(rest: int) -> None:
         RouteRequest((), "", None, rest_tokens=rest), ws
     )
     assert (d.worker, d.reason, d.predicted_cached) == (ws[1], "cache_miss", 0)
+
+
+def test_tokens_in_any_sequence_or_iterable_decide_alike() -> None:
+    """An array('I') is read in place; a list, a tuple or an iterator is converted first:
+    the same prompt decides the same, and counts once for the heat."""
+    trees = PromptTrees(page_size=PAGE)
+    tokens = list(range(40))
+    trees.record(WorkerType.COLOCATED, "http://127.0.0.1:2", tokens[:32])
+    states = [WorkerState("http://127.0.0.1:1"), WorkerState("http://127.0.0.1:2")]
+    tree = trees.trees[WorkerType.COLOCATED]
+    heat = Heat(PAGE, clock=Clock())
+    core = CostModel().decider("prompt_tree", PAGE, heat=heat)
+    forms = (array("I", tokens), tokens, tuple(tokens))
+    choices = [core.decide(tree, form, len(tokens), states) for form in forms]
+    # (an iterator too: the binding reads any iterable, though the stubs promise sequences)
+    choices.append(core.decide(tree, iter(tokens), len(tokens), states))  # type: ignore[arg-type]
+    assert all(c[:3] == (1, "cache_hit", 32) for c in choices), choices
+    assert heat.bump(tokens, 32) == pytest.approx(4.0)  # each form counted the same prefix
