@@ -7,6 +7,10 @@ conductor): queued prefill work plus the uncached part, or a pull of a longer pr
 the instance that holds it. Both name the holders of longer prefixes, so a MemPool-backed
 worker can pull them. `cache_aware` is sglang-router's rule on a character tree, kept for
 comparison.
+
+`prompt_tree` and `cost` decide in one native call (native/radix/decide.cpp: the tree walk
+for every candidate, the cost model, the heat and the rule); the classes here hand it the
+prompt and the workers' native figures and wrap its answer in a Decision.
 """
 
 from __future__ import annotations
@@ -307,7 +311,8 @@ class PromptTree(Policy):
 
     @property
     def heat(self) -> Heat | None:
-        """How hot each prefix is (router.heat); None for the cost rule, which ignores it."""
+        """How hot each prefix is (a native Heat: decide.hpp says why it counts); None for the
+        cost rule, which ignores it."""
         return self.core.heat
 
     @heat.setter

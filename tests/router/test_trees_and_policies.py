@@ -273,6 +273,6 @@ def test_leaving_a_holder_costs_more_where_requests_wait() -> None:
     ws[0].in_flight_tokens = 5000 * 16  # 3.2 s of queued prefill on the holder
     assert policy.select(RouteRequest(tokens, "", None), ws).worker is ws[1]
     ws[1].reported_waiting = 30  # the other worker has its own queue to delay
-    # a fresh policy: the first choice made the prefix warmer (router.heat, tested apart)
+    # a fresh policy: the first choice made the prefix warmer (Heat, tested apart)
     policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
     assert policy.select(RouteRequest(tokens, "", None), ws).worker is ws[0]
