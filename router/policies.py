@@ -121,12 +121,12 @@ class CostModel:
     host_load_s_per_token: float = 2.6e-6  # 128 KiB per token host -> GPU over 50 GB/s PCIe
     # Attention: each new token attends to the context before it (0.52 MFLOP a pair).
     prefill_s_per_token_pair: float = 1.3e-9
-    _queue: Decider = field(init=False, repr=False, compare=False)
+    _rule: Decider = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # its queue_s and plan, for admission and /workers (frozen: the constants the native
         # deciders were built with cannot change under them)
-        object.__setattr__(self, "_queue", self.decider("cost"))
+        object.__setattr__(self, "_rule", self.decider("cost"))
 
     def decider(
         self,
@@ -165,7 +165,7 @@ class CostModel:
         sees the whole queue and each request's size; the measurement would count the running
         prefill as waiting and weigh a 100-token suffix as much as a cold 10K-token prompt
         (docs/benchmarks/hot-prefix.md: what dropping it changed on 2P2D)."""
-        return self._queue.queue_s(worker.state, host, load)
+        return self._rule.queue_s(worker.state, host, load)
 
     def plan(
         self,
@@ -181,7 +181,7 @@ class CostModel:
         those on its host tier); `source`, when given, holds `best` and may be pulled from.
         What the decision weighs for each worker (the tests and /workers read it here)."""
         state = source.state if source is not None else None
-        seconds, computed, pull, work = self._queue.plan(
+        seconds, computed, pull, work = self._rule.plan(
             worker.state, tokens, cached, host, state, best, load
         )
         return Plan(seconds, computed, pull, Work(*work))

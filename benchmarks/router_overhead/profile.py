@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,10 @@ def summarize(raw: str) -> dict[str, Any]:
 
 
 async def profile(
-    system: System, run_load: Any, settings: Settings, out_dir: Path
+    system: System,
+    run_load: Callable[[float], Awaitable[None]],
+    settings: Settings,
+    out_dir: Path,
 ) -> dict[str, Any]:
     """Sample `system`'s router process while `run_load(seconds)` keeps it at its maximum
     rate; the raw samples go to out_dir/profile.txt (the run's log folder: megabytes)."""
