@@ -60,8 +60,8 @@ _NO_SPECIAL = (array("I"), array("I"))
 # (`complete_async`): about 1 ms of encoding; shorter text costs less than the thread hop.
 OFF_LOOP_CHARS = 4096
 BACKGROUND_NICE = 10  # that thread's CPU priority: below the loop's (and the workers')
-# A piece (text between added tokens) of twice this many characters or more is cached in
-# chunks cut about this often (`cut_text`): a long text prompt sharing a prefix with an
+# A piece (text between added tokens) longer than this many characters is cached in chunks
+# cut about this often (`cut_text`): a long text prompt sharing a prefix with an
 # earlier one (a tool prompt, a document) then encodes only the chunks after that prefix.
 CUT_CHARS = 2048
 CUT = ""  # in a split text, between two chunks of one piece: no token between them
@@ -430,11 +430,11 @@ class CachedEncoder:
                 else:
                     out.extend(npattern.split(s))  # itself alternating, odd length
             parts = out
-        if CUT not in self._added_arrays or all(len(s) < 2 * CUT_CHARS for s in parts[0::2]):
+        if CUT not in self._added_arrays or all(len(s) <= CUT_CHARS for s in parts[0::2]):
             return parts
         cut: list[str] = []
         for i, s in enumerate(parts):
-            if i & 1 or len(s) < 2 * CUT_CHARS:
+            if i & 1 or len(s) <= CUT_CHARS:
                 cut.append(s)
                 continue
             for j, chunk in enumerate(cut_text(s, CUT_CHARS)):
@@ -668,17 +668,20 @@ class CachedEncoder:
 
 
 def cut_text(text: str, every: int) -> list[str]:
-    """`text` in chunks of `every` characters or more (the last too), each cut right before
-    a space between two letters: where a byte-level BPE pre-tokenizer always splits (the
-    space begins the next word's pre-token), so the chunks encode as the text does. A cut
-    depends only on the text around it: texts with a common prefix are cut alike in it."""
+    """`text` in chunks of `every` characters or more (the last may be shorter), each cut
+    right before a space between two letters: where a byte-level BPE pre-tokenizer always
+    splits (the space begins the next word's pre-token), so the chunks encode as the text
+    does. A cut depends only on the text up to the character after it, not on where the text
+    ends: a text and a longer one that continues it (a document, then the document and a
+    question) are cut alike up to the first one's last cut, and share every chunk but its
+    last."""
     chunks: list[str] = []
-    start, n = 0, len(text)
+    start, last = 0, len(text) - 1  # a cut needs a letter after its space
     at = every
-    while n - at > every:
-        cut = text.find(" ", at, n - every)
+    while at < last:
+        cut = text.find(" ", at, last)
         while cut > 0 and not (text[cut - 1].isalpha() and text[cut + 1].isalpha()):
-            cut = text.find(" ", cut + 1, n - every)
+            cut = text.find(" ", cut + 1, last)
         if cut <= 0:
             break
         chunks.append(text[start:cut])

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.token_cache import CachedEncoder, cut_text
+from shared.token_cache import CUT_CHARS, CachedEncoder, cut_text
 from shared.tokenizer import ChatTokenizer
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
@@ -286,6 +286,9 @@ def test_a_shared_long_prefix_is_encoded_once(chat: ChatTokenizer) -> None:
     assert ids == chat.encode(document + "\n\nQuestion: who wrote it?")
     new = encoder.stats()["encoded_tokens"] - before
     assert 0 < new < 0.15 * len(ids)  # the last chunk or two, not the document again
+    # at most the document's last chunk (a cut does not depend on where the text ends)
+    tail = chat.encode(document[-(CUT_CHARS + 100) :] + "\n\nQuestion: who wrote it?", False)
+    assert new <= len(tail)
 
 
 def test_a_normalizer_turns_cuts_off_and_encodes_stay_exact(
