@@ -189,6 +189,7 @@ class WorkerState:
     pulls_served: int
     has_agent: bool
     can_pull: bool
+    free_tokens: int  # device KV free, from its KV events (-1: not known)
     overhead_s: float
     queue_x: float
     token_x: float

@@ -87,6 +87,10 @@ class Management:
             "kv_pull": w.can_pull,
             "serves_pulls": w.agent is not None,
             "pulls_served_in_flight": w.pulls_served,
+            # its device KV (server info) and how much of it is free (its KV events; None:
+            # not known): a copy of a hot prefix is not sent where it would only evict
+            "kv_capacity_tokens": w.kv_capacity,
+            "kv_free_tokens": None if w.free_tokens < 0 else w.free_tokens,
             # its per-token prefill time over the cost model's constant (router.speed; 1.0
             # until measured), and every coefficient the router fitted
             "slowness": round(w.speed.slowness, 4),

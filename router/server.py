@@ -260,6 +260,9 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             info = None
         worker.agent = Agent.from_server_info(info)
+        capacity = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
+            worker.kv_capacity = capacity
         if self.kv_subscriber is not None and info is not None:
             source = EventSource.from_server_info(worker.url, info)
             if source is not None:
@@ -282,6 +285,7 @@ class Router:
             else:
                 self.kv_subscriber.unfollow(worker.url)
         self.kv_applier.pages.pop(worker.url, None)
+        worker.free_tokens = -1  # until its events tell again
 
     def _back(self, worker: Worker) -> None:
         """Healthy again: learn it anew (a restarted worker may have a new agent, and one

@@ -103,6 +103,7 @@ class Worker:
     breaker_opened_at: float = 0.0
     processed: int = 0
     learned: bool = False  # its /get_server_info was read (model, agent, KV-event source)
+    kv_capacity: int | None = None  # device KV in tokens (its server info's max_total_num_tokens)
     # the deadlines of the exchanges in flight to it (router.forward.relay.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
     exchanges: set[asyncio.Timeout] = field(default_factory=set)
@@ -134,6 +135,9 @@ class Worker:
     )
     peer_in_flight_tokens = delegated("state", "peer_in_flight_tokens", "their prompt tokens")
     pulls_served = delegated("state", "pulls_served", "requests in flight pulling a prefix from it")
+    free_tokens = delegated(
+        "state", "free_tokens", "device KV it has free, as its KV events tell (-1: not known)"
+    )
     unstarted = delegated(
         "state",
         "unstarted",

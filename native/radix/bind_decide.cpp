@@ -231,6 +231,7 @@ void radix_py::bind_decide(nb::module_& m) {
         MEMSERVE_FIELD(pulls_served)
         MEMSERVE_FIELD(has_agent)
         MEMSERVE_FIELD(can_pull)
+        MEMSERVE_FIELD(free_tokens)
         MEMSERVE_FIELD(overhead_s)
         MEMSERVE_FIELD(queue_x)
         MEMSERVE_FIELD(token_x)

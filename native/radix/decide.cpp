@@ -278,7 +278,10 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // by more than this request's own TTFT, pull or not (measured: scoring pulls as free
     // moved 42% of multi-round QA turns off their holders and halved the host-tier hits).
     // A prefix many requests reuse pays for its copy over all of them, while it has fewer
-    // copies than its share of the traffic needs workers (Heat).
+    // copies than its share of the traffic needs workers (Heat); but only the part of the
+    // copy that fits in the worker's free KV: the rest evicts cache as hot as what the
+    // eviction order keeps (measured: with caches half the hot set, heat-discounted pulls
+    // into full caches evicted the other hot prefixes, hit ratio 0.92 -> 0.77-0.87).
     double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
     if (h) {  // a hot prefix with copies enough: one more only displaces other cache
         int64_t copies = 0;
@@ -291,8 +294,11 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         int64_t lacks = most - affinity[i];
         double seconds = o.plans[i].seconds;
         if (lacks) {
-            seconds += static_cast<double>(lacks) * s.costs.prefill_s_per_token *
-                       ws[i]->token_x * static_cast<double>(1 + ws[i]->waiting()) / (1 + h);
+            int64_t free = ws[i]->free_tokens;
+            int64_t evicts = free < 0 ? 0 : std::clamp<int64_t>(lacks - free, 0, lacks);
+            double paid = static_cast<double>(evicts) + static_cast<double>(lacks - evicts) / (1 + h);
+            seconds += paid * s.costs.prefill_s_per_token * ws[i]->token_x *
+                       static_cast<double>(1 + ws[i]->waiting());
         }
         placement[i] = seconds;
         if (i == 0 || seconds < placement[soonest] ||

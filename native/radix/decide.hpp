@@ -26,6 +26,7 @@ struct WorkerState {
     bool prefill = false;      // a PD prefill: its queue is the model alone
     bool has_agent = false;    // serves MemPool pulls
     bool can_pull = false;     // pulls a longer prefix when a request names one
+    int64_t free_tokens = -1;  // device KV it has free, as its KV events tell (-1: not known)
     double overhead_s = 0.0, queue_x = 1.0, token_x = 1.0, pair_x = 1.0;
 
     int64_t load() const;

@@ -39,11 +39,21 @@ class _Pages:
     parent: dict[int, int | None] = field(default_factory=dict)
     tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
     tiers: dict[int, set[Tier]] = field(default_factory=dict)
+    on_device: int = 0  # pages its device tier holds
+    page_tokens: int = 0  # tokens a page (its events' block size)
+
+    def held_in(self, block_hash: int, tier: Tier) -> None:
+        held = self.tiers.setdefault(block_hash, set())
+        if tier is Tier.DEVICE and tier not in held:
+            self.on_device += 1
+        held.add(tier)
 
     def gone_from(self, block_hash: int, tier: Tier) -> None:
         """`tier` no longer holds the page; forget it once no tier does."""
         held = self.tiers.get(block_hash)
         if held is not None:
+            if tier is Tier.DEVICE and tier in held:
+                self.on_device -= 1
             held.discard(tier)
             if held:
                 return
@@ -87,6 +97,9 @@ class KVEventApplier:
     def forget(self, url: str) -> None:
         """The worker's cache is gone (it restarted): forget its pages and holdings."""
         self.pages.pop(url, None)
+        worker = self.registry.workers.get(url)
+        if worker is not None:
+            worker.free_tokens = -1  # until its events tell again
         with self.quiet():
             self.trees.forget(url)
 
@@ -101,8 +114,11 @@ class KVEventApplier:
             self.unknown_topics += 1
             return
         self.batches += 1
+        pages = self.pages.setdefault(url, _Pages())
         with self.quiet():
-            self._apply(url, worker.type, self.pages.setdefault(url, _Pages()), batch)
+            self._apply(url, worker.type, pages, batch)
+        if worker.kv_capacity and pages.page_tokens:  # what a copy sent there would evict
+            worker.free_tokens = max(worker.kv_capacity - pages.on_device * pages.page_tokens, 0)
 
     def _apply(self, url: str, type: WorkerType, pages: _Pages, batch: KVEventBatch) -> None:
         for event in batch.events:
@@ -120,16 +136,18 @@ class KVEventApplier:
                 pages.parent.clear()
                 pages.tokens.clear()
                 pages.tiers.clear()
+                pages.on_device = 0
                 self.trees.forget(url)
 
     def _stored(self, url: str, type: WorkerType, pages: _Pages, event: BlockStored) -> None:
         size = event.block_size
         parent = event.parent_block_hash
         tier = Tier.of_medium(event.medium)
+        pages.page_tokens = size
         for i, block_hash in enumerate(event.block_hashes):
             pages.parent[block_hash] = parent
             pages.tokens[block_hash] = tuple(event.token_ids[i * size : (i + 1) * size])
-            pages.tiers.setdefault(block_hash, set()).add(tier)
+            pages.held_in(block_hash, tier)
             parent = block_hash
         tokens = pages.prefix(parent) if parent is not None else None
         if tokens:

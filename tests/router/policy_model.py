@@ -183,7 +183,10 @@ class ReferencePolicy:
             seconds = plans[w.url].seconds
             if lacks:
                 per_token = self.cost.prefill_s_per_token
-                seconds += lacks * per_token * w.speed.token_x * (1 + w.waiting) / (1 + heat)
+                free = w.state.free_tokens  # the copy's part past the free KV evicts: no heat
+                evicts = 0 if free < 0 else min(max(lacks - free, 0), lacks)
+                paid = evicts + (lacks - evicts) / (1 + heat)
+                seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)
             placement[w.url] = seconds
         soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
         if most == 0:

@@ -42,6 +42,7 @@ worker_st = st.fixed_dictionaries(
         "pulls_served": st.integers(0, 2),
         "agent": st.sampled_from([None, True, True, False]),  # None, pulls, serves only
         "finished": st.integers(0, 8),
+        "free_tokens": st.one_of(st.just(-1), st.integers(0, 48)),  # -1: not known
         "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05)),
     }
 )
@@ -59,6 +60,7 @@ def make_worker(i: int, spec: dict) -> Worker:
         "reported_pending_tokens",
         "unstarted",
         "pulls_served",
+        "free_tokens",
     ):
         setattr(w, name, spec[name])
     if spec["agent"] is not None:

@@ -51,6 +51,34 @@ def test_a_hot_prefix_leaves_a_busy_holder_where_a_cold_one_stays() -> None:
     assert choose() is ws[1]
 
 
+def test_a_hot_prefix_does_not_move_into_a_full_cache() -> None:
+    """The heat pays for the part of a copy the other worker has free KV for; past that the
+    copy evicts other prefixes, as hot as those its eviction order keeps, and costs in full
+    (the 10-prefix sweep cell: pulls into full caches took the hit ratio from 0.92 down to
+    0.77-0.87)."""
+    trees = PromptTrees(page_size=16)
+    tokens = list(range(3000))
+    ws = [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    trees.record(WorkerType.COLOCATED, ws[0].url, tokens[:2992])
+    ws[0].in_flight_tokens = 10_000
+    ws[1].reported_waiting = 2
+    policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
+
+    def choose() -> Worker:
+        return policy.select(RouteRequest(tokens, "", None), ws).worker
+
+    for _ in range(8):
+        choose()
+    ws[1].free_tokens = 0  # its KV events say its cache is full
+    assert choose() is ws[0]
+    ws[1].free_tokens = 500  # a sixth of the copy fits: the rest evicts, at full cost
+    assert choose() is ws[0]
+    ws[1].free_tokens = 3000  # the copy fits
+    assert choose() is ws[1]
+    ws[1].free_tokens = -1  # not known (no KV events): as before
+    assert choose() is ws[1]
+
+
 def test_share_is_a_prefix_part_of_all_recent_requests() -> None:
     clock = Clock()
     heat = Heat(page_size=4, half_life_s=10.0, clock=clock)

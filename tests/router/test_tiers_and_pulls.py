@@ -14,7 +14,7 @@ from router.kv_events.listener import KVEventApplier
 from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
-from shared.kv_events import BlockRemoved, BlockStored, KVEventBatch, page_hashes
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, page_hashes
 from tests.http_client import call
 from tests.procs import free_port, running
 
@@ -173,6 +173,39 @@ def test_kv_events_move_a_workers_pages_between_its_tiers() -> None:
     )
 
 
+def test_kv_events_tell_how_much_of_a_workers_device_kv_is_free() -> None:
+    """Capacity (server info) less the device pages its events name; host pages do not
+    count; unknown (-1) without a capacity, and again once its cache is forgotten."""
+    registry = WorkerRegistry(BreakerConfig())
+    worker = registry.add("http://127.0.0.1:9200")
+    listener = KVEventApplier(PromptTrees(page_size=4), registry)
+    tokens = list(range(16))
+    hashes = page_hashes(tokens, 4)
+
+    def send(*events: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        listener.apply(worker.url, KVEventBatch(0.0, list(events)))
+
+    send(BlockStored(hashes[:1], None, tokens[:4], 4, None, "GPU"))
+    assert worker.free_tokens == -1  # no capacity known
+    worker.kv_capacity = 40
+    send(BlockStored(hashes[1:], hashes[0], tokens[4:], 4, None, "GPU"))
+    assert worker.free_tokens == 40 - 16
+    send(BlockStored(hashes[1:], hashes[0], tokens[4:], 4, None, "GPU"))  # told twice
+    assert worker.free_tokens == 40 - 16
+    send(
+        BlockRemoved(hashes[2:], "GPU"),
+        BlockStored(hashes[2:], hashes[1], tokens[8:], 4, None, "CPU_PINNED"),
+    )
+    assert worker.free_tokens == 40 - 8  # swapped out to the host
+    send(BlockRemoved(hashes[:2]))
+    assert worker.free_tokens == 40
+    send(BlockStored(hashes, None, tokens, 4, None, "GPU"), AllBlocksCleared())
+    assert worker.free_tokens == 40
+    send(BlockStored(hashes, None, tokens, 4, None, "GPU"))
+    listener.forget(worker.url)
+    assert worker.free_tokens == -1
+
+
 def test_the_router_routes_to_a_host_tier_hit_it_heard_of(model_dir: Path, tmp_path: Path) -> None:
     """A worker with a GPU KV of 1,024 tokens and a host tier: a long history pushed to the
     host by other traffic is still found there (KV events with the medium tell the router),
@@ -213,6 +246,10 @@ def test_the_router_routes_to_a_host_tier_hit_it_heard_of(model_dir: Path, tmp_p
         assert status == 200
         assert answer["meta_info"]["cached_tokens_details"]["host"] > 0
         assert reasons(r.url).get("host_hit", 0) >= 1
+        (listed,) = call(r.url + "/workers")[1]["workers"]
+        assert listed["kv_capacity_tokens"] == 1024  # its server info
+        # its events: the GPU filled by the last prompts (the answers' pages included)
+        assert listed["kv_free_tokens"] is not None and 0 <= listed["kv_free_tokens"] < 1024 - 512
 
 
 def kv_batches(router_url: str) -> int:
