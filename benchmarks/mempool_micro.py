@@ -25,6 +25,7 @@ import bisect
 import gc
 import hashlib
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -40,7 +41,7 @@ from typing import Any
 from rich.progress import Progress
 
 import mempool
-from benchmarks.harness import benchmark_main, percentile, progress_bar, step
+from benchmarks.harness import benchmark_main, percentile, progress_bar, rss_mib, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
 from benchmarks.report.targets import check
@@ -452,9 +453,7 @@ def _roundtrip(spec: KVBlockSpec, agg: MemPool, disc: MemPool) -> bool:
 
 
 def rss_bytes() -> int:
-    """Resident set size now (Linux /proc)."""
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+    return round((rss_mib(os.getpid()) or 0.0) * 2**20)
 
 
 def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.harness import children, rss_mib
 from localrun.cluster import cpu_seconds, scrape
 
 GAUGE_TIMEOUT_S = 5.0
@@ -40,31 +41,6 @@ class Sample:
     rss_mib: dict[str, float]  # process name -> MiB (children as "parent/child pid comm")
     cpu_s: dict[str, float]
     gauges: dict[str, dict[str, float]]  # process name -> gauge -> value
-
-
-def rss_mib(pid: int) -> float | None:
-    """VmRSS in MiB; None once the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant's pid (children of every thread, recursively)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError):
-                kids = [int(x) for x in (task / "children").read_text().split()]
-                found.extend(kids)
-                todo.extend(kids)
-    return found
 
 
 def comm(pid: int) -> str:
