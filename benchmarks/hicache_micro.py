@@ -22,7 +22,6 @@ server sees right after writing). Targets are reported, never asserted.
 from __future__ import annotations
 
 import hashlib
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 from benchmarks.harness import benchmark_main, progress_bar, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
+from benchmarks.report.seeds import spread
 from benchmarks.report.table import table_section
 from connector.sglang.backend import MemPoolStorage
 from connector.sglang.cpu_paths import (
@@ -133,8 +133,8 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
             pps = [pages / s for s in secs]
             entry[op] = {
                 "seconds": secs,
-                "pages_per_s": {"median": statistics.median(pps), "min": min(pps), "max": max(pps)},
-                "gb_per_s": {"median": statistics.median(gbs), "min": min(gbs), "max": max(gbs)},
+                "pages_per_s": spread(pps),
+                "gb_per_s": spread(gbs),
             }
         results[system] = entry
         for op in ("set", "get"):

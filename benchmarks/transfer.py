@@ -442,22 +442,15 @@ def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
         d, a = cases.get(f"{system}_discrete"), cases.get(f"{system}_aggregated")
         if d and a:
             out[f"{system}_discrete_over_aggregated_calls"] = d["calls"] / a["calls"]
+    raw, mooncake = out["tcp_aggregated_over_raw"], out["tcp_aggregated_over_mooncake_aggregated"]
+    calls = out["tcp_discrete_over_aggregated_calls"]
     out["targets"] = {
-        "tcp_aggregated_over_raw": {
-            "target": TARGET_RAW_FRACTION,
-            "value": out["tcp_aggregated_over_raw"],
-            "met": out["tcp_aggregated_over_raw"] >= TARGET_RAW_FRACTION,
-        },
-        "tcp_aggregated_over_mooncake_aggregated": {
-            "target": 1.0,
-            "value": out["tcp_aggregated_over_mooncake_aggregated"],
-            "met": out["tcp_aggregated_over_mooncake_aggregated"] >= 1.0,
-        },
-        "discrete_over_aggregated_calls": {
-            "target": 2 * spec.layers,
-            "value": out["tcp_discrete_over_aggregated_calls"],
-            "met": out["tcp_discrete_over_aggregated_calls"] == 2 * spec.layers,
-        },
+        key: {"target": limit, "value": value, "met": met}
+        for key, limit, value, met in (
+            ("tcp_aggregated_over_raw", TARGET_RAW_FRACTION, raw, raw >= TARGET_RAW_FRACTION),
+            ("tcp_aggregated_over_mooncake_aggregated", 1.0, mooncake, mooncake >= 1.0),
+            ("discrete_over_aggregated_calls", 2 * spec.layers, calls, calls == 2 * spec.layers),
+        )
     }
     return out
 
