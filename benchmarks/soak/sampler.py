@@ -50,6 +50,11 @@ def comm(pid: int) -> str:
         return "?"
 
 
+def picked(metrics: dict[str, float], **names: str) -> dict[str, float]:
+    """The `metrics` that were exported, under their short names (short=metric)."""
+    return {short: metrics[name] for short, name in names.items() if name in metrics}
+
+
 def router_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, float]:
     tokenizer = info.get("tokenizer") or {}
     workers = info.get("workers") or []
@@ -59,14 +64,12 @@ def router_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, 
         "in_flight": float(sum(w.get("in_flight") or 0 for w in workers)),
         "healthy_workers": float(sum(1 for w in workers if w.get("healthy"))),
     }
-    for name, short in (
-        ("sgl_router_requests_total", "requests"),
-        ("memserve_router_tree_expired_pages_total", "tree_expired_pages"),
-        ("sgl_router_retries_total", "retries"),
-    ):
-        if name in metrics:
-            out[short] = metrics[name]
-    return out
+    return out | picked(
+        metrics,
+        requests="sgl_router_requests_total",
+        tree_expired_pages="memserve_router_tree_expired_pages_total",
+        retries="sgl_router_retries_total",
+    )
 
 
 def worker_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, float]:
@@ -80,15 +83,13 @@ def worker_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, 
         "running": float(states.get("num_reqs") or 0),
         "waiting": float(states.get("num_waiting_reqs") or 0),
     }
-    for name, short in (
-        ("memserve:evicted_blocks_total", "evicted_blocks"),
-        ("sglang:num_requests_total", "requests"),
-        ("sglang:num_aborted_requests_total", "aborted"),
-        ("sglang:cached_tokens_total", "cached_tokens"),
-    ):
-        if name in metrics:
-            out[short] = metrics[name]
-    return out
+    return out | picked(
+        metrics,
+        evicted_blocks="memserve:evicted_blocks_total",
+        requests="sglang:num_requests_total",
+        aborted="sglang:num_aborted_requests_total",
+        cached_tokens="sglang:cached_tokens_total",
+    )
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
