@@ -74,10 +74,8 @@ def run_one(
 
     before, busy_before = cluster.worker_counters(), cluster.busy_seconds()
     try:
-        sending = run_workload(
-            router.url, workload, bench.model, on_done, retry=NO_RETRY, orphans=True
-        )
-        result = run_async(sending)
+        sending = run_workload(router.url, workload, bench.model, on_done, retry=NO_RETRY)
+        result = run_async(sending)  # open loop: no request has a parent to wait for
         metrics = scrape(router.url + "/metrics") if router.routers else {}
     finally:
         router.stop()
