@@ -1,22 +1,10 @@
-"""MemPool micro-benchmarks: the analogue of MemServe's figure 9, plus layout and memory figures.
+"""MemPool micro-benchmarks: the analogue of MemServe's figure 9, plus layout and memory.
 
-Run: ``python -m benchmarks.mempool_micro --out DIR [--quick]``. Writes DIR/mempool_micro.json,
-DIR/mempool_micro.md and DIR/mempool_micro.png. It measures:
-
-- block allocation and free (ns per block at 256 blocks per call; curve over 8..1024 blocks);
-- index insert and match of a 4,096-token prompt into an index already caching 100,000 tokens
-  of chat-like traffic (curve over 256..16,384 tokens);
-- network calls per request, discrete vs aggregated layout (must be 2*L), and an exact byte
-  round trip between the two layouts;
-- index memory per million cached tokens (RSS and tracemalloc), in fresh processes;
-- eviction and expiry at scale: MemPool.evict(16) on an index caching 1M and 10M tokens, and
-  expiry of 1% stale entries in a router-style holders tree of the same size, each size
-  in a fresh process that also reports its build time and RSS;
-- the index tree alone (the native `mempool.radix.RadixTree`, without the pool's block
-  bookkeeping): insert and match of a 4K prompt, evict(16) at 1M and 10M tokens, and its
-  bytes per cached page beside the Python tree it replaced (tests/mempool/radix_model.py).
-
-Targets are reported, never asserted: the machines these run on are shared and noisy.
+`python -m benchmarks.mempool_micro --out DIR [--quick]` writes mempool_micro.json, .md and
+.png: block alloc/free, index insert and match of a 4K prompt into 100K cached tokens (and
+their curves), network calls per request in each layout, index memory per million tokens,
+evict and expire at 1M and 10M tokens, and the native index tree alone beside the Python
+tree it replaced. Targets are reported, never asserted: the machines are shared and noisy.
 """
 
 from __future__ import annotations
