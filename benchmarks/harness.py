@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import shlex
@@ -88,6 +89,30 @@ def percentile(samples: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def rss_mib(pid: int) -> float | None:
+    """VmRSS of a process in MiB (/proc: what the kernel counts resident, shared pages
+    included); None once the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant's pid (children of every thread, recursively)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                kids = [int(x) for x in (task / "children").read_text().split()]
+                found.extend(kids)
+                todo.extend(kids)
+    return found
 
 
 def progress_bar(width: int = 38) -> Progress:

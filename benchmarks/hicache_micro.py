@@ -1,28 +1,17 @@
 """HiCache L3 micro-benchmark: MemPool's SGLang storage backend against SGLang's file backend.
 
-Run: ``python -m benchmarks.hicache_micro --out DIR [--quick]``. Writes DIR/hicache_micro.json,
-.md and .png. Both backends are driven the way SGLang's HiCacheController drives them (its
-own `_page_backup` and `_page_transfer`, taken verbatim from the installed wheel, see
-connector/sglang/cpu_paths.py) on a CPU host pool in SGLang's layer_first layout:
-
-- ours: `interface_v1` (zero-copy `batch_set_v1`/`batch_get_v1` with host indices), as the
-  docs' command lines configure it (docs/sglang/hicache.md); and ours through the legacy
-  tensor calls, to show what zero-copy buys;
-- SGLang's `HiCacheFile`: the generic path SGLang uses for it (one flat page tensor per page
-  into `batch_set`; `batch_get` into dummy pages, then `set_from_flat_data_page`).
-
-Pages are SmolLM2-135M's at SGLang's page size 64 (30 layers, 3 KV heads of 64, bf16:
-1.47 MB a page), 256 pages a round (two of SGLang's 128-page storage batches),
-written into an empty store and read back, 7 interleaved repeats after one untimed warm-up
-round per system (first touches of memory and the page cache). The file backend writes to
-a temporary directory on the local disk and reads back through the OS page cache (what a
-server sees right after writing). Targets are reported, never asserted.
+`python -m benchmarks.hicache_micro --out DIR [--quick]` writes hicache_micro.json, .md and
+.png. Both backends are driven by SGLang's own HiCacheController paths (`_page_backup`,
+`_page_transfer`, verbatim from the wheel: connector/sglang/cpu_paths.py) on a CPU host pool:
+ours zero-copy (`interface_v1`, as docs/sglang/hicache.md configures it) and through the
+legacy tensor calls, and `HiCacheFile` on local disk (read back through the page cache).
+256 SmolLM2-135M pages of 64 tokens a round, 7 interleaved rounds after a warm-up, every page
+compared byte for byte.
 """
 
 from __future__ import annotations
 
 import hashlib
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +23,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 from benchmarks.harness import benchmark_main, progress_bar, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
+from benchmarks.report.seeds import spread
 from benchmarks.report.table import table_section
 from connector.sglang.backend import MemPoolStorage
 from connector.sglang.cpu_paths import (
@@ -133,8 +123,8 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
             pps = [pages / s for s in secs]
             entry[op] = {
                 "seconds": secs,
-                "pages_per_s": {"median": statistics.median(pps), "min": min(pps), "max": max(pps)},
-                "gb_per_s": {"median": statistics.median(gbs), "min": min(gbs), "max": max(gbs)},
+                "pages_per_s": spread(pps),
+                "gb_per_s": spread(gbs),
             }
         results[system] = entry
         for op in ("set", "get"):

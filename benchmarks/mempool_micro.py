@@ -1,22 +1,10 @@
-"""MemPool micro-benchmarks: the analogue of MemServe's figure 9, plus layout and memory figures.
+"""MemPool micro-benchmarks: the analogue of MemServe's figure 9, plus layout and memory.
 
-Run: ``python -m benchmarks.mempool_micro --out DIR [--quick]``. Writes DIR/mempool_micro.json,
-DIR/mempool_micro.md and DIR/mempool_micro.png. It measures:
-
-- block allocation and free (ns per block at 256 blocks per call; curve over 8..1024 blocks);
-- index insert and match of a 4,096-token prompt into an index already caching 100,000 tokens
-  of chat-like traffic (curve over 256..16,384 tokens);
-- network calls per request, discrete vs aggregated layout (must be 2*L), and an exact byte
-  round trip between the two layouts;
-- index memory per million cached tokens (RSS and tracemalloc), in fresh processes;
-- eviction and expiry at scale: MemPool.evict(16) on an index caching 1M and 10M tokens, and
-  expiry of 1% stale entries in a router-style holders tree of the same size, each size
-  in a fresh process that also reports its build time and RSS;
-- the index tree alone (the native `mempool.radix.RadixTree`, without the pool's block
-  bookkeeping): insert and match of a 4K prompt, evict(16) at 1M and 10M tokens, and its
-  bytes per cached page beside the Python tree it replaced (tests/mempool/radix_model.py).
-
-Targets are reported, never asserted: the machines these run on are shared and noisy.
+`python -m benchmarks.mempool_micro --out DIR [--quick]` writes mempool_micro.json, .md and
+.png: block alloc/free, index insert and match of a 4K prompt into 100K cached tokens (and
+their curves), network calls per request in each layout, index memory per million tokens,
+evict and expire at 1M and 10M tokens, and the native index tree alone beside the Python
+tree it replaced. Targets are reported, never asserted: the machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -25,6 +13,7 @@ import bisect
 import gc
 import hashlib
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -40,7 +29,7 @@ from typing import Any
 from rich.progress import Progress
 
 import mempool
-from benchmarks.harness import benchmark_main, percentile, progress_bar, step
+from benchmarks.harness import benchmark_main, percentile, progress_bar, rss_mib, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
 from benchmarks.report.targets import check
@@ -452,18 +441,7 @@ def _roundtrip(spec: KVBlockSpec, agg: MemPool, disc: MemPool) -> bool:
 
 
 def rss_bytes() -> int:
-    """Resident set size now (Linux /proc); elsewhere the peak, which over-counts."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # not on Windows; only reached off Linux
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return round((rss_mib(os.getpid()) or 0.0) * 2**20)
 
 
 def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
@@ -550,8 +528,7 @@ def size_label(tokens: int) -> str:
 def peak_rss_bytes() -> int:
     import resource  # Unix only, like the VmRSS reading
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> dict[str, Any]:
@@ -839,24 +816,19 @@ def plot(
     right.plot(tokens, [p.match_us for p in index_curve], "s-", label="match (full hit)")
     right.plot(tokens, [p.match_partial_us for p in index_curve], "^-", label="match (half hit)")
     right.plot([PROMPT_TOKENS], [MEMSERVE_INSERT_4K_US], "kx", ms=9, label="MemServe insert 4K")
-    right.plot(
-        [PROMPT_TOKENS],
-        [TARGET_INSERT_4K_US],
-        "D",
-        color="C0",
-        mfc="none",
-        ms=9,
-        label="insert target 4K",
-    )
-    right.plot(
-        [PROMPT_TOKENS],
-        [TARGET_MATCH_4K_US],
-        "D",
-        color="C1",
-        mfc="none",
-        ms=9,
-        label="match target 4K",
-    )
+    for target, colour, what in (
+        (TARGET_INSERT_4K_US, "C0", "insert"),
+        (TARGET_MATCH_4K_US, "C1", "match"),
+    ):
+        right.plot(
+            [PROMPT_TOKENS],
+            [target],
+            "D",
+            color=colour,
+            mfc="none",
+            ms=9,
+            label=f"{what} target 4K",
+        )
     right.set(xlabel="prompt length (tokens)", title=f"(b) index, {PRELOAD_TOKENS:,} tokens cached")
     for axes, ticks in ((left, blocks), (right, tokens)):
         axes.set_xscale("log", base=2)
@@ -932,17 +904,9 @@ def bench_index(settings: Settings, progress: Progress) -> tuple[dict[str, Any],
         for n in PROMPT_SWEEP:
             insert_ns, delete_ns = time_insert(pool, traffic, system, n, reps)
             match_ns, partial_ns = time_match(pool, traffic, system, n, reps)
-            curve.append(
-                IndexPoint(
-                    n,
-                    median_us(insert_ns),
-                    median_us(delete_ns),
-                    median_us(match_ns),
-                    median_us(partial_ns),
-                    percentile_us(insert_ns, 0.9),
-                    percentile_us(match_ns, 0.9),
-                )
-            )
+            medians = (median_us(x) for x in (insert_ns, delete_ns, match_ns, partial_ns))
+            p90s = (percentile_us(x, 0.9) for x in (insert_ns, match_ns))
+            curve.append(IndexPoint(n, *medians, *p90s))
             step(progress, sweep)
         after_match_ns = time_insert_after_match(pool, traffic, system, PROMPT_TOKENS, reps)
         step(progress, sweep)
@@ -1033,81 +997,50 @@ def mempool_sources_digest() -> str:
 def notes(fig: dict[str, Any], settings: Settings) -> list[str]:
     """How each figure was taken, so a reader can judge it without reading the code."""
     measured = int(fig["memory_tokens_measured"])
+    calibration = ", ".join(f"{c:.1f}" for c in fig["calibration_array4k_us"])
     out = [
-        f"Mode: {fig['mode']}; elapsed {fig['elapsed_s']:.1f} s. Targets are reported, not "
-        "asserted. Timings are medians; the garbage collector stays on, as in an engine.",
-        f"alloc/free: MemPool.alloc_blocks({ALLOC_BLOCKS}) and free_mem of its result, "
-        f"median of {settings.alloc_batches} batches of {settings.alloc_calls} calls, divided "
-        f"by {ALLOC_BLOCKS}; p50/p99 from {settings.single_reps} individually timed calls. "
-        f"Blocks of {BENCH_SPEC.block_size(Layout.AGGREGATED)} B, {POOL_BLOCKS:,}-block pool.",
+        f"Mode: {fig['mode']}; elapsed {fig['elapsed_s']:.1f} s. Medians, the garbage "
+        "collector on (as in an engine); targets reported, not asserted.",
+        f"alloc/free: alloc_blocks({ALLOC_BLOCKS}) and free_mem of its result, median of "
+        f"{settings.alloc_batches} batches of {settings.alloc_calls} calls / {ALLOC_BLOCKS}; "
+        f"p50/p99 from {settings.single_reps} single calls; "
+        f"{BENCH_SPEC.block_size(Layout.AGGREGATED)} B blocks, {POOL_BLOCKS:,}-block pool.",
         f"Index: {fig['preload_cached_tokens']:,} tokens cached beforehand "
-        f"({fig['preload_conversations']} multi-turn conversations after one shared "
-        f"{SYSTEM_TOKENS}-token system prompt, token ids uniform in 0..{VOCAB - 1}, seed "
-        f"{SEED}). Each insert: a fresh prompt whose first quarter (at most {SYSTEM_TOKENS} "
-        "tokens) is the system prompt, passed as a Python list; blocks allocated untimed; "
-        "deleted untimed afterwards. match_4k_partial hits the first half. "
-        f"{settings.index_reps} repetitions per point.",
-        "insert_4k_after_match: an engine's prefix-caching path (match, allocate only the "
-        "uncached pages, insert cached + new addresses); only the insert is timed.",
-        f"aggregate_calls_ratio: transfer_segments calls for one {PROMPT_TOKENS}-token "
-        f"Llama-2-13B request (L={fig['layers']}), discrete over aggregated: "
-        f"{fig['discrete_calls_4k']} / {fig['aggregated_calls_4k']}.",
-        f"Index memory: {measured:,} cached tokens ({fig['memory_conversations']} conversations "
-        f"over {MEMORY_SYSTEM_PROMPTS} system prompts, {fig['memory_tree_nodes']} tree nodes), "
-        "built in a fresh spawned process; growth of VmRSS and, in a second process, of "
-        "tracemalloc's traced memory, after gc.collect(). The arena is mapped before the first "
-        "reading and never touched. The growth includes the pool's allocated/indexed block "
-        "sets. RSS also counts allocator slack, and can under-count at small sizes because "
-        "the build reuses heap the child freed while importing; tracemalloc has neither "
-        "effect.",
-        "The index tree alone (tree_*): the same traffic into a bare mempool.radix.RadixTree "
-        "(native; one address per page), no block bookkeeping: insert and delete a fresh 4K "
-        "prompt, match a cached one, token ids as a Python list and as array('I'); "
-        "tree_evict_16 evicts 16 blocks' pages from the pool's own tree at each scale; bytes "
-        "per page: the native tree's structures (node records, keys, values, heaps) for the "
-        "same inserts as the Python tree it replaced, whose figure is tracemalloc's.",
-        *scale_notes(fig),
-        "calibration_array4k_us: array('I', list of 4,096 ints) before, between and after the "
-        "timed phases; a drift between them means the machine's speed changed during the run "
-        f"(this run: {', '.join(f'{c:.1f}' for c in fig['calibration_array4k_us'])} µs).",
+        f"({fig['preload_conversations']} chats after one {SYSTEM_TOKENS}-token system "
+        f"prompt, seed {SEED}); each insert a fresh prompt (a list) whose first quarter is "
+        "the system prompt, allocated and deleted untimed; match_4k_partial hits the first "
+        f"half; insert_4k_after_match inserts after a match (only the insert timed); "
+        f"{settings.index_reps} repetitions a point.",
+        f"aggregate_calls_ratio: transfer_segments calls for a {PROMPT_TOKENS}-token "
+        f"Llama-2-13B request, discrete / aggregated: {fig['discrete_calls_4k']} / "
+        f"{fig['aggregated_calls_4k']} (L={fig['layers']}).",
+        f"Index memory: {measured:,} cached tokens ({fig['memory_conversations']} chats over "
+        f"{MEMORY_SYSTEM_PROMPTS} system prompts, {fig['memory_tree_nodes']} nodes) built in a "
+        "fresh process: growth of VmRSS (and, in another process, tracemalloc's traced bytes), "
+        "the pool's block sets included, the arena untouched.",
+        "tree_*: the bare native RadixTree (one address per page) on the same traffic, ids as a "
+        "list and as array('I'); bytes per page: its structures, beside tracemalloc's figure "
+        "for the Python tree it replaced.",
+        f"At scale, each size in its own process: MemPool.evict({EVICT_BLOCKS}) call by call "
+        "(a call removes the least recently used leaf whole); then a holders tree "
+        f"({len(HOLDERS)} instances, a clock ticking per insert) where each expire drops the "
+        f"next-oldest {STALE_STEP:.0%} of its entries.",
     ]
-    if measured < 1_000_000:
-        out.append(
-            f"Quick mode measured memory at {measured:,} tokens (not 1,000,000) and scaled "
-            "per million tokens; see memory_tokens_measured."
-        )
+    out += [
+        f"{p['size']}: {p['tokens']:,} tokens, {p['nodes']:,} nodes, built in "
+        f"{p['build_s']:.1f} s (+{p['rss_index_mib']:.0f} MiB); evict median "
+        f"{p['evict_16_us']:.1f} µs, p90 {p['evict_16_p90_us']:.1f}, max "
+        f"{p['evict_16_max_us']:.0f} ({p['evict_reps']} calls, "
+        f"{p['evict_freed_blocks_median']:g} blocks each); holders tree "
+        f"{p['holder_tree_pages']:,} pages in {p['holder_tree_build_s']:.1f} s, expire median "
+        f"{p['expire_us']:.1f} µs ({p['expire_reps']} calls, "
+        f"{p['expire_pruned_pages_median']:g} pages each, {p['expired_entries_fraction']:.1%} "
+        f"of {p['holder_entries']:,} entries); peak RSS {p['peak_rss_mib']:.0f} MiB."
+        for p in fig["scale"]
+    ]
+    out.append(f"calibration_array4k_us (a fixed C workload, before/between/after): {calibration}.")
     if not fig["index_size_restored"]:
         out.append("WARNING: the preloaded index did not return to its size after the sweep.")
-    return out
-
-
-def scale_notes(fig: dict[str, Any]) -> list[str]:
-    """How the at-scale figures were taken, one line per size with its cost to build."""
-    out = [
-        "At scale: each size in its own fresh spawned process, one after the other. "
-        f"MemPool.evict({EVICT_BLOCKS}) timed call by call on an index built like the memory "
-        "test's (64-byte blocks); a call removes the least recently used leaf whole, so it "
-        "frees more than 16 blocks (see evict_freed_blocks_median). Then a router-style "
-        f"holders tree (slots_per_page=0, {len(HOLDERS)} instances, a clock ticking once per "
-        "insert) of the same size: each timed expire drops the next-oldest "
-        f"{STALE_STEP:.0%} of its (node, holder) entries (cutoffs at quantiles of their "
-        f"confirmation times). Target: evict({EVICT_BLOCKS}) under "
-        f"{TARGET_EVICT_16_US:g} µs at every size.",
-    ]
-    for p in fig["scale"]:
-        out.append(
-            f"{p['size']}: {p['tokens']:,} cached tokens, {p['nodes']:,} nodes, pool index "
-            f"built in {p['build_s']:.1f} s (+{p['rss_index_mib']:.0f} MiB RSS); "
-            f"evict({EVICT_BLOCKS}) median {p['evict_16_us']:.1f} µs, p90 "
-            f"{p['evict_16_p90_us']:.1f}, max {p['evict_16_max_us']:.0f} over "
-            f"{p['evict_reps']} calls, {p['evict_freed_blocks_median']:g} blocks freed per "
-            f"call; holders tree of {p['holder_tree_pages']:,} pages built in "
-            f"{p['holder_tree_build_s']:.1f} s; expire median {p['expire_us']:.1f} µs over "
-            f"{p['expire_reps']} calls, {p['expire_pruned_pages_median']:g} pages pruned per "
-            f"call ({p['expired_entries_fraction']:.1%} of {p['holder_entries']:,} entries "
-            f"expired, {p['expire_pruned_fraction']:.1%} of the pages pruned, in all); peak RSS "
-            f"{p['peak_rss_mib']:.0f} MiB."
-        )
     return out
 
 

@@ -1,28 +1,12 @@
 """Transfer benchmark: one request's KV cache moved between two MemPools on loopback.
 
-Run: ``python -m benchmarks.transfer --out DIR [--quick]``. Writes DIR/transfer.json,
-DIR/transfer.md and DIR/transfer.png.
-
-One request is 2,048 tokens of KV (page size 16, fp16) in the shapes of SmolLM2-135M (30
-layers, 3 KV heads, 64 dims: 47 MB) and Llama-2-13B (40 layers, 40 KV heads, 128 dims:
-1.68 GB). The sending pool lives in this process, the receiving pool in a child process (two
-engine instances, two cores). Each repetition moves the request once per case, in turn:
-
-- a raw socket copy of the same bytes: one `sendall` over one loopback TCP connection into a
-  `recv_into` loop, then a one-byte acknowledgement (the ceiling for a socket data plane);
-- our TcpTransport: discrete layout (2*L blocks per page, one network call each, no merge),
-  aggregated layout (one block per page), merged (discrete blocks joined by merge_segments
-  after sorting: contiguous blocks become one call), and an aggregated read (pull);
-- Mooncake's transfer engine over TCP, the same cases.
-
-Before each timed transfer the destination is zeroed; after it, its CRC-32 must equal the
-source's, so every figure is a verified transfer. Medians and spread over the repetitions;
-targets (aggregated TCP >= 70 % of the raw copy and >= Mooncake's aggregated figure; the
-discrete-to-aggregated call ratio exactly 2*L) are reported, never asserted.
-
-Mooncake's engine listens on every interface, so when it is installed this process first
-moves into a private network namespace whose only interface is loopback (the child follows);
-every case then runs there, under the same conditions.
+`python -m benchmarks.transfer --out DIR [--quick]` writes transfer.json, .md and .png. One
+2,048-token request in the shapes of SmolLM2-135M (47 MB) and Llama-2-13B (1.68 GB), sender
+here and receiver in a child process, moved in turn by a raw socket copy (the ceiling of a
+socket data plane), our TcpTransport (discrete, aggregated, merged, aggregated read) and
+Mooncake's engine over TCP; every transfer CRC-checked against the source. Mooncake listens
+on every interface, so when it is installed the run moves into a private network namespace
+whose only interface is loopback (the child follows), and every case runs there alike.
 """
 
 from __future__ import annotations
@@ -442,22 +426,15 @@ def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
         d, a = cases.get(f"{system}_discrete"), cases.get(f"{system}_aggregated")
         if d and a:
             out[f"{system}_discrete_over_aggregated_calls"] = d["calls"] / a["calls"]
+    raw, mooncake = out["tcp_aggregated_over_raw"], out["tcp_aggregated_over_mooncake_aggregated"]
+    calls = out["tcp_discrete_over_aggregated_calls"]
     out["targets"] = {
-        "tcp_aggregated_over_raw": {
-            "target": TARGET_RAW_FRACTION,
-            "value": out["tcp_aggregated_over_raw"],
-            "met": out["tcp_aggregated_over_raw"] >= TARGET_RAW_FRACTION,
-        },
-        "tcp_aggregated_over_mooncake_aggregated": {
-            "target": 1.0,
-            "value": out["tcp_aggregated_over_mooncake_aggregated"],
-            "met": out["tcp_aggregated_over_mooncake_aggregated"] >= 1.0,
-        },
-        "discrete_over_aggregated_calls": {
-            "target": 2 * spec.layers,
-            "value": out["tcp_discrete_over_aggregated_calls"],
-            "met": out["tcp_discrete_over_aggregated_calls"] == 2 * spec.layers,
-        },
+        key: {"target": limit, "value": value, "met": met}
+        for key, limit, value, met in (
+            ("tcp_aggregated_over_raw", TARGET_RAW_FRACTION, raw, raw >= TARGET_RAW_FRACTION),
+            ("tcp_aggregated_over_mooncake_aggregated", 1.0, mooncake, mooncake >= 1.0),
+            ("discrete_over_aggregated_calls", 2 * spec.layers, calls, calls == 2 * spec.layers),
+        )
     }
     return out
 

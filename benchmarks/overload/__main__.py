@@ -59,19 +59,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="use this rate (req/s) instead of measuring it",
     )
     parser.add_argument(
-        "--trace", type=Path, default=DEFAULT_TRACE, help="a trace in Mooncake's format"
-    )
-    parser.add_argument(
         "--report-only",
         action="store_true",
         help="run nothing: rewrite results.md and the plot from OUT/results.json",
     )
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="keep the workers' and routers' logs here"
-    )
     args = parser.parse_args(argv)
-    if not args.report_only and not args.trace.exists():
-        parser.error(f"--trace {args.trace}: no such file")
     if any(f <= 0 for f in args.steps or ()):
         parser.error("--steps must be positive")
     if args.sustained_rate is not None and not args.sustained_rate > 0:
@@ -87,8 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_only(args.out)
     preset = preset_for(args.quick, tuple(args.seeds or ()), tuple(args.steps or ()))
     started = time.perf_counter()
-    with Session.open(args.log_dir) as session:
-        ramp = Ramp(preset, session, args.trace)
+    with Session.open(None) as session:
+        ramp = Ramp(preset, session, DEFAULT_TRACE)
         setup, runs = ramp.run(args.sustained_rate)
     elapsed = time.perf_counter() - started
     peers = {name: s.__dict__ for name, s in session.peers.items() if name == SGLANG_ROUTER}

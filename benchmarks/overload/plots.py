@@ -3,15 +3,14 @@ system (the median over seeds), the band its min..max over seeds."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite
 from benchmarks.overload.preset import WITH_DEADLINE
 from benchmarks.overload.targets import GOODPUT_KEPT, by_step
 from benchmarks.report.figures import color, pyplot, save
+from benchmarks.report.seeds import spread
 
 PNG = "overload.png"
 
@@ -28,10 +27,8 @@ def band(
 ) -> tuple[float, float, float] | None:
     """(median, min, max) of `key` over the seeds' runs (None without a value; only values
     above 0 when `positive`, for a log scale)."""
-    values = [r[key] for r in seeds.values() if finite(r.get(key)) and (r[key] > 0 or not positive)]
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
+    s = spread(r.get(key) for r in seeds.values() if not positive or (r.get(key) or 0) > 0)
+    return (s["median"], s["min"], s["max"]) if s else None
 
 
 def plot(

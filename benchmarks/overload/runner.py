@@ -43,18 +43,8 @@ def samples_of(outcomes: Sequence[Record], floors: Sequence[float], floor: Floor
         if status == OK and o.prompt_tokens:
             own = floor.ttft_s(o.prompt_tokens, o.cached_tokens)
         end = None if o.sent_s is None or o.e2e_s is None or status != OK else o.sent_s + o.e2e_s
-        out.append(
-            Sample(
-                status,
-                o.sent_s,
-                o.ttft_s,
-                end,
-                floors[o.rid],
-                own,
-                o.prompt_tokens,
-                o.cached_tokens,
-            )
-        )
+        timing = (o.sent_s, o.ttft_s, end, floors[o.rid], own)
+        out.append(Sample(status, *timing, o.prompt_tokens, o.cached_tokens))
     return out
 
 
@@ -84,10 +74,8 @@ def run_one(
 
     before, busy_before = cluster.worker_counters(), cluster.busy_seconds()
     try:
-        sending = run_workload(
-            router.url, workload, bench.model, on_done, retry=NO_RETRY, orphans=True
-        )
-        result = run_async(sending)
+        sending = run_workload(router.url, workload, bench.model, on_done, retry=NO_RETRY)
+        result = run_async(sending)  # open loop: no request has a parent to wait for
         metrics = scrape(router.url + "/metrics") if router.routers else {}
     finally:
         router.stop()

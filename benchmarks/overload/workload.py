@@ -7,15 +7,11 @@ it has `rate x duration` rows and offers them with Poisson arrivals at `rate`, d
 sessions in a random interleaving, each session's turns in order
 (`benchmarks.multiturn.workloads.deal_arrivals`, as MemServe samples its arrivals): a later
 turn follows its earlier turns by seconds, and shares their blocks. A trace row carries its
-whole prompt (its hash ids), so no turn needs its parent's answer to be sent. Open loop
-(the default): every row goes at its own time, whatever happened to the turns before it, so
-the offered load is the load sent even past saturation (a worker caches a prompt once it is
-prefilled, as SGLang does, so a turn sent while its previous one still decodes finds its
-prompt). Closed (`open_loop=False`): a later turn waits for its previous turn's answer when
-that turn was admitted (a user reads the answer before writing again), and goes at its own
-time when it was refused or failed (the client's `orphans`); past saturation such users slow
-down and the load sent falls below the load offered. Either way a refusal never removes a
-request: every system is offered exactly the same requests.
+whole prompt (its hash ids), so no turn needs its parent's answer to be sent: open loop,
+every row goes at its own time, whatever happened to the turns before it, so the offered
+load is the load sent even past saturation (a worker caches a prompt once it is prefilled,
+as SGLang does, so a turn sent while its previous one still decodes finds its prompt). A
+refusal never removes a request: every system is offered exactly the same requests.
 
 The SLO's base, each request's floor, is computed before anything is sent: its prefill
 alone on one instance holding every earlier prompt of the step (the oracle's cache).
@@ -89,12 +85,10 @@ def build_pool(
     return Pool(seed, tuple(tuple(grouped[s]) for s in order), params)
 
 
-def step_workload(
-    pool: Pool, rate: float, count: int, label: str, open_loop: bool = True
-) -> Workload:
+def step_workload(pool: Pool, rate: float, count: int, label: str) -> Workload:
     """`count` rows of the pool's first sessions, Poisson arrivals at `rate` dealt to the
     sessions (seeded by the pool's seed and `label`: every system of a step gets the same
-    requests at the same times); `open_loop`: no row waits for another's answer."""
+    requests at the same times); open loop, no row waits for another's answer."""
     if count > len(pool):
         raise ValueError(
             f"a step at {rate:.2f} req/s needs {count} requests; seed {pool.seed}'s pool "
@@ -109,18 +103,14 @@ def step_workload(
         for r, t in zip(turns, at, strict=True)
     ]
     timed.sort(key=lambda r: r.at_s)
-    rid = {r.rid: i for i, r in enumerate(timed)}  # a parent is in its child's session
-    requests = [
-        replace(r, rid=i, parent=None if r.parent is None or open_loop else rid.get(r.parent))
-        for i, r in enumerate(timed)
-    ]
+    requests = [replace(r, rid=i, parent=None) for i, r in enumerate(timed)]
     params = {
         **pool.params,
         "rate": rate,
         "requests": count,
         "step_sessions": len(sessions),
         "seed": pool.seed,
-        "arrivals": "open loop" if open_loop else "a turn after its previous turn's answer",
+        "arrivals": "open loop",
     }
     return Workload("trace", "Mooncake conversation trace, independent rows", requests, params)
 

@@ -32,7 +32,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=[s.__name__ for s in ALL] + ["bad_inputs", "http_limits"],
         help="run these scenarios only",
     )
-    p.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     return p.parse_args(argv)
 
 
@@ -77,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [s for s in ALL if args.only is None or s.__name__ in args.only]
     with_inputs = args.only is None or "bad_inputs" in args.only
     with_limits = args.only is None or "http_limits" in args.only
-    logs = args.logs or Path(tempfile.mkdtemp(prefix="reliability-"))
+    logs = Path(tempfile.mkdtemp(prefix="reliability-"))  # kept: the servers' logs
     started = time.monotonic()
     results: list[FaultResult] = []
     inputs: list[InputResult] = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localrun.cluster import scrape
 from localrun.processes import Launch, Server, free_port, module_command, start_all, stop_all
 
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MEMSERVE_ROUTER_PROCESSES": "1"}
@@ -42,17 +43,10 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
         return json.load(resp)
 
 
-def metric(server: Server, name: str, labels: str = "") -> float:
-    """A counter or gauge from a server's /metrics (Prometheus text), summed over its labels
-    (or only the series whose labels contain `labels`); 0 when it is not exported."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] == name and labels in series:
-            total += float(value)
-    return total
+def metric(server: Server, name: str) -> float:
+    """A counter or gauge from a server's /metrics, summed over its labels; 0 when it is not
+    exported."""
+    return scrape(server.url + "/metrics").get(name, 0.0)
 
 
 @dataclass(frozen=True)

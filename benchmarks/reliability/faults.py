@@ -56,14 +56,18 @@ def retries(router: Server) -> float:
     return metric(router, "sgl_router_retries_total")
 
 
-def holder_of(router: Server, before: dict[str, int]) -> str:
-    """The worker that served the last request (its processed count went up)."""
+def holding(
+    c: Cluster, first: dict[str, Any], time_scale: float = 0.02
+) -> tuple[list[Server], Server, Seen, Server]:
+    """Two workers behind a fresh router, the answer to `first`, and the worker that served
+    it (its processed count went up): it holds the conversation's prefix now."""
+    workers = c.workers(2, time_scale=time_scale)
+    router = c.colocated_router(workers)
+    before = served(router)
+    seen = post(router.url + "/v1/chat/completions", first, BOUND_S)
     after = served(router)
-    return max(after, key=lambda url: after[url] - before.get(url, 0))
-
-
-def by_url(workers: list[Server], url: str) -> Server:
-    return next(w for w in workers if w.url == url)
+    url = max(after, key=lambda u: after[u] - before.get(u, 0))
+    return workers, router, seen, next(w for w in workers if w.url == url)
 
 
 def tally_into(result: FaultResult, tally: Tally) -> None:
@@ -76,35 +80,41 @@ def tally_into(result: FaultResult, tally: Tally) -> None:
         result.notes.append(f"unclear: {bad.summary()}.")
 
 
-def after_fault(c: Cluster, router: Server, result: FaultResult, n: int = 4) -> Tally:
+def later_chats(router: Server, n: int = 4) -> Tally:
     """Requests once the fault is over: every one must be answered."""
-    tally = Tally()
-    for i in range(n):
-        tally.add(post(router.url + "/v1/chat/completions", chat(1000 + i), BOUND_S))
-    return tally
+    return Tally(
+        [post(router.url + "/v1/chat/completions", chat(1000 + i), BOUND_S) for i in range(n)]
+    )
+
+
+def healed_after(
+    result: FaultResult, ok: bool, how: str, later: Tally, what: str = "later requests"
+) -> None:
+    """Counts the requests sent once the fault was over into `result`: healed when `ok` and
+    every one of them was answered."""
+    tally_into(result, later)
+    result.healed = ok and later.ok == later.count
+    result.healed_how = f"{how}, {later.ok}/{later.count} {what} answered"
 
 
 def heal(
-    c: Cluster, router: Server, broken: Server, result: FaultResult, restart: bool = True
+    c: Cluster,
+    router: Server,
+    broken: Server,
+    result: FaultResult,
+    later: Callable[[Server], Tally] = later_chats,
+    what: str = "later requests",
 ) -> Server:
-    """The router must see `broken` unhealthy, then (restarted, or thawed by the caller)
-    healthy again; requests after that are answered. Sets `healed` and says how."""
+    """The router must see `broken` unhealthy, then restarted healthy again; `later(router)`
+    requests after that are answered. Sets `healed` and says how; the restarted server."""
     down = c.wait_health(router, broken.url, healthy=False)
-    if restart:
-        broken = c.restart(broken)
-    up = c.wait_health(router, broken.url, healthy=True)
-    later = after_fault(c, router, result)
-    tally_into(result, later)
-    result.healed = down is not None and up is not None and later.ok == later.count
-    result.healed_how = (
+    fresh = c.restart(broken)
+    up = c.wait_health(router, fresh.url, healthy=True)
+    how = (
         f"marked unhealthy in {down:.1f} s" if down is not None else "never marked unhealthy"
-    ) + (
-        f", healthy {up:.1f} s after {'restart' if restart else 'SIGCONT'}"
-        if up is not None
-        else ", never healthy again"
-    )
-    result.healed_how += f", {later.ok}/{later.count} later requests answered"
-    return broken
+    ) + (f", healthy {up:.1f} s after restart" if up is not None else ", never healthy again")
+    healed_after(result, down is not None and up is not None, how, later(router), what)
+    return fresh
 
 
 def finish(result: FaultResult, workers: list[Server]) -> FaultResult:
@@ -127,11 +137,7 @@ def killed_before_request(c: Cluster, s: Settings) -> FaultResult:
         bound_s=BOUND_S,
         expected="every turn answered: the router retries on the other worker",
     )
-    workers = c.workers(2)
-    router = c.colocated_router(workers)
-    before = served(router)
-    warm = post(router.url + "/v1/chat/completions", chat(1), BOUND_S)
-    holder = by_url(workers, holder_of(router, before))
+    workers, router, warm, holder = holding(c, chat(1))
     c.kill(holder)
     retried = retries(router)
     tally = Tally()
@@ -140,9 +146,8 @@ def killed_before_request(c: Cluster, s: Settings) -> FaultResult:
     tally_into(r, tally)
     r.client_saw = f"{tally.statuses()}; router retries {retries(router) - retried:.0f}"
     r.expectation_met = warm.ok and tally.ok == tally.count
-    survivors = [w for w in workers if w is not holder]
     fresh = heal(c, router, holder, r)
-    return finish(r, [*survivors, fresh])
+    return finish(r, [*(w for w in workers if w is not holder), fresh])
 
 
 def kill_busy(c: Cluster, workers: list[Server]) -> Server | None:
@@ -220,11 +225,7 @@ def killed_after_answer(c: Cluster, s: Settings) -> FaultResult:
         bound_s=BOUND_S,
         expected="the stream complete; the next turn retried elsewhere and answered",
     )
-    workers = c.workers(2)
-    router = c.colocated_router(workers)
-    before = served(router)
-    first = post(router.url + "/v1/chat/completions", chat(7, stream=True), BOUND_S)
-    holder = by_url(workers, holder_of(router, before))
+    workers, router, first, holder = holding(c, chat(7, stream=True))
     c.kill(holder)
     tally = Tally([first])
     for _ in range(s.requests // 2):
@@ -234,9 +235,8 @@ def killed_after_answer(c: Cluster, s: Settings) -> FaultResult:
         f"stream: {first.summary()} with [DONE]={first.done}; next turns {tally.statuses()}"
     )
     r.expectation_met = first.ok and first.done and tally.ok == tally.count
-    survivors = [w for w in workers if w is not holder]
     fresh = heal(c, router, holder, r)
-    return finish(r, [*survivors, fresh])
+    return finish(r, [*(w for w in workers if w is not holder), fresh])
 
 
 def hangs(c: Cluster, s: Settings) -> FaultResult:
@@ -251,11 +251,7 @@ def hangs(c: Cluster, s: Settings) -> FaultResult:
         expected="new turns answered by the other worker once health checks fail; the "
         "stream in flight ends with an error event",
     )
-    workers = c.workers(2, time_scale=0.5)
-    router = c.colocated_router(workers)
-    before = served(router)
-    post(router.url + "/v1/chat/completions", chat(3), BOUND_S)
-    holder = by_url(workers, holder_of(router, before))
+    workers, router, _, holder = holding(c, chat(3), time_scale=0.5)
     frozen = threading.Event()
     streamed: list[Seen] = []
 
@@ -290,13 +286,9 @@ def hangs(c: Cluster, s: Settings) -> FaultResult:
     r.client_saw = f"new turns {Tally(tally.seen[:-1]).statuses()}; stream: {stream.summary()}"
     r.expectation_met = tally.ok == tally.count - 1 and stream.clear_error
     up = c.wait_health(router, holder.url, healthy=True)
-    later = after_fault(c, router, r)
-    tally_into(r, later)
-    view = c.router_view(router)
-    r.healed = up is not None and later.ok == later.count and all(view.values())
-    r.healed_how = (
-        f"healthy {up:.1f} s after SIGCONT" if up is not None else "never healthy again"
-    ) + f", {later.ok}/{later.count} later requests answered"
+    later = later_chats(router)
+    how = f"healthy {up:.1f} s after SIGCONT" if up is not None else "never healthy again"
+    healed_after(r, up is not None and all(c.router_view(router).values()), how, later)
     return finish(r, workers)
 
 
@@ -358,11 +350,8 @@ def flapping(c: Cluster, s: Settings) -> FaultResult:
     r.expectation_met = not tally.unclear and tally.ok > 0
     up = c.wait_health(router, victim.url, healthy=True)
     before = served(router)[victim.url]
-    later = after_fault(c, router, r, n=6)
-    tally_into(r, later)
-    r.healed = up is not None and later.ok == later.count and downs == s.flaps
-    r.healed_how = f"taken out {downs} times and back each time" if up is not None else "stuck out"
-    r.healed_how += f"; {later.ok}/{later.count} later requests answered"
+    how = f"taken out {downs} times and back each time" if up is not None else "stuck out"
+    healed_after(r, up is not None and downs == s.flaps, how, later_chats(router, n=6))
     r.notes.append(
         f"the flapping worker served {served(router)[victim.url] - before} of the later ones."
     )
@@ -411,12 +400,10 @@ def router_restarted(c: Cluster, s: Settings) -> FaultResult:
         f"{sum(x.ok for x in retried)} of them then answered"
     )
     r.expectation_met = tally.ok == tally.count and bool(retried)
-    later = after_fault(c, router, r)
-    tally_into(r, later)
+    later = later_chats(router)
     view = c.router_view(router)
-    r.healed = all(view.values()) and later.ok == later.count
-    r.healed_how = f"restarted router sees {sum(view.values())}/{len(view)} workers healthy"
-    r.healed_how += f", {later.ok}/{later.count} later requests answered"
+    how = f"restarted router sees {sum(view.values())}/{len(view)} workers healthy"
+    healed_after(r, all(view.values()), how, later)
     return finish(r, workers)
 
 

@@ -10,13 +10,14 @@ the router's process before and after, within `RSS_SLACK_MIB`).
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import rss_mib
 from localrun.processes import Server
 
 HEADER_TIMEOUT_S = 3.0  # the router's --header-read-timeout-secs in these rows
@@ -62,11 +63,7 @@ class LimitResult:
         return {**vars(self), "rss_kept": self.rss_kept, "verdict": self.verdict}
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+Attack = Callable[[int], tuple[str, str]]  # on the router's port: (what was sent, answer)
 
 
 @contextlib.contextmanager
@@ -120,6 +117,31 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
+def sent_once(what: str, raw: bytes) -> Attack:
+    """The attack that sends `raw` at once, then reads the status line."""
+
+    def attack(port: int) -> tuple[str, str]:
+        with connection(port) as sock:
+            sock.sendall(raw)
+            return what, status_of(sock)
+
+    return attack
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: r\r\n"
+long_request_line = sent_once(
+    "a 9 KiB request line", b"GET /health?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: r\r\n\r\n"
+)
+long_header = sent_once("one 9 KiB header", HEALTH + b"X-Big: " + b"b" * 9000 + b"\r\n\r\n")
+many_headers = sent_once(
+    "500 short headers", HEALTH + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"\r\n"
+)
+declared_body = sent_once(
+    "Content-Length 10 GiB (limit 1 MiB), 64 KiB of it sent",
+    b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 10737418240\r\n\r\n{" + b"a" * 65536,
+)
+
+
 def endless_header(port: int) -> tuple[str, str]:
     with connection(port) as sock:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Endless: "
@@ -138,25 +160,6 @@ def endless_headers_8(port: int) -> tuple[str, str]:
         return f"8 connections, each an endless header; {mib(max(sent))} sent at most", "/".join(
             answers
         )
-
-
-def long_request_line(port: int) -> tuple[str, str]:
-    with connection(port) as sock:
-        sock.sendall(b"GET /health?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: r\r\n\r\n")
-        return "a 9 KiB request line", status_of(sock)
-
-
-def long_header(port: int) -> tuple[str, str]:
-    with connection(port) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n")
-        return "one 9 KiB header", status_of(sock)
-
-
-def many_headers(port: int) -> tuple[str, str]:
-    with connection(port) as sock:
-        lines = b"".join(b"X-H%d: v\r\n" % i for i in range(500))
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n" + lines + b"\r\n")
-        return "500 short headers", status_of(sock)
 
 
 def trickle(port: int) -> tuple[str, str]:
@@ -209,13 +212,6 @@ def pipelined_flood(port: int) -> tuple[str, str]:
         )
 
 
-def declared_body(port: int) -> tuple[str, str]:
-    with connection(port) as sock:
-        head = b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: 10737418240\r\n\r\n"
-        sock.sendall(head + b"{" + b"a" * 65536)
-        return "Content-Length 10 GiB (limit 1 MiB), 64 KiB of it sent", status_of(sock)
-
-
 def chunked_body(port: int) -> tuple[str, str]:
     with connection(port) as sock:
         head = b"POST /generate HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -224,7 +220,6 @@ def chunked_body(port: int) -> tuple[str, str]:
         return f"a chunked body without end (limit 1 MiB); {mib(sent)} sent", status_of(sock)
 
 
-Attack = Callable[[int], tuple[str, str]]
 # (name, attack, expected answer, whether an answer passes)
 ATTACKS: list[tuple[str, Attack, str, Callable[[str], bool]]] = [
     ("endless header", endless_header, "431 or closed", lambda a: a in ("431", "closed")),
@@ -257,7 +252,7 @@ def run_all(router: Server) -> list[LimitResult]:
     results = []
     pid, port = router.proc.pid, router.port
     for name, attack, expected, ok in ATTACKS:
-        before = rss_mib(pid)
+        before = rss_mib(pid) or math.nan  # nan: the router is gone
         began = time.monotonic()
         try:
             sent, answer = attack(port)
@@ -273,7 +268,7 @@ def run_all(router: Server) -> list[LimitResult]:
                 expected,
                 ok(answer),
                 before,
-                rss_mib(pid),
+                rss_mib(pid) or math.nan,
                 serving(port),
                 round(took, 2),
             )

@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks.reliability.client import Tally, post
 from benchmarks.reliability.cluster import Cluster, PoolCount, get_json, settled_leak
-from benchmarks.reliability.faults import BOUND_S, Settings, finish, tally_into
+from benchmarks.reliability.faults import BOUND_S, Settings, finish, heal, tally_into
 from benchmarks.reliability.report import FaultResult
 from localrun.processes import Server, free_port
 
@@ -56,27 +56,17 @@ def pd_cluster(
     return router, servers[0], servers[1:]
 
 
-def later_pd(router: Server, result: FaultResult, n: int = 4) -> Tally:
-    tally = Tally()
-    for i in range(n):
-        body = {"input_ids": ids(500 + i, 100), "sampling_params": {"max_new_tokens": 20}}
-        tally.add(post(router.url + "/generate", body, BOUND_S))
-    tally_into(result, tally)
-    return tally
+def later_pd(router: Server, n: int = 4) -> Tally:
+    """PD requests once the fault is over: every one must be answered."""
+    bodies = [
+        {"input_ids": ids(500 + i, 100), "sampling_params": {"max_new_tokens": 20}}
+        for i in range(n)
+    ]
+    return Tally([post(router.url + "/generate", body, BOUND_S) for body in bodies])
 
 
 def heal_pd(c: Cluster, router: Server, broken: Server, result: FaultResult) -> Server:
-    down = c.wait_health(router, broken.url, healthy=False)
-    fresh = c.restart(broken)
-    up = c.wait_health(router, fresh.url, healthy=True)
-    later = later_pd(router, result)
-    result.healed = down is not None and up is not None and later.ok == later.count
-    result.healed_how = (
-        (f"marked unhealthy in {down:.1f} s" if down is not None else "never marked unhealthy")
-        + (f", healthy {up:.1f} s after restart" if up is not None else ", never healthy again")
-        + f", {later.ok}/{later.count} later PD requests answered"
-    )
-    return fresh
+    return heal(c, router, broken, result, later_pd, "later PD requests")
 
 
 def decode_killed_mid_transfer(c: Cluster, s: Settings) -> FaultResult:

@@ -20,7 +20,14 @@ import openai
 
 from benchmarks.reliability.client import Seen, Tally, post
 from benchmarks.reliability.cluster import Cluster, get_json, metric
-from benchmarks.reliability.faults import BOUND_S, Settings, finish, served, tally_into
+from benchmarks.reliability.faults import (
+    BOUND_S,
+    Settings,
+    finish,
+    healed_after,
+    served,
+    tally_into,
+)
 from benchmarks.reliability.pd_faults import ids, pd_cluster
 from benchmarks.reliability.report import FaultResult
 from localrun.processes import Server
@@ -128,13 +135,10 @@ def relieved(
     idle = wait_idle(workers)
     view = Cluster.router_view(router)
     tally = later()
-    tally_into(result, tally)
-    result.healed = idle is not None and all(view.values()) and tally.ok == tally.count
-    result.healed_how = (
-        (f"workers idle {idle:.1f} s after the burst" if idle is not None else "workers never idle")
-        + f", router sees {sum(view.values())}/{len(view)} healthy"
-        + f", {tally.ok}/{tally.count} later requests answered"
-    )
+    how = (
+        f"workers idle {idle:.1f} s after the burst" if idle is not None else "workers never idle"
+    ) + f", router sees {sum(view.values())}/{len(view)} healthy"
+    healed_after(result, idle is not None and all(view.values()), how, tally)
     return tally
 
 

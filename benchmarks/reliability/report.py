@@ -132,21 +132,12 @@ def publish(
         "http_limits": [a.figures() for a in limits],
     }
     headline = [
-        {
-            "what": "faults injected",
-            "tried": total["faults_tried"],
-            "passed": total["faults_passed"],
-        },
-        {
-            "what": "bad inputs sent",
-            "tried": total["inputs_tried"],
-            "passed": total["inputs_passed"],
-        },
-        {
-            "what": "attacks on the HTTP server",
-            "tried": total["attacks_tried"],
-            "passed": total["attacks_passed"],
-        },
+        {"what": what, "tried": total[f"{key}_tried"], "passed": total[f"{key}_passed"]}
+        for what, key in (
+            ("faults injected", "faults"),
+            ("bad inputs sent", "inputs"),
+            ("attacks on the HTTP server", "attacks"),
+        )
     ]
     details = [
         f"- **{f.scenario}**: expected {f.expected}; {f.requests} requests, {f.answered} "

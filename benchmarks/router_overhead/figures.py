@@ -102,24 +102,23 @@ def scaling(fig: dict[str, Any]) -> list[dict[str, Any]]:
     """Per router: max rps on each CPU set, per core, and from the smallest set to the
     largest (ours with a process per core: 1 process on 1 core, N on N)."""
     counts = fig["core_counts"]
-    families: list[tuple[str, Callable[[dict[str, Any], int], bool]]] = [
-        (
-            "ours prompt_tree, a process per core",
-            lambda s, c: (
-                s["kind"] == "ours" and s["policy"] == "prompt_tree" and s["processes"] == c
-            ),
-        ),
-        (
-            "ours prompt_tree, 1 process",
-            lambda s, c: (
-                s["kind"] == "ours" and s["policy"] == "prompt_tree" and s["processes"] == 1
-            ),
-        ),
-        (
-            "sglang-router cache_aware",
-            lambda s, c: s["router"] == "sglang-router" and s["policy"] == "cache_aware",
-        ),
-        ("smg cache_aware", lambda s, c: s["router"] == "smg" and s["policy"] == "cache_aware"),
+
+    def ours(processes: int | None) -> Callable[[dict[str, Any], int], bool]:
+        """Ours prompt_tree with `processes` processes (None: one per core)."""
+        return lambda s, c: (
+            s["kind"] == "ours"
+            and s["policy"] == "prompt_tree"
+            and s["processes"] == (processes or c)
+        )
+
+    def peer(router: str) -> Callable[[dict[str, Any], int], bool]:
+        return lambda s, c: s["router"] == router and s["policy"] == "cache_aware"
+
+    families = [
+        ("ours prompt_tree, a process per core", ours(None)),
+        ("ours prompt_tree, 1 process", ours(1)),
+        ("sglang-router cache_aware", peer("sglang-router")),
+        ("smg cache_aware", peer("smg")),
     ]
     rows = []
     for label, member in families:

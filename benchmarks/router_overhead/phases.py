@@ -10,17 +10,24 @@ from collections.abc import Callable
 import aiohttp
 from rich.progress import Progress
 
-from benchmarks.harness import step
+from benchmarks.harness import children, step
 from benchmarks.load.bodies import CHAT, COMPLETIONS, body
 from benchmarks.load.closed_loop import Window, closed_loop
 from benchmarks.load.record import Record
 from benchmarks.load.send import http_session, send
-from benchmarks.router_overhead.cpu import tree_cpu_s
 from benchmarks.router_overhead.figures import p50_p99
 from benchmarks.router_overhead.settings import SMALL_MAX_TOKENS, Settings
 from benchmarks.router_overhead.systems import System
 from benchmarks.router_overhead.text import Conversation, shared_text_prompts
+from localrun.cluster import cpu_seconds
 from localrun.processes import Server
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system seconds of `pid` and its live descendants (0 for a gone process), read
+    from /proc: the router's own cost, which the client and workers sharing the box do not
+    move."""
+    return sum(cpu_seconds(p) for p in (pid, *children(pid)))
 
 
 async def timed(session: aiohttp.ClientSession, url: str, path: str, data: bytes) -> Record:

@@ -82,26 +82,22 @@ def paired_row(s: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+INTERNAL = [  # (row, part of the figures, key, unit)
+    ("select(), 8K request, prefix held (hit)", "decision", "select_hit_us", "µs"),
+    ("select(), 8K request, new chat (miss)", "decision", "select_miss_us", "µs"),
+    ("select(), hit, tokens passed as a Python list", "decision", "select_hit_list_us", "µs"),
+    ("  of which list -> uint32 array", "decision", "list_to_uint32_us", "µs"),
+    ("uint32 array -> list (encoder's tolist)", "decision", "uint32_to_list_us", "µs"),
+    ("tree record(), 8K path held", "decision", "record_8k_us", "µs"),
+    ("ChatTokenizer.encode_chat, 8K (full)", "tokenizer", "full_encode_ms", "ms"),
+    ("  of which chat template render", "tokenizer", "render_ms", "ms"),
+    ("CachedEncoder cold (new 8K chat)", "tokenizer", "cached_cold_ms", "ms"),
+    ("CachedEncoder warm (turn 2)", "tokenizer", "cached_warm_ms", "ms"),
+]
+
+
 def internal_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    tok, dec = fig["tokenizer"], fig["decision"]
-    return [
-        {"figure": "select(), 8K request, prefix held (hit)", **_pair(dec["select_hit_us"], "µs")},
-        {"figure": "select(), 8K request, new chat (miss)", **_pair(dec["select_miss_us"], "µs")},
-        {
-            "figure": "select(), hit, tokens passed as a Python list",
-            **_pair(dec["select_hit_list_us"], "µs"),
-        },
-        {"figure": "  of which list -> uint32 array", **_pair(dec["list_to_uint32_us"], "µs")},
-        {
-            "figure": "uint32 array -> list (encoder's tolist)",
-            **_pair(dec["uint32_to_list_us"], "µs"),
-        },
-        {"figure": "tree record(), 8K path held", **_pair(dec["record_8k_us"], "µs")},
-        {"figure": "ChatTokenizer.encode_chat, 8K (full)", **_pair(tok["full_encode_ms"], "ms")},
-        {"figure": "  of which chat template render", **_pair(tok["render_ms"], "ms")},
-        {"figure": "CachedEncoder cold (new 8K chat)", **_pair(tok["cached_cold_ms"], "ms")},
-        {"figure": "CachedEncoder warm (turn 2)", **_pair(tok["cached_warm_ms"], "ms")},
-    ]
+    return [{"figure": row, **_pair(fig[part][key], unit)} for row, part, key, unit in INTERNAL]
 
 
 def _pair(values: dict[str, float], unit: str) -> dict[str, Any]:

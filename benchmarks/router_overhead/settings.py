@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 NAME = "router_overhead"
 SEED = 20240623
-PEER_PACKAGE = "sglang-router"
-PEER_MODULE = "sglang_router"
 
 CONV_TOKENS = 8192  # a cold chat is at least this long (tokens, chat template included)
 SMALL_MAX_TOKENS = 8  # latency workloads: a short answer

@@ -16,6 +16,7 @@ from benchmarks.peers import OURS
 from benchmarks.soak.config import Config
 from benchmarks.soak.sampler import Proc, worker_gauges
 from localrun.cluster import Cluster, ClusterSpec
+from localrun.processes import Server
 
 POLICY = "prompt-tree"
 SETTLE_TIMEOUT_S = 30.0
@@ -37,15 +38,17 @@ class Running:
             out.append(Proc(w.name, w.pid, w.role, w.url))
         return out
 
+    def servers(self) -> dict[str, Server]:
+        """The router and every worker, by the name they are reported under."""
+        out = {"router": self.router.server}
+        out.update({w.name: w.server for w in self.cluster.workers if w.server is not None})
+        return out
+
     def exit_codes(self) -> dict[str, int | None]:
-        servers = [("router", self.router.server)]
-        servers += [(w.name, w.server) for w in self.cluster.workers if w.server is not None]
-        return {name: s.exited() for name, s in servers}
+        return {name: s.exited() for name, s in self.servers().items()}
 
     def log_tails(self) -> dict[str, str]:
-        servers = [("router", self.router.server)]
-        servers += [(w.name, w.server) for w in self.cluster.workers if w.server is not None]
-        return {name: s.tail(12) for name, s in servers}
+        return {name: s.tail(12) for name, s in self.servers().items()}
 
     def stop(self) -> None:
         self.router.server.stop()
@@ -53,19 +56,15 @@ class Running:
 
 
 def cluster_spec(config: Config) -> ClusterSpec:
-    if config.pd:
-        return ClusterSpec(
-            "soak-pd",
-            prefills=1,
-            decodes=1,
-            caching="caching-3",
-            label="1P1D-CC",
-            time_scale=config.time_scale,
-            max_total_tokens=config.max_total_tokens,
-        )
+    """3 colocated sim workers, or one caching-3 prefill and decode pair (`--pd`)."""
+    pd = config.pd
     return ClusterSpec(
-        "soak",
-        colocated=config.workers,
+        "soak-pd" if pd else "soak",
+        colocated=0 if pd else config.workers,
+        prefills=int(pd),
+        decodes=int(pd),
+        caching="caching-3" if pd else None,
+        label="1P1D-CC" if pd else "",
         time_scale=config.time_scale,
         max_total_tokens=config.max_total_tokens,
     )

@@ -37,45 +37,38 @@ def headline(fig: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def memory_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "process": r["process"],
-            "role": r["role"],
-            "RSS first MiB": r["rss_first_mib"],
-            "at warm-up end": r["rss_warmup_end_mib"],
-            "at end": r["rss_end_mib"],
-            "peak": r["rss_max_mib"],
-            "growth after warm-up MiB": r["growth_after_warmup_mib"],
-            "slope MiB/min": r["slope_mib_per_min"],
-            "flat": r["flat"],
-            "CPU s": r["cpu_s"],
-        }
-        for r in fig["processes"]
-    ]
+MEMORY_COLUMNS = {
+    "process": "process",
+    "role": "role",
+    "rss_first_mib": "RSS first MiB",
+    "rss_warmup_end_mib": "at warm-up end",
+    "rss_end_mib": "at end",
+    "rss_max_mib": "peak",
+    "growth_after_warmup_mib": "growth after warm-up MiB",
+    "slope_mib_per_min": "slope MiB/min",
+    "flat": "flat",
+    "cpu_s": "CPU s",
+}
+WINDOW_COLUMNS = {
+    "window": "window s",
+    "requests": "requests",
+    "answers": "answers",
+    "errors": "errors",
+    "e2e_p50_ms": "e2e p50 ms",
+    "e2e_p99_ms": "e2e p99 ms",
+    "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
+}
+
+
+def renamed(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[dict[str, Any]]:
+    """Each row's `columns` (key -> heading), in that order."""
+    return [{heading: row[key] for key, heading in columns.items()} for row in rows]
 
 
 def window_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "window s": f"{w['t0_s']:g}-{w['t1_s']:g}",
-            "requests": w["requests"],
-            "answers": w["answers"],
-            "errors": w["errors"],
-            "e2e p50 ms": w["e2e_p50_ms"],
-            "e2e p99 ms": w["e2e_p99_ms"],
-            "TTFT p50 ms": w["ttft_p50_ms"],
-            "TTFT p99 ms": w["ttft_p99_ms"],
-        }
-        for w in fig["windows"]
-    ]
-
-
-def final_gauges(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for name, gauges in fig["gauges_end"].items():
-        rows.append({"process": name, **{k: v for k, v in sorted(gauges.items())}})
-    return rows
+    rows = [{**w, "window": f"{w['t0_s']:g}-{w['t1_s']:g}"} for w in fig["windows"]]
+    return renamed(rows, WINDOW_COLUMNS)
 
 
 def notes(fig: dict[str, Any]) -> list[str]:
@@ -126,11 +119,12 @@ def write(out_dir: Path, fig: dict[str, Any]) -> tuple[Path, Path]:
     body += table_section(
         f"Memory per process (verdict: {'flat' if fig['verdict']['memory_flat'] else 'NOT flat'}"
         " after warm-up)",
-        memory_rows(fig),
+        renamed(fig["processes"], MEMORY_COLUMNS),
     )
     body += table_section("MemPool accounting after the load", fig["mempool"])
     body += table_section("Latency per window", window_rows(fig))
-    body += table_section("Gauges at the end", final_gauges(fig))
+    gauges = [{"process": name, **dict(sorted(g.items()))} for name, g in fig["gauges_end"].items()]
+    body += table_section("Gauges at the end", gauges)
     if fig.get("exited"):
         body += table_section("Processes that exited during the run", fig["exited"])
     body += [f"![latency]({LATENCY_PNG})", "", f"![rss]({RSS_PNG})", ""]

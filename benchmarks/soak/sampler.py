@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.harness import children, rss_mib
 from localrun.cluster import cpu_seconds, scrape
 
 GAUGE_TIMEOUT_S = 5.0
@@ -42,36 +43,16 @@ class Sample:
     gauges: dict[str, dict[str, float]]  # process name -> gauge -> value
 
 
-def rss_mib(pid: int) -> float | None:
-    """VmRSS in MiB; None once the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant's pid (children of every thread, recursively)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError):
-                kids = [int(x) for x in (task / "children").read_text().split()]
-                found.extend(kids)
-                todo.extend(kids)
-    return found
-
-
 def comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def picked(metrics: dict[str, float], **names: str) -> dict[str, float]:
+    """The `metrics` that were exported, under their short names (short=metric)."""
+    return {short: metrics[name] for short, name in names.items() if name in metrics}
 
 
 def router_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, float]:
@@ -83,14 +64,12 @@ def router_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, 
         "in_flight": float(sum(w.get("in_flight") or 0 for w in workers)),
         "healthy_workers": float(sum(1 for w in workers if w.get("healthy"))),
     }
-    for name, short in (
-        ("sgl_router_requests_total", "requests"),
-        ("memserve_router_tree_expired_pages_total", "tree_expired_pages"),
-        ("sgl_router_retries_total", "retries"),
-    ):
-        if name in metrics:
-            out[short] = metrics[name]
-    return out
+    return out | picked(
+        metrics,
+        requests="sgl_router_requests_total",
+        tree_expired_pages="memserve_router_tree_expired_pages_total",
+        retries="sgl_router_retries_total",
+    )
 
 
 def worker_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, float]:
@@ -104,15 +83,13 @@ def worker_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, 
         "running": float(states.get("num_reqs") or 0),
         "waiting": float(states.get("num_waiting_reqs") or 0),
     }
-    for name, short in (
-        ("memserve:evicted_blocks_total", "evicted_blocks"),
-        ("sglang:num_requests_total", "requests"),
-        ("sglang:num_aborted_requests_total", "aborted"),
-        ("sglang:cached_tokens_total", "cached_tokens"),
-    ):
-        if name in metrics:
-            out[short] = metrics[name]
-    return out
+    return out | picked(
+        metrics,
+        evicted_blocks="memserve:evicted_blocks_total",
+        requests="sglang:num_requests_total",
+        aborted="sglang:num_aborted_requests_total",
+        cached_tokens="sglang:cached_tokens_total",
+    )
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:

@@ -82,7 +82,6 @@ def run(
     policy: str,
     tokenizer_dir: Path | None,
     command: str,
-    only: Sequence[str] = (),
 ) -> dict[str, Any]:
     started = time.perf_counter()
     from connector.model_files import ensure_hf_model
@@ -90,8 +89,6 @@ def run(
 
     model_dir = tokenizer_dir.resolve() if tokenizer_dir is not None else ensure_hf_model()
     sizes = QUICK_TOKENS if quick else FULL_TOKENS
-    if only:
-        sizes = {k: sizes.get(k, FULL_TOKENS[k]) for k in only}
     # Single encodes only, before any server process is started.
     tokenizer = ChatTokenizer(model_dir)
     texts = {key: DOCUMENTS[key].make(tokenizer, tokens) for key, tokens in sizes.items()}
@@ -198,13 +195,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a directory with tokenizer.json for the workers (--model-path) and the router "
         "(--tokenizer-path); default: the tiny model's (connector.model_files)",
     )
-    parser.add_argument(
-        "--documents",
-        nargs="+",
-        choices=sorted(DOCUMENTS),
-        default=(),
-        help="only these documents (at the full sizes unless --quick has them)",
-    )
     return parser.parse_args(argv)
 
 
@@ -215,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_children_on_terminate()
     out = args.out or default_out(args.policy, args.quick, args.tokenizer_dir)
     command = shown_command("python -m benchmarks.text_routing", (argv or sys.argv[1:]))
-    figures = run(out, args.quick, args.policy, args.tokenizer_dir, command, args.documents)
+    figures = run(out, args.quick, args.policy, args.tokenizer_dir, command)
     print(
         f"{NAME}: {figures['mode']} run, {figures['elapsed_s']:.1f} s -> {shown_path(out)}: "
         f"{figures['rows_meeting_target']} of {figures['rows']} rows at 2 of 3 predicted"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus
-from benchmarks.router_overhead.cpu import tree_cpu_s
+from benchmarks.router_overhead.phases import tree_cpu_s
 from benchmarks.router_overhead.profile import section, summarize
 from benchmarks.router_overhead.systems import BEFORE, cpu_sets, make_systems
 from localrun.processes import LOOPBACK
