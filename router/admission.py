@@ -25,10 +25,9 @@ same stale load.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.wait_gate import TooLate, WaitGate
@@ -124,22 +123,23 @@ class Admission:
         self.holds = dict.fromkeys(HOLD_REASONS, 0)
         self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one admitted request's place while the block runs; Refused when it cannot
-        go in within the queue's limits."""
+    def slot(self) -> _Slot:
+        """Hold one admitted request's place while the block runs (`async with`); Refused
+        when it cannot go in within the queue's limits."""
+        return _Slot(self)
+
+    async def _enter(self) -> None:
         reason = self._hold_reason()
-        if reason is None:
-            await self._wait_turn()  # free at once: nothing waits
-        else:
+        if reason is not None:
             await self._queue(reason)
-        try:
-            yield
-        finally:
-            if self._slots is not None:
-                self._slots.release()
-            # it ended (or failed before reaching a worker): whoever is held looks again
-            self.load_changed()
+        elif self._bucket is not None or self._slots is not None:
+            await self._wait_turn()  # free at once: nothing waits
+
+    def _exit(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+        # it ended (or failed before reaching a worker): whoever is held looks again
+        self.load_changed()
 
     def load_changed(self) -> None:
         if self.gate is not None:
@@ -213,3 +213,18 @@ class Admission:
                 await asyncio.sleep(delay)
         if self._slots is not None:
             await self._slots.acquire()
+
+
+class _Slot:
+    """`Admission.slot()`'s context: a class, not a generator (every request enters one)."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> None:
+        await self._admission._enter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._admission._exit()
