@@ -17,7 +17,6 @@ from typing import Any
 from rich.progress import Progress
 
 from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
-from benchmarks.harness import step as advance
 from benchmarks.multiturn.plan import Plan, make_plan
 from benchmarks.multiturn.results import sim_model, write_all
 from benchmarks.multiturn.runner import Context, execute
@@ -26,7 +25,6 @@ from benchmarks.multiturn.trace import DEFAULT_TRACE
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus, peer_status
 
 DEFAULT_OUT = Path("benchmarks/results/multiturn")
-CAPACITY_OUT = Path("benchmarks/results/multiturn_capacity")
 WORKLOAD_NAMES = ("trace", "multi_round_qa", "sharegpt", "loogle", "react", "share_ratio", "pd")
 
 
@@ -73,11 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(Zipf popularity, prefix count and length, text or chats, 50-100%% load, engines at "
         "H100 speed, 4x and 10x slower, mixed), 3 paired seeds (~2.5 h); results in "
         "benchmarks/results/multiturn_sweep (with --quick: 2 small cells, one seed)",
-    )
-    parser.add_argument(
-        "--sweep-quick",
-        action="store_true",
-        help="--sweep --quick: two small cells (H100 speed, mixed engines), one seed (~1 min)",
     )
     parser.add_argument(
         "--cells",
@@ -170,15 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stop_children_on_terminate()
-    if args.sweep_quick:
-        args.sweep = args.quick = True
     kind = paired_kind(args)
     if sum((args.capacity, args.hot_prefix, args.pd, args.sweep)) > 1:
         parser.error(
             "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one"
         )
     if args.out is None:
-        args.out = kind.out if kind else CAPACITY_OUT if args.capacity else DEFAULT_OUT
+        args.out = kind.out if kind else DEFAULT_OUT
     if args.trace is not None and not args.trace.exists():
         parser.error(f"--trace {args.trace}: no such file")
     if not (args.capacity or args.pd) and args.multiples:
@@ -189,16 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--cells belongs to --sweep")
     if args.sweep and (args.trace or args.workloads):
         parser.error("--sweep runs its own hot-prefix cells: no --trace or --workloads")
-    if args.calibration_from and not (kind and not args.report_only):
-        parser.error("--calibration-from belongs to --hot-prefix and --pd runs")
+    if args.calibration_from and (args.capacity or not kind or args.report_only):
+        parser.error("--calibration-from belongs to --hot-prefix, --pd and --sweep runs")
     if any(m <= 0 for m in args.multiples or ()):
         parser.error("--multiples must be positive")
     if args.merge and not args.report_only:
         parser.error("--merge belongs to --report-only")
     if args.report_only:
         return report_only(parser, args.out, args.trace or DEFAULT_TRACE, args.merge)
-    if args.capacity:
-        return run_capacity(parser, args, argv)
     if kind is not None:
         return run_paired_preset(kind, parser, args, argv)
     started = time.perf_counter()
@@ -221,87 +210,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finished(plan.preset, len(records), elapsed, args.out)
 
 
-def run_capacity(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
-) -> int:
-    """The capacity-bound preset: workloads built and sized first, then the same runner."""
-    from benchmarks.multiturn import capacity
-    from benchmarks.multiturn.capacity_report import write_capacity
-
-    started = time.perf_counter()
-    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(
-        args.trace or DEFAULT_TRACE
-    )
-    preset = capacity.narrowed(preset, args.seeds, args.multiples)
-    if args.max_total_tokens:
-        parser.error("--max-total-tokens: --capacity sizes the KV from the working set")
-    features = capacity.Features.detect()
-    with Session.open(args.log_dir) as session:
-        names = [n for n in preset.workloads if not args.workloads or n in args.workloads]
-        task = session.progress.add_task(
-            "plan: build and size workloads", total=len(names) * len(preset.seeds)
-        )
-        try:
-            sized = capacity.make_capacity_plan(
-                preset,
-                session.vocab,
-                session.encoder,
-                features,
-                set(args.workloads) if args.workloads else None,
-                set(args.systems) if args.systems else None,
-                on_seed=lambda: advance(session.progress, task),
-            )
-        except ValueError as exc:
-            parser.error(f"--capacity: {exc}")
-        records = execute(session.context(sized.plan))
-    elapsed = time.perf_counter() - started
-    write_capacity(
-        args.out,
-        sized.plan.preset,
-        records,
-        sized.setup(),
-        sized.plan.notes,
-        session.peers,
-        elapsed,
-        command_line(argv),
-    )
-    return finished(sized.plan.preset, len(records), elapsed, args.out)
-
-
 def paired_kind(args: argparse.Namespace) -> Any:
     """The paired preset the flags ask for (`paired_cli.Kind`), or None."""
-    if not (args.hot_prefix or args.pd or args.sweep):
-        return None
     from benchmarks.multiturn import paired_cli
 
-    if args.sweep:
-        return paired_cli.SWEEP
-    return paired_cli.HOT_PREFIX if args.hot_prefix else paired_cli.PD
+    for kind, asked in (
+        (paired_cli.CAPACITY, args.capacity),
+        (paired_cli.HOT_PREFIX, args.hot_prefix),
+        (paired_cli.PD, args.pd),
+        (paired_cli.SWEEP, args.sweep),
+    ):
+        if asked:
+            return kind
+    return None
 
 
 def run_paired_preset(
     kind: Any, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
 ) -> int:
-    """--hot-prefix or --pd: plan, measure each cluster's sustained rate, run, report."""
+    """A paired preset: plan, measure each cluster's sustained rate (but --capacity), run,
+    report."""
     from benchmarks.multiturn import paired_cli
 
     if args.max_total_tokens:
-        parser.error(f"--max-total-tokens: --{kind.name} sizes the KV from the workload")
+        parser.error(f"--max-total-tokens: --{kind.name} sizes the KV from the working set")
     started = time.perf_counter()
     with Session.open(args.log_dir) as session:
-        records, calibration, plan = paired_cli.run(kind, parser, args, session)
+        figures = paired_cli.run(kind, parser, args, session)
     elapsed = time.perf_counter() - started
-    figures = {
-        "preset": plan.preset,
-        "runs": records,
-        "calibration": calibration,
-        "setup": plan.setup,
-        "notes": plan.notes,
-        "elapsed_s": elapsed,
-        "command": command_line(argv),
-    }
+    figures.update(elapsed_s=elapsed, command=command_line(argv))
     paired_cli.write(kind, args.out, figures, session.peers)
-    return finished(plan.preset, len(records), elapsed, args.out, kind.page)
+    return finished(figures["preset"], len(figures["runs"]), elapsed, args.out, kind.page)
 
 
 @dataclass
@@ -393,13 +332,6 @@ def report_only(
         paired_cli.write(kind, out, figures, peers)
         print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
         return 0
-    if str(preset).startswith("capacity"):
-        from benchmarks.multiturn.capacity_report import write_capacity
-
-        setup, missing = figures.get("setup") or {}, figures.get("missing") or []
-        write_capacity(out, preset, runs, setup, missing, peers, elapsed, command, machine)
-        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
-        return 0
     plan = make_plan(preset == "quick", trace)
     capacity = figures.get("kv_capacity_tokens")  # the preset's, or --max-total-tokens
     plan.max_total_tokens = (
@@ -435,7 +367,6 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
                 for part in ("instance_kv_tokens", "working_set_estimates"):
                     mine.setdefault(part, {}).update(setup.get(part) or {})
         out.setdefault("calibration", {}).update(other.get("calibration") or {})
-        out["missing"] = list(dict.fromkeys([*out.get("missing", []), *other.get("missing", [])]))
         out["elapsed_s"] = out.get("elapsed_s", 0.0) + other.get("elapsed_s", 0.0)
         out["command"] = f"{out.get('command', '')}; {other.get('command', '')}"
     return out

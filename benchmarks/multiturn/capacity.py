@@ -291,6 +291,7 @@ def make_capacity_plan(
                 )
                 for seed, prebuilt in s.per_seed.items():
                     labels = {
+                        "config": key,
                         "seed": seed,
                         "multiple": multiple,
                         "hicache_ratio": ratio,

@@ -54,10 +54,15 @@ def label(run: Run) -> str:
     return system_label(run["system"], run.get("pd_caching"))
 
 
+def roles(run: Run) -> list[str]:
+    """Each worker's role (colocated, prefill, decode); colocated where the run has none."""
+    return run.get("worker_roles") or ["colocated"] * len(run.get("per_worker") or [])
+
+
 def role_groups(run: Run) -> dict[str, list[int]]:
-    """Worker indices by role (colocated, prefill, decode)."""
+    """Worker indices by role."""
     groups: dict[str, list[int]] = {}
-    for i, role in enumerate(run.get("worker_roles") or []):
+    for i, role in enumerate(roles(run)):
         groups.setdefault(role, []).append(i)
     return groups
 
@@ -97,9 +102,7 @@ def kv_moved(run: Run) -> dict[str, float]:
     (write-backs) and pulled between colocated peers; write-backs completed."""
     by_role = {"prefill": 0.0, "decode": 0.0}
     writebacks = 0.0
-    for role, worker in zip(
-        run.get("worker_roles") or [], run.get("per_worker") or [], strict=True
-    ):
+    for role, worker in zip(roles(run), run.get("per_worker") or [], strict=True):
         if role in by_role:
             by_role[role] += worker.get("pd_bytes_sent", 0.0)
         writebacks += worker.get("written_back", 0.0)
@@ -116,6 +119,7 @@ def derived(run: Run) -> dict[str, Any]:
     cpu = sum((run.get("cpu_s") or {}).values())
     return {
         **kv_moved(run),
+        "hit_vs_oracle": ratio(run.get("reuse_ratio"), run.get("oracle_hit_ratio")),
         "p99_vs_floor": ratio(run.get("ttft_p99_s"), run.get("floor_ttft_p99_s")),
         "queue_floor_vs_floor": ratio(
             run.get("queue_floor_ttft_p99_s"), run.get("floor_ttft_p99_s")
@@ -269,9 +273,10 @@ class Extra:
     plots: list[str]
 
 
-# out_dir, runs, summary, targets, calibration -> the preset's own part of the report
+# out_dir, runs, summary, targets, calibration, setup -> the preset's own part of the report
 ExtraFor = Callable[
-    [Path, Sequence[Run], Sequence[dict[str, Any]], dict[str, Any], dict[str, Any]], Extra
+    [Path, Sequence[Run], Sequence[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]],
+    Extra,
 ]
 
 
@@ -333,6 +338,9 @@ def detail(target: Target, ours: dict[str, Any], other: dict[str, Any]) -> str:
         )
     if target.figure == "reuse_ratio":
         return f"hit {pct(med(ours, 'reuse_ratio'))} vs {pct(med(other, 'reuse_ratio'))} (medians)"
+    if target.figure == "hit_vs_oracle":
+        hit, oracle = med(ours, "reuse_ratio"), med(ours, "oracle_hit_ratio")
+        return f"hit {pct(hit)} vs the oracle's {pct(oracle)} (medians)"
     base = f"{target.figure.removesuffix('_s').replace('_', ' ')} {secs(med(ours, target.figure))}"
     if target.other == FLOOR:
         return f"{base}, floor {secs(med(ours, 'floor_' + target.figure))} (medians)"
@@ -545,11 +553,14 @@ def sections(
         "",
         markdown_table(target_rows(targets)),
         "",
-        "## Sustained rate (measured on each cluster before its runs)",
-        "",
-        markdown_table(calibration_rows(calibration)),
-        "",
     ]
+    if calibration:
+        out += [
+            "## Sustained rate (measured on each cluster before its runs)",
+            "",
+            markdown_table(calibration_rows(calibration)),
+            "",
+        ]
     for config in configs(runs):
         s = setup.get(config) or {}
         out += [f"## {config}", ""]
@@ -648,7 +659,7 @@ def write_paired(
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs)
     targets = evaluate(runs, summary, targets_for)
-    own = extra(out_dir, runs, summary, targets, calibration) if extra else None
+    own = extra(out_dir, runs, summary, targets, calibration, setup) if extra else None
     plots = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
     figures = {
         "preset": preset,

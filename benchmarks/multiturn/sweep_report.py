@@ -226,6 +226,7 @@ def extra(
     summary: Sequence[dict[str, Any]],
     targets: dict[str, Any],
     calibration: dict[str, Any],
+    setup: dict[str, Any],
 ) -> Extra:
     """The sweep's part of README.md and results.json (`sweep`), and its heat map."""
     cells = cell_rows(runs, summary, calibration)
