@@ -17,6 +17,7 @@ from typing import Any
 from rich.progress import Progress
 
 from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
+from benchmarks.multiturn.paired_report import write_paired
 from benchmarks.multiturn.plan import Plan, make_plan
 from benchmarks.multiturn.results import sim_model, write_all
 from benchmarks.multiturn.runner import Context, execute
@@ -163,34 +164,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     stop_children_on_terminate()
-    kind = paired_kind(args)
-    if sum((args.capacity, args.hot_prefix, args.pd, args.sweep)) > 1:
-        parser.error(
-            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one"
-        )
-    if args.out is None:
-        args.out = kind.out if kind else DEFAULT_OUT
-    if args.trace is not None and not args.trace.exists():
-        parser.error(f"--trace {args.trace}: no such file")
-    if not (args.capacity or args.pd) and args.multiples:
-        parser.error("--multiples belongs to --capacity and --pd")
-    if args.shapes and not (args.hot_prefix or args.pd):
-        parser.error("--shapes belongs to --hot-prefix and --pd")
-    if args.cells and not args.sweep:
-        parser.error("--cells belongs to --sweep")
-    if args.sweep and (args.trace or args.workloads):
-        parser.error("--sweep runs its own hot-prefix cells: no --trace or --workloads")
-    if args.calibration_from and (args.capacity or not kind or args.report_only):
-        parser.error("--calibration-from belongs to --hot-prefix, --pd and --sweep runs")
-    if any(m <= 0 for m in args.multiples or ()):
-        parser.error("--multiples must be positive")
-    if args.merge and not args.report_only:
-        parser.error("--merge belongs to --report-only")
+    from benchmarks.multiturn import paired_cli
+
+    presets = {
+        paired_cli.CAPACITY: args.capacity,
+        paired_cli.HOT_PREFIX: args.hot_prefix,
+        paired_cli.PD: args.pd,
+        paired_cli.SWEEP: args.sweep,
+    }
+    kind = next((k for k, asked in presets.items() if asked), None)
+    for error, wrong in (
+        (
+            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one",
+            sum(presets.values()) > 1,
+        ),
+        (f"--trace {args.trace}: no such file", args.trace and not args.trace.exists()),
+        (
+            "--multiples belongs to --capacity and --pd",
+            args.multiples and kind not in (paired_cli.CAPACITY, paired_cli.PD),
+        ),
+        ("--multiples must be positive", any(m <= 0 for m in args.multiples or ())),
+        (
+            "--shapes belongs to --hot-prefix and --pd",
+            args.shapes and kind not in (paired_cli.HOT_PREFIX, paired_cli.PD),
+        ),
+        ("--cells belongs to --sweep", args.cells and kind is not paired_cli.SWEEP),
+        (
+            "--sweep runs its own hot-prefix cells: no --trace or --workloads",
+            args.sweep and (args.trace or args.workloads),
+        ),
+        (
+            "--calibration-from belongs to --hot-prefix, --pd and --sweep runs",
+            args.calibration_from and (args.report_only or kind in (None, paired_cli.CAPACITY)),
+        ),
+        ("--merge belongs to --report-only", args.merge and not args.report_only),
+        (
+            "--max-total-tokens: a paired preset sizes the KV from the working set",
+            args.max_total_tokens and kind,
+        ),
+    ):
+        if wrong:
+            parser.error(error)
+    out = args.out or (kind.out if kind else DEFAULT_OUT)
     if args.report_only:
-        return report_only(parser, args.out, args.trace or DEFAULT_TRACE, args.merge)
-    if kind is not None:
-        return run_paired_preset(kind, parser, args, argv)
+        return report_only(parser, out, args.trace or DEFAULT_TRACE, args.merge)
     started = time.perf_counter()
+    if kind is not None:
+        with Session.open(args.log_dir) as session:
+            figures = paired_cli.run(kind, parser, args, session)
+        figures.update(elapsed_s=time.perf_counter() - started, command=command_line(argv))
+        write_paired(out, kind, figures, session.peers)
+        return finished(figures["preset"], len(figures["runs"]), started, out, kind.page)
     plan = make_plan(
         args.quick,
         args.trace or DEFAULT_TRACE,
@@ -201,46 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not plan.steps:
         parser.error("nothing to run: no step of the preset has those workloads and systems")
-    if args.max_total_tokens:
-        plan.max_total_tokens = args.max_total_tokens
+    plan.max_total_tokens = args.max_total_tokens or plan.max_total_tokens
     with Session.open(args.log_dir) as session:
         records = execute(session.context(plan))
     elapsed = time.perf_counter() - started
-    write_all(args.out, plan, records, session.peers, elapsed, command_line(argv))
-    return finished(plan.preset, len(records), elapsed, args.out)
-
-
-def paired_kind(args: argparse.Namespace) -> Any:
-    """The paired preset the flags ask for (`paired_cli.Kind`), or None."""
-    from benchmarks.multiturn import paired_cli
-
-    for kind, asked in (
-        (paired_cli.CAPACITY, args.capacity),
-        (paired_cli.HOT_PREFIX, args.hot_prefix),
-        (paired_cli.PD, args.pd),
-        (paired_cli.SWEEP, args.sweep),
-    ):
-        if asked:
-            return kind
-    return None
-
-
-def run_paired_preset(
-    kind: Any, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
-) -> int:
-    """A paired preset: plan, measure each cluster's sustained rate (but --capacity), run,
-    report."""
-    from benchmarks.multiturn import paired_cli
-
-    if args.max_total_tokens:
-        parser.error(f"--max-total-tokens: --{kind.name} sizes the KV from the working set")
-    started = time.perf_counter()
-    with Session.open(args.log_dir) as session:
-        figures = paired_cli.run(kind, parser, args, session)
-    elapsed = time.perf_counter() - started
-    figures.update(elapsed_s=elapsed, command=command_line(argv))
-    paired_cli.write(kind, args.out, figures, session.peers)
-    return finished(figures["preset"], len(figures["runs"]), elapsed, args.out, kind.page)
+    write_all(out, plan, records, session.peers, elapsed, command_line(argv))
+    return finished(plan.preset, len(records), started, out)
 
 
 @dataclass
@@ -299,7 +289,8 @@ def command_line(argv: Sequence[str] | None) -> str:
     return shown_command("python -m benchmarks.multiturn", argv or sys.argv[1:])
 
 
-def finished(preset: str, runs: int, elapsed: float, out: Path, page: str | None = None) -> int:
+def finished(preset: str, runs: int, started: float, out: Path, page: str | None = None) -> int:
+    elapsed = time.perf_counter() - started
     print(f"multiturn: {preset} run, {runs} runs in {elapsed:.0f} s -> {out}")
     print((out / (page or "results.md")).read_text().split("\n## Notes")[0])
     return 0
@@ -329,7 +320,7 @@ def report_only(
 
     kind = paired_cli.kind_of(str(preset))
     if kind is not None:
-        paired_cli.write(kind, out, figures, peers)
+        write_paired(out, kind, figures, peers)
         print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
         return 0
     plan = make_plan(preset == "quick", trace)

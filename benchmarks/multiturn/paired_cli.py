@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,25 +24,10 @@ from benchmarks.multiturn import (
 )
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
-from benchmarks.multiturn.paired_report import ExtraFor, TargetsFor, write_paired
-from benchmarks.multiturn.runner import execute
+from benchmarks.multiturn.paired_report import Kind
 from benchmarks.multiturn.trace import DEFAULT_TRACE
-from benchmarks.peers import PeerStatus
 
 Shaped = TypeVar("Shaped", hot_prefix_preset.HotPrefixPreset, pd_preset.PDPreset)
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One paired preset: where it writes, its title, notes and targets."""
-
-    name: str  # the preset's name (results.json `preset`), quick variant with -quick
-    out: Path
-    title: str
-    notes: tuple[str, ...]
-    targets_for: TargetsFor
-    page: str | None = None  # the Markdown page's file name (None: results.md)
-    extra: ExtraFor | None = None  # the preset's own tables and plots
 
 
 CAPACITY = Kind(
@@ -100,7 +85,13 @@ def make_plan(
     workloads = set(args.workloads) if args.workloads else None
     rates, known = known_from(args.calibration_from) if args.calibration_from else ({}, None)
     plan: PairedPlan
-    if kind is SWEEP:
+    if kind is CAPACITY:
+        cap = (capacity.quick_preset if args.quick else capacity.full_preset)(
+            args.trace or DEFAULT_TRACE
+        )
+        cap = narrowed(cap, args.seeds, args.multiples)
+        plan = capacity.make_plan(cap, vocab, encoder, features, workloads, systems, on_seed)
+    elif kind is SWEEP:
         sweep = (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
         sweep = sweep_preset.narrowed(sweep, args.seeds, args.cells)
         plan = sweep_preset.make_plan(sweep, vocab, encoder, features, systems, on_seed, known)
@@ -140,63 +131,14 @@ def run(
     task = session.progress.add_task("plan: build and size workloads", total=None)
     on_seed = lambda: session.progress.advance(task)  # noqa: E731
     try:
-        if kind is CAPACITY:
-            sized = run_capacity(args, session.vocab, session.encoder, on_seed)
-        else:
-            plan = make_plan(kind, args, session.vocab, session.encoder, on_seed)
+        plan = make_plan(kind, args, session.vocab, session.encoder, on_seed)
     except (ValueError, OSError) as exc:
         parser.error(f"--{kind.name}: {exc}")
-    if kind is CAPACITY:
-        left_out = [f"Left out: {m}" for m in sized.plan.notes]
-        records = execute(session.context(sized.plan))
-        return dict(preset=sized.plan.preset, runs=records, setup=sized.setup(), notes=left_out)
-    notes = [f"Sustained-rate search: {plan.search.describe()}."]
+    searched = any(c.calibration is not None for c in plan.configs)
+    notes = [f"Sustained-rate search: {plan.search.describe()}."] if searched else []
     notes += [f"Left out: {m}" for m in plan.notes]
     records, rater = run_paired(session.context(plan.plan()), plan)
     calibration = rater.calibrations
     return dict(
         preset=plan.preset, runs=records, calibration=calibration, setup=plan.setup, notes=notes
-    )
-
-
-def run_capacity(
-    args: argparse.Namespace, vocab: Any, encoder: Any, on_seed: Callable[[], None]
-) -> capacity.CapacityPlan:
-    """`--capacity`: its workloads built and sized; ValueError when it cannot run."""
-    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(
-        args.trace or DEFAULT_TRACE
-    )
-    return capacity.make_capacity_plan(
-        narrowed(preset, args.seeds, args.multiples),
-        vocab,
-        encoder,
-        capacity.Features.detect(),
-        set(args.workloads) if args.workloads else None,
-        set(args.systems) if args.systems else None,
-        on_seed,
-    )
-
-
-def write(kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]) -> None:
-    """results.json, results.md, the targets and the plots from a run's figures as
-    results.json holds them: a new run's, or an earlier one's reported again (runs from
-    before capacity's were paired by config: their cluster is their config)."""
-    own = [n for n in figures.get("notes") or [] if n not in kind.notes]  # the run's own
-    own = own or [f"Left out: {m}" for m in figures.get("missing") or []]
-    runs = [r if r.get("config") else {**r, "config": r["cluster"]} for r in figures["runs"]]
-    write_paired(
-        out,
-        figures["preset"],
-        kind.title,
-        runs,
-        figures.get("calibration") or {},
-        figures.get("setup") or {},
-        [*kind.notes, *own],
-        kind.targets_for,
-        peers,
-        figures.get("elapsed_s", 0.0),
-        figures.get("command", ""),
-        figures.get("machine") or None,
-        kind.page,
-        kind.extra,
     )

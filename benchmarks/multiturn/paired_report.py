@@ -637,32 +637,39 @@ def notes(
     return out
 
 
+@dataclass(frozen=True)
+class Kind:
+    """One paired preset: its name (results.json's `preset`; the quick one's ends in
+    -quick), where it writes, its title, notes and targets, and its own part of the page."""
+
+    name: str
+    out: Path
+    title: str
+    notes: tuple[str, ...]
+    targets_for: TargetsFor
+    page: str | None = None  # the Markdown page's file name (None: results.md)
+    extra: ExtraFor | None = None
+
+
 def write_paired(
-    out_dir: Path,
-    preset: str,
-    title: str,
-    runs: list[Run],
-    calibration: dict[str, Any],
-    setup: dict[str, Any],
-    preset_notes: Sequence[str],
-    targets_for: TargetsFor,
-    peers: dict[str, PeerStatus],
-    elapsed_s: float,
-    command: str,
-    machine: dict[str, Any] | None = None,
-    page: str | None = None,
-    extra: ExtraFor | None = None,
-) -> dict[str, Any]:
-    """results.json and results.md (or `page`); `extra` adds a preset's own tables, figures
-    and plots ahead of the common ones."""
-    out_dir = Path(out_dir)
+    out_dir: Path, kind: Kind, given: dict[str, Any], peers: dict[str, PeerStatus]
+) -> None:
+    """results.json and results.md (or the kind's page) from a run's figures as results.json
+    holds them: a new run's, or an earlier one's reported again (runs from before capacity's
+    were paired by config have their cluster as their config); the kind's `extra` adds its
+    own tables, figures and plots ahead of the common ones."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r if r.get("config") else {**r, "config": r["cluster"]} for r in given["runs"]]
+    own_notes = [n for n in given.get("notes") or [] if n not in kind.notes]  # the run's
+    own_notes = own_notes or [f"Left out: {m}" for m in given.get("missing") or []]
+    calibration, setup = given.get("calibration") or {}, given.get("setup") or {}
+    command, elapsed_s = given.get("command", ""), given.get("elapsed_s", 0.0)
     summary = summarize(runs)
-    targets = evaluate(runs, summary, targets_for)
-    own = extra(out_dir, runs, summary, targets, calibration, setup) if extra else None
+    targets = evaluate(runs, summary, kind.targets_for)
+    own = kind.extra(out_dir, runs, summary, targets, calibration, setup) if kind.extra else None
     plots = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
     figures = {
-        "preset": preset,
+        "preset": given["preset"],
         "command": command,
         "elapsed_s": elapsed_s,
         "runs": runs,
@@ -670,7 +677,7 @@ def write_paired(
         "summary": summary,
         "targets": targets,
         "setup": setup,
-        "notes": list(preset_notes),
+        "notes": [*kind.notes, *own_notes],
         "sim_model": sim_model(),
         "peers": {name: s.__dict__ for name, s in peers.items()},
         "plots": plots,
@@ -681,7 +688,7 @@ def write_paired(
     publish(
         out_dir,
         figures,
-        title,
+        kind.title,
         [
             f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs; {met} of "
             f"{len(targets)} targets met).",
@@ -689,8 +696,7 @@ def write_paired(
             *(own.lines if own else []),
             *sections(runs, summary, targets, calibration, setup),
         ],
-        notes(preset_notes, runs, peers),
-        machine,
-        page,
+        notes(figures["notes"], runs, peers),
+        given.get("machine") or None,
+        kind.page,
     )
-    return figures
