@@ -19,7 +19,7 @@ from rich.progress import Progress
 from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
 from benchmarks.multiturn.paired_report import write_paired
 from benchmarks.multiturn.plan import Plan, make_plan
-from benchmarks.multiturn.results import sim_model, write_all
+from benchmarks.multiturn.results import write_all
 from benchmarks.multiturn.runner import Context, execute
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(error)
     out = args.out or (kind.out if kind else DEFAULT_OUT)
     if args.report_only:
-        return report_only(parser, out, args.trace or DEFAULT_TRACE, args.merge)
+        return report_only(parser, out, args.merge)
     started = time.perf_counter()
     if kind is not None:
         with Session.open(args.log_dir) as session:
@@ -229,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Session.open(args.log_dir) as session:
         records = execute(session.context(plan))
     elapsed = time.perf_counter() - started
-    write_all(out, plan, records, session.peers, elapsed, command_line(argv))
+    figures = {"preset": plan.preset, "runs": records, "elapsed_s": elapsed}
+    write_all(out, plan, {**figures, "command": command_line(argv)}, session.peers)
     return finished(plan.preset, len(records), started, out)
 
 
@@ -296,40 +297,27 @@ def finished(preset: str, runs: int, started: float, out: Path, page: str | None
     return 0
 
 
-def report_only(
-    parser: argparse.ArgumentParser, out: Path, trace: Path, merge: Sequence[Path] = ()
-) -> int:
+def report_only(parser: argparse.ArgumentParser, out: Path, merge: Sequence[Path] = ()) -> int:
     """The report of an earlier run, made again from its measurements (say, after the report
     code changed); the runs themselves are kept as they were."""
     source = out / "results.json"
     try:
         figures = json.loads(source.read_text())
-        runs, preset = figures["runs"], figures["preset"]
+        preset, _ = str(figures["preset"]), figures["runs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
-    if merge:
-        try:
-            figures = merged(figures, [json.loads((d / "results.json").read_text()) for d in merge])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            parser.error(f"--merge: {exc}")
-        runs = figures["runs"]
+    try:
+        figures = merged(figures, [json.loads((d / "results.json").read_text()) for d in merge])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--merge: {exc}")
     peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
-    machine = figures.get("machine") or None  # where the runs were measured
-    elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
     from benchmarks.multiturn import paired_cli
 
-    kind = paired_cli.kind_of(str(preset))
-    if kind is not None:
+    if (kind := paired_cli.kind_of(preset)) is not None:
         write_paired(out, kind, figures, peers)
-        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
-        return 0
-    plan = make_plan(preset == "quick", trace)
-    capacity = figures.get("kv_capacity_tokens")  # the preset's, or --max-total-tokens
-    plan.max_total_tokens = (
-        None if capacity == sim_model()["kv_capacity_tokens_default"] else capacity
-    )
-    write_all(out, plan, runs, peers, elapsed, command, machine)
-    print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
+    else:
+        write_all(out, None, figures, peers)
+    print(f"multiturn: report of {len(figures['runs'])} runs rewritten in {out}")
     return 0
 
 
@@ -338,6 +326,8 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
     cells run apart): their runs side by side, the setups and calibrations united, the
     commands and times added up. Runs of one configuration must not appear twice, and the
     sim's model must be the same."""
+    if not others:
+        return base
     kind = _merge_kind(base)
     if any(_merge_kind(f) != kind for f in others):
         raise ValueError(f"only results of one kind merge (these are {kind} results)")
