@@ -6,24 +6,18 @@ import argparse
 import copy
 import json
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress
-
-from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
+from benchmarks.harness import shown_command, stop_children_on_terminate
 from benchmarks.multiturn.paired_report import write_paired
-from benchmarks.multiturn.plan import Plan, make_plan
+from benchmarks.multiturn.plan import make_plan
 from benchmarks.multiturn.results import write_all
 from benchmarks.multiturn.runner import Context, execute
-from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
-from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus, peer_status
+from benchmarks.peers import PeerStatus
 
 DEFAULT_OUT = Path("benchmarks/results/multiturn")
 WORKLOAD_NAMES = ("trace", "multi_round_qa", "sharegpt", "loogle", "react", "share_ratio", "pd")
@@ -210,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_only(parser, out, args.merge)
     started = time.perf_counter()
     if kind is not None:
-        with Session.open(args.log_dir) as session:
+        with Context.open(args.log_dir) as session:
             figures = paired_cli.run(kind, parser, args, session)
         figures.update(elapsed_s=time.perf_counter() - started, command=command_line(argv))
         write_paired(out, kind, figures, session.peers)
@@ -226,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not plan.steps:
         parser.error("nothing to run: no step of the preset has those workloads and systems")
     plan.max_total_tokens = args.max_total_tokens or plan.max_total_tokens
-    with Session.open(args.log_dir) as session:
+    with Context.open(args.log_dir) as session:
         records = execute(session.context(plan))
     elapsed = time.perf_counter() - started
     figures = {"preset": plan.preset, "runs": records, "elapsed_s": elapsed}
@@ -234,56 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return finished(plan.preset, len(records), started, out)
 
 
-@dataclass
-class Session:
-    """What every run of a plan shares: the model's tokenizer (the oracle's encodes), the
-    workloads' vocabulary, the peers' status, the progress bars and the log directory."""
-
-    model_dir: Path
-    tokenizer: Any  # ChatTokenizer
-    encoder: Any  # CachedEncoder
-    vocab: Vocab
-    peers: dict[str, PeerStatus]
-    progress: Progress
-    log_dir: Path
-
-    @classmethod
-    @contextmanager
-    def open(cls, log_dir: Path | None) -> Iterator[Session]:
-        from connector.model_files import ensure_hf_model
-        from shared.token_cache import CachedEncoder
-        from shared.tokenizer import ChatTokenizer
-
-        model_dir = ensure_hf_model()
-        tokenizer = ChatTokenizer(model_dir)
-        peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
-        with (
-            tempfile.TemporaryDirectory(prefix="multiturn-") as tmp,
-            progress_bar(46) as progress,
-        ):
-            logs = log_dir or Path(tmp)
-            logs.mkdir(parents=True, exist_ok=True)
-            yield cls(
-                model_dir,
-                tokenizer,
-                CachedEncoder(tokenizer),
-                Vocab.from_tokenizer(tokenizer),
-                peers,
-                progress,
-                logs,
-            )
-
-    def context(self, plan: Plan) -> Context:
-        return Context(
-            plan,
-            self.model_dir,
-            self.log_dir,
-            self.tokenizer,
-            self.encoder,
-            self.vocab,
-            self.progress,
-            self.peers,
-        )
+Session = Context  # (the overload suite opens one too)
 
 
 def command_line(argv: Sequence[str] | None) -> str:

@@ -25,6 +25,7 @@ from benchmarks.multiturn import (
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
 from benchmarks.multiturn.paired_report import Kind
+from benchmarks.multiturn.runner import Context
 from benchmarks.multiturn.trace import DEFAULT_TRACE
 
 Shaped = TypeVar("Shaped", hot_prefix_preset.HotPrefixPreset, pd_preset.PDPreset)
@@ -124,7 +125,7 @@ def run(
     kind: Kind,
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    session: Any,  # __main__.Session
+    session: Context,
 ) -> dict[str, Any]:
     """Plan (build and size the workloads), measure the sustained rates where the preset
     offers a share of them, run: the figures as results.json holds them."""
