@@ -28,134 +28,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.multiturn",
         description="Multi-turn cache benchmarks: policies, peers and PD caching modes.",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="results directory (default: benchmarks/results/multiturn, or "
-        "benchmarks/results/multiturn_capacity with --capacity)",
-    )
-    parser.add_argument("--quick", action="store_true", help="the quick preset (about 5 minutes)")
-    parser.add_argument(
-        "--capacity",
-        action="store_true",
-        help="the capacity-bound preset: device KV sized so the working set is 2x, 4x and "
-        "8x the cluster's, with and without a host tier, 3 paired seeds (~2.5 h; with "
-        "--quick: one multiple, one seed, three systems)",
-    )
-    parser.add_argument(
-        "--hot-prefix",
-        action="store_true",
-        help="hot shared prefixes (tool-agent-like, Zipf popularity, /v1/completions) at 85%% "
-        "of the sustained rate, 4 colocated and 2P2D, 3 paired seeds (--trace FILE: replay "
-        "that Mooncake-format trace open-loop instead; with --quick: 4 colocated, 3 systems, "
-        "one seed)",
-    )
-    parser.add_argument(
-        "--pd",
-        action="store_true",
-        help="several prefills: 2P2D and 3P1D in PD-Caching-3/-1/Basic against sglang-router "
-        "and smg PD, working set 2x and 4x the cluster's KV, at 80%% of the sustained rate, "
-        "3 paired seeds (with --quick: 2P2D, one small workload, one seed)",
-    )
-    parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="the robustness sweep (issue 37): ours prompt_tree and cost against "
-        "sglang-router cache_aware and round_robin, one factor at a time around a base cell "
-        "(Zipf popularity, prefix count and length, text or chats, 50-100%% load, engines at "
-        "H100 speed, 4x and 10x slower, mixed), 3 paired seeds (~2.5 h); results in "
-        "benchmarks/results/multiturn_sweep (with --quick: 2 small cells, one seed)",
-    )
-    parser.add_argument(
-        "--cells",
-        nargs="+",
-        default=None,
-        metavar="CELL",
-        help="--sweep: only these cells, by name ('base', 'Zipf 0.6', '300 prefixes', "
-        "'16K-token prefixes', chats, 'load 50%%', 'engines mixed', ...)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--out", type=Path, help="results directory (default: the preset's in benchmarks/results)")
+    add("--quick", action="store_true", help="the preset's quick form (minutes, one seed)")
+    for flag, what in (
+        ("--capacity", "caches 2x-8x smaller than the working set"),
+        ("--hot-prefix", "Zipf-popular shared prefixes at 85%% of the sustained rate"),
+        ("--pd", "PD with several prefills, at 80%% of the sustained rate"),
+        ("--sweep", "one factor at a time around a hot-prefix cell"),
+    ):
+        page = "hot-prefix" if flag == "--sweep" else flag[2:]
+        add(flag, action="store_true", help=f"the preset of {what} (docs/benchmarks/{page}.md)")
+    add("--cells", nargs="+", metavar="CELL", help="--sweep: only these cells, by name")
+    add(
         "--calibration-from",
         type=Path,
-        default=None,
         metavar="DIR",
-        help="--hot-prefix/--pd/--sweep: take each cluster's sustained rate and KV sizing from "
-        "DIR/results.json instead of measuring them (say, to split the seeds over several "
-        "invocations: each then runs on the KV the whole preset would)",
+        help="--hot-prefix/--pd/--sweep: each config's sustained rate and KV sizing from "
+        "DIR/results.json instead of measured (to split the seeds over invocations)",
     )
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        default=None,
-        help="these workload seeds (--capacity: instead of its three; otherwise the main "
-        "workloads run once per seed, for paired comparisons with a spread)",
-    )
-    parser.add_argument(
-        "--multiples",
-        type=float,
-        nargs="+",
-        default=None,
-        help="--capacity: these working-set multiples of the cluster's device KV",
-    )
-    parser.add_argument(
+    add("--seeds", type=int, nargs="+", help="these workload seeds instead of the preset's")
+    add("--multiples", type=float, nargs="+", help="--capacity/--pd: working set / cluster KV")
+    add(
         "--trace",
         type=Path,
-        default=None,
-        help="a trace in Mooncake's format, gzipped or plain (default: the shipped "
-        "conversation trace; with --hot-prefix: replayed open-loop instead of the synthetic "
-        "workload)",
+        help="a Mooncake-format trace, gzipped or plain (default: the shipped conversation "
+        "trace; --hot-prefix: replayed open-loop instead of the synthetic workload)",
     )
-    parser.add_argument(
-        "--workloads",
-        nargs="+",
-        choices=WORKLOAD_NAMES,
-        default=None,
-        help="run only these parts (default: all of the preset)",
-    )
-    parser.add_argument(
+    add("--workloads", nargs="+", choices=WORKLOAD_NAMES, help="only these parts of the preset")
+    add(
         "--systems",
         nargs="+",
-        default=None,
-        help="only these systems, e.g. 'ours prompt_tree' 'sglang-router cache_aware' (on a PD "
-        "preset, a label with its caching mode, 'ours prompt_tree [PD-Caching-3]', runs that "
-        "mode's cluster only)",
+        help="only these systems, e.g. 'ours prompt_tree' (a PD preset's mode: 'ours "
+        "prompt_tree [PD-Caching-3]')",
     )
-    parser.add_argument("--no-pd", action="store_true", help="skip the PD clusters")
-    parser.add_argument(
-        "--shapes",
-        nargs="+",
-        metavar="SHAPE",
-        help="--hot-prefix/--pd: only these cluster shapes ('4 colocated', 2P2D, 3P1D)",
-    )
-    parser.add_argument(
-        "--report-only",
-        action="store_true",
-        help="run nothing: rewrite results.md, the targets and the plots from OUT/results.json",
-    )
-    parser.add_argument(
+    add("--no-pd", action="store_true", help="skip the PD clusters")
+    add("--shapes", nargs="+", metavar="SHAPE", help="--hot-prefix/--pd: only these shapes")
+    add("--report-only", action="store_true", help="rewrite the report from OUT/results.json")
+    add(
         "--merge",
         type=Path,
         nargs="+",
         default=[],
         metavar="DIR",
-        help="with --report-only and --capacity or --sweep results: add the runs of these "
-        "other runs of the preset (say, another multiple, or other sweep cells) to OUT's "
-        "before reporting",
+        help="--report-only of --capacity or --sweep results: add these runs' to OUT's",
     )
-    parser.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV capacity per worker in tokens (default: the sim's modelled H100)",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="keep every worker's and router's log here (default: a temporary directory)",
-    )
+    add("--max-total-tokens", type=int, help="KV per worker, tokens (default: the sim's H100)")
+    add("--log-dir", type=Path, help="keep every process's log here (default: a temp dir)")
     args = parser.parse_args(argv)
     stop_children_on_terminate()
     from benchmarks.multiturn import paired_cli
