@@ -100,15 +100,9 @@ def sizing_lines(runs: Sequence[Run], setup: dict[str, Any]) -> list[str]:
     return out
 
 
-def extra(
-    out_dir: Path,
-    runs: Sequence[Run],
-    summary: Sequence[dict[str, Any]],
-    targets: dict[str, Any],
-    calibration: dict[str, Any],
-    setup: dict[str, Any],
-) -> Extra:
+def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     """The paired ratios of every system, the sizing, and the plots against the multiple."""
+    runs, summary = figures["runs"], figures["summary"]
     rows = ratio_rows(runs)
     labels = {r["config"]: r for r in runs}  # a config's workload, multiple and host tier
     plots = plot_capacity(out_dir, [{**labels[e["config"]], **e} for e in summary])
@@ -122,7 +116,7 @@ def extra(
         "",
         "## Sizing",
         "",
-        *sizing_lines(runs, setup),
+        *sizing_lines(runs, figures["setup"]),
         "",
     ]
     return Extra("ratios", lines, {"rows": rows}, plots)

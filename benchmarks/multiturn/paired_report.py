@@ -273,11 +273,8 @@ class Extra:
     plots: list[str]
 
 
-# out_dir, runs, summary, targets, calibration, setup -> the preset's own part of the report
-ExtraFor = Callable[
-    [Path, Sequence[Run], Sequence[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]],
-    Extra,
-]
+# out_dir, the figures (runs, summary, targets, calibration, setup) -> the preset's own part
+ExtraFor = Callable[[Path, dict[str, Any]], Extra]
 
 
 def evaluate(
@@ -627,13 +624,18 @@ def notes(
             f"{len(unsynced)} runs of ours began before every worker's clear event reached "
             "the router: " + "; ".join(f"{label(r)} seed {r['seed']}" for r in unsynced)
         )
-    params: dict[str, dict[str, Any]] = {}
+    # each workload's parameters per seed, once for the configs that share them
+    shared: dict[tuple[Any, Any, str], list[Any]] = {}
     for run in runs:
-        key = f"{run.get('config')} (seed {run.get('seed')})"
-        if run.get("workload_params") and key not in params:
-            params[key] = run["workload_params"]
-    for key, p in params.items():
-        out.append(f"Workload of {key}: {params_text(p)}.")
+        if run.get("workload_params"):
+            key = (run.get("workload"), run.get("seed"), params_text(run["workload_params"]))
+            shared.setdefault(key, [])
+            if run.get("config") not in shared[key]:
+                shared[key].append(run.get("config"))
+    for (workload, seed, text), where in shared.items():
+        out.append(
+            f"Workload of {where[0] if len(where) == 1 else workload} (seed {seed}): {text}."
+        )
     return out
 
 
@@ -666,9 +668,7 @@ def write_paired(
     command, elapsed_s = given.get("command", ""), given.get("elapsed_s", 0.0)
     summary = summarize(runs)
     targets = evaluate(runs, summary, kind.targets_for)
-    own = kind.extra(out_dir, runs, summary, targets, calibration, setup) if kind.extra else None
-    plots = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
-    figures = {
+    figures: dict[str, Any] = {
         "preset": given["preset"],
         "command": command,
         "elapsed_s": elapsed_s,
@@ -680,8 +680,9 @@ def write_paired(
         "notes": [*kind.notes, *own_notes],
         "sim_model": sim_model(),
         "peers": {name: s.__dict__ for name, s in peers.items()},
-        "plots": plots,
     }
+    own = kind.extra(out_dir, figures) if kind.extra else None
+    figures["plots"] = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
     if own is not None:
         figures[own.key] = own.figures
     met = sum(1 for t in targets.values() if t.get("met") is True)
