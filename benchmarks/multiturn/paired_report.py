@@ -207,7 +207,9 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "cluster": first["cluster"],
                 "seeds": sorted(mine),
                 "worker_roles": first.get("worker_roles"),
-                "errors": sum((r.get("errors") or 0) for r in mine.values()),
+                "errors": sum(  # warm-ups' too: a failure like any other
+                    (r.get("errors") or 0) + (r.get("warmup_errors") or 0) for r in mine.values()
+                ),
                 "retries_429": sum(r.get("retries_429") or 0 for r in mine.values()),
                 "engine_aborts": sum(r.get("engine_aborts") or 0 for r in mine.values()),
                 "retracted": sum(r.get("retracted") or 0 for r in mine.values()),
