@@ -6,27 +6,20 @@ import argparse
 import copy
 import json
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress
-
-from benchmarks.harness import progress_bar, shown_command, stop_children_on_terminate
-from benchmarks.harness import step as advance
-from benchmarks.multiturn.plan import Plan, make_plan
-from benchmarks.multiturn.results import sim_model, write_all
+from benchmarks.harness import shown_command, stop_children_on_terminate
+from benchmarks.multiturn.paired_report import write_paired
+from benchmarks.multiturn.plan import make_plan
+from benchmarks.multiturn.results import write_all
 from benchmarks.multiturn.runner import Context, execute
-from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE
-from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus, peer_status
+from benchmarks.peers import PeerStatus
 
 DEFAULT_OUT = Path("benchmarks/results/multiturn")
-CAPACITY_OUT = Path("benchmarks/results/multiturn_capacity")
 WORKLOAD_NAMES = ("trace", "multi_round_qa", "sharegpt", "loogle", "react", "share_ratio", "pd")
 
 
@@ -35,173 +28,106 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.multiturn",
         description="Multi-turn cache benchmarks: policies, peers and PD caching modes.",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="results directory (default: benchmarks/results/multiturn, or "
-        "benchmarks/results/multiturn_capacity with --capacity)",
-    )
-    parser.add_argument("--quick", action="store_true", help="the quick preset (about 5 minutes)")
-    parser.add_argument(
-        "--capacity",
-        action="store_true",
-        help="the capacity-bound preset: device KV sized so the working set is 2x, 4x and "
-        "8x the cluster's, with and without a host tier, 3 paired seeds (~2.5 h; with "
-        "--quick: one multiple, one seed, three systems)",
-    )
-    parser.add_argument(
-        "--hot-prefix",
-        action="store_true",
-        help="hot shared prefixes (tool-agent-like, Zipf popularity, /v1/completions) at 85%% "
-        "of the sustained rate, 4 colocated and 2P2D, 3 paired seeds (--trace FILE: replay "
-        "that Mooncake-format trace open-loop instead; with --quick: 4 colocated, 3 systems, "
-        "one seed)",
-    )
-    parser.add_argument(
-        "--pd",
-        action="store_true",
-        help="several prefills: 2P2D and 3P1D in PD-Caching-3/-1/Basic against sglang-router "
-        "and smg PD, working set 2x and 4x the cluster's KV, at 80%% of the sustained rate, "
-        "3 paired seeds (with --quick: 2P2D, one small workload, one seed)",
-    )
-    parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="the robustness sweep (issue 37): ours prompt_tree and cost against "
-        "sglang-router cache_aware and round_robin, one factor at a time around a base cell "
-        "(Zipf popularity, prefix count and length, text or chats, 50-100%% load, engines at "
-        "H100 speed, 4x and 10x slower, mixed), 3 paired seeds (~2.5 h); results in "
-        "benchmarks/results/multiturn_sweep (with --quick: 2 small cells, one seed)",
-    )
-    parser.add_argument(
-        "--sweep-quick",
-        action="store_true",
-        help="--sweep --quick: two small cells (H100 speed, mixed engines), one seed (~1 min)",
-    )
-    parser.add_argument(
-        "--cells",
-        nargs="+",
-        default=None,
-        metavar="CELL",
-        help="--sweep: only these cells, by name ('base', 'Zipf 0.6', '300 prefixes', "
-        "'16K-token prefixes', chats, 'load 50%%', 'engines mixed', ...)",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--out", type=Path, help="results directory (default: the preset's in benchmarks/results)")
+    add("--quick", action="store_true", help="the preset's quick form (minutes, one seed)")
+    for flag, what in (
+        ("--capacity", "caches 2x-8x smaller than the working set"),
+        ("--hot-prefix", "Zipf-popular shared prefixes at 85%% of the sustained rate"),
+        ("--pd", "PD with several prefills, at 80%% of the sustained rate"),
+        ("--sweep", "one factor at a time around a hot-prefix cell"),
+    ):
+        page = "hot-prefix" if flag == "--sweep" else flag[2:]
+        add(flag, action="store_true", help=f"the preset of {what} (docs/benchmarks/{page}.md)")
+    add("--cells", nargs="+", metavar="CELL", help="--sweep: only these cells, by name")
+    add(
         "--calibration-from",
         type=Path,
-        default=None,
         metavar="DIR",
-        help="--hot-prefix/--pd/--sweep: take each cluster's sustained rate and KV sizing from "
-        "DIR/results.json instead of measuring them (say, to split the seeds over several "
-        "invocations: each then runs on the KV the whole preset would)",
+        help="--hot-prefix/--pd/--sweep: each config's sustained rate and KV sizing from "
+        "DIR/results.json instead of measured (to split the seeds over invocations)",
     )
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        nargs="+",
-        default=None,
-        help="these workload seeds (--capacity: instead of its three; otherwise the main "
-        "workloads run once per seed, for paired comparisons with a spread)",
-    )
-    parser.add_argument(
-        "--multiples",
-        type=float,
-        nargs="+",
-        default=None,
-        help="--capacity: these working-set multiples of the cluster's device KV",
-    )
-    parser.add_argument(
+    add("--seeds", type=int, nargs="+", help="these workload seeds instead of the preset's")
+    add("--multiples", type=float, nargs="+", help="--capacity/--pd: working set / cluster KV")
+    add(
         "--trace",
         type=Path,
-        default=None,
-        help="a trace in Mooncake's format, gzipped or plain (default: the shipped "
-        "conversation trace; with --hot-prefix: replayed open-loop instead of the synthetic "
-        "workload)",
+        help="a Mooncake-format trace, gzipped or plain (default: the shipped conversation "
+        "trace; --hot-prefix: replayed open-loop instead of the synthetic workload)",
     )
-    parser.add_argument(
-        "--workloads",
-        nargs="+",
-        choices=WORKLOAD_NAMES,
-        default=None,
-        help="run only these parts (default: all of the preset)",
-    )
-    parser.add_argument(
+    add("--workloads", nargs="+", choices=WORKLOAD_NAMES, help="only these parts of the preset")
+    add(
         "--systems",
         nargs="+",
-        default=None,
-        help="only these systems, e.g. 'ours prompt_tree' 'sglang-router cache_aware' (on a PD "
-        "preset, a label with its caching mode, 'ours prompt_tree [PD-Caching-3]', runs that "
-        "mode's cluster only)",
+        help="only these systems, e.g. 'ours prompt_tree' (a PD preset's mode: 'ours "
+        "prompt_tree [PD-Caching-3]')",
     )
-    parser.add_argument("--no-pd", action="store_true", help="skip the PD clusters")
-    parser.add_argument(
-        "--shapes",
-        nargs="+",
-        metavar="SHAPE",
-        help="--hot-prefix/--pd: only these cluster shapes ('4 colocated', 2P2D, 3P1D)",
-    )
-    parser.add_argument(
-        "--report-only",
-        action="store_true",
-        help="run nothing: rewrite results.md, the targets and the plots from OUT/results.json",
-    )
-    parser.add_argument(
+    add("--no-pd", action="store_true", help="skip the PD clusters")
+    add("--shapes", nargs="+", metavar="SHAPE", help="--hot-prefix/--pd: only these shapes")
+    add("--report-only", action="store_true", help="rewrite the report from OUT/results.json")
+    add(
         "--merge",
         type=Path,
         nargs="+",
         default=[],
         metavar="DIR",
-        help="with --report-only and --capacity or --sweep results: add the runs of these "
-        "other runs of the preset (say, another multiple, or other sweep cells) to OUT's "
-        "before reporting",
+        help="--report-only of --capacity or --sweep results: add these runs' to OUT's",
     )
-    parser.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV capacity per worker in tokens (default: the sim's modelled H100)",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="keep every worker's and router's log here (default: a temporary directory)",
-    )
+    add("--max-total-tokens", type=int, help="KV per worker, tokens (default: the sim's H100)")
+    add("--log-dir", type=Path, help="keep every process's log here (default: a temp dir)")
     args = parser.parse_args(argv)
     stop_children_on_terminate()
-    if args.sweep_quick:
-        args.sweep = args.quick = True
-    kind = paired_kind(args)
-    if sum((args.capacity, args.hot_prefix, args.pd, args.sweep)) > 1:
-        parser.error(
-            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one"
-        )
-    if args.out is None:
-        args.out = kind.out if kind else CAPACITY_OUT if args.capacity else DEFAULT_OUT
-    if args.trace is not None and not args.trace.exists():
-        parser.error(f"--trace {args.trace}: no such file")
-    if not (args.capacity or args.pd) and args.multiples:
-        parser.error("--multiples belongs to --capacity and --pd")
-    if args.shapes and not (args.hot_prefix or args.pd):
-        parser.error("--shapes belongs to --hot-prefix and --pd")
-    if args.cells and not args.sweep:
-        parser.error("--cells belongs to --sweep")
-    if args.sweep and (args.trace or args.workloads):
-        parser.error("--sweep runs its own hot-prefix cells: no --trace or --workloads")
-    if args.calibration_from and not (kind and not args.report_only):
-        parser.error("--calibration-from belongs to --hot-prefix and --pd runs")
-    if any(m <= 0 for m in args.multiples or ()):
-        parser.error("--multiples must be positive")
-    if args.merge and not args.report_only:
-        parser.error("--merge belongs to --report-only")
+    from benchmarks.multiturn import paired_cli
+
+    presets = {
+        paired_cli.CAPACITY: args.capacity,
+        paired_cli.HOT_PREFIX: args.hot_prefix,
+        paired_cli.PD: args.pd,
+        paired_cli.SWEEP: args.sweep,
+    }
+    kind = next((k for k, asked in presets.items() if asked), None)
+    for error, wrong in (
+        (
+            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one",
+            sum(presets.values()) > 1,
+        ),
+        (f"--trace {args.trace}: no such file", args.trace and not args.trace.exists()),
+        (
+            "--multiples belongs to --capacity and --pd",
+            args.multiples and kind not in (paired_cli.CAPACITY, paired_cli.PD),
+        ),
+        ("--multiples must be positive", any(m <= 0 for m in args.multiples or ())),
+        (
+            "--shapes belongs to --hot-prefix and --pd",
+            args.shapes and kind not in (paired_cli.HOT_PREFIX, paired_cli.PD),
+        ),
+        ("--cells belongs to --sweep", args.cells and kind is not paired_cli.SWEEP),
+        (
+            "--sweep runs its own hot-prefix cells: no --trace or --workloads",
+            args.sweep and (args.trace or args.workloads),
+        ),
+        (
+            "--calibration-from belongs to --hot-prefix, --pd and --sweep runs",
+            args.calibration_from and (args.report_only or kind in (None, paired_cli.CAPACITY)),
+        ),
+        ("--merge belongs to --report-only", args.merge and not args.report_only),
+        (
+            "--max-total-tokens: a paired preset sizes the KV from the working set",
+            args.max_total_tokens and kind,
+        ),
+    ):
+        if wrong:
+            parser.error(error)
+    out = args.out or (kind.out if kind else DEFAULT_OUT)
     if args.report_only:
-        return report_only(parser, args.out, args.trace or DEFAULT_TRACE, args.merge)
-    if args.capacity:
-        return run_capacity(parser, args, argv)
-    if kind is not None:
-        return run_paired_preset(kind, parser, args, argv)
+        return report_only(parser, out, args.merge)
     started = time.perf_counter()
+    if kind is not None:
+        with Context.open(args.log_dir) as session:
+            figures = paired_cli.run(kind, parser, args, session)
+        figures.update(elapsed_s=time.perf_counter() - started, command=command_line(argv))
+        write_paired(out, kind, figures, session.peers)
+        return finished(figures["preset"], len(figures["runs"]), started, out, kind.page)
     plan = make_plan(
         args.quick,
         args.trace or DEFAULT_TRACE,
@@ -212,201 +138,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not plan.steps:
         parser.error("nothing to run: no step of the preset has those workloads and systems")
-    if args.max_total_tokens:
-        plan.max_total_tokens = args.max_total_tokens
-    with Session.open(args.log_dir) as session:
+    plan.max_total_tokens = args.max_total_tokens or plan.max_total_tokens
+    with Context.open(args.log_dir) as session:
         records = execute(session.context(plan))
     elapsed = time.perf_counter() - started
-    write_all(args.out, plan, records, session.peers, elapsed, command_line(argv))
-    return finished(plan.preset, len(records), elapsed, args.out)
+    figures = {"preset": plan.preset, "runs": records, "elapsed_s": elapsed}
+    write_all(out, plan, {**figures, "command": command_line(argv)}, session.peers)
+    return finished(plan.preset, len(records), started, out)
 
 
-def run_capacity(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
-) -> int:
-    """The capacity-bound preset: workloads built and sized first, then the same runner."""
-    from benchmarks.multiturn import capacity
-    from benchmarks.multiturn.capacity_report import write_capacity
-
-    started = time.perf_counter()
-    preset = (capacity.quick_preset if args.quick else capacity.full_preset)(
-        args.trace or DEFAULT_TRACE
-    )
-    preset = capacity.narrowed(preset, args.seeds, args.multiples)
-    if args.max_total_tokens:
-        parser.error("--max-total-tokens: --capacity sizes the KV from the working set")
-    features = capacity.Features.detect()
-    with Session.open(args.log_dir) as session:
-        names = [n for n in preset.workloads if not args.workloads or n in args.workloads]
-        task = session.progress.add_task(
-            "plan: build and size workloads", total=len(names) * len(preset.seeds)
-        )
-        try:
-            sized = capacity.make_capacity_plan(
-                preset,
-                session.vocab,
-                session.encoder,
-                features,
-                set(args.workloads) if args.workloads else None,
-                set(args.systems) if args.systems else None,
-                on_seed=lambda: advance(session.progress, task),
-            )
-        except ValueError as exc:
-            parser.error(f"--capacity: {exc}")
-        records = execute(session.context(sized.plan))
-    elapsed = time.perf_counter() - started
-    write_capacity(
-        args.out,
-        sized.plan.preset,
-        records,
-        sized.setup(),
-        sized.plan.notes,
-        session.peers,
-        elapsed,
-        command_line(argv),
-    )
-    return finished(sized.plan.preset, len(records), elapsed, args.out)
-
-
-def paired_kind(args: argparse.Namespace) -> Any:
-    """The paired preset the flags ask for (`paired_cli.Kind`), or None."""
-    if not (args.hot_prefix or args.pd or args.sweep):
-        return None
-    from benchmarks.multiturn import paired_cli
-
-    if args.sweep:
-        return paired_cli.SWEEP
-    return paired_cli.HOT_PREFIX if args.hot_prefix else paired_cli.PD
-
-
-def run_paired_preset(
-    kind: Any, parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
-) -> int:
-    """--hot-prefix or --pd: plan, measure each cluster's sustained rate, run, report."""
-    from benchmarks.multiturn import paired_cli
-
-    if args.max_total_tokens:
-        parser.error(f"--max-total-tokens: --{kind.name} sizes the KV from the workload")
-    started = time.perf_counter()
-    with Session.open(args.log_dir) as session:
-        records, calibration, plan = paired_cli.run(kind, parser, args, session)
-    elapsed = time.perf_counter() - started
-    figures = {
-        "preset": plan.preset,
-        "runs": records,
-        "calibration": calibration,
-        "setup": plan.setup,
-        "notes": plan.notes,
-        "elapsed_s": elapsed,
-        "command": command_line(argv),
-    }
-    paired_cli.write(kind, args.out, figures, session.peers)
-    return finished(plan.preset, len(records), elapsed, args.out, kind.page)
-
-
-@dataclass
-class Session:
-    """What every run of a plan shares: the model's tokenizer (the oracle's encodes), the
-    workloads' vocabulary, the peers' status, the progress bars and the log directory."""
-
-    model_dir: Path
-    tokenizer: Any  # ChatTokenizer
-    encoder: Any  # CachedEncoder
-    vocab: Vocab
-    peers: dict[str, PeerStatus]
-    progress: Progress
-    log_dir: Path
-
-    @classmethod
-    @contextmanager
-    def open(cls, log_dir: Path | None) -> Iterator[Session]:
-        from connector.model_files import ensure_hf_model
-        from shared.token_cache import CachedEncoder
-        from shared.tokenizer import ChatTokenizer
-
-        model_dir = ensure_hf_model()
-        tokenizer = ChatTokenizer(model_dir)
-        peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
-        with (
-            tempfile.TemporaryDirectory(prefix="multiturn-") as tmp,
-            progress_bar(46) as progress,
-        ):
-            logs = log_dir or Path(tmp)
-            logs.mkdir(parents=True, exist_ok=True)
-            yield cls(
-                model_dir,
-                tokenizer,
-                CachedEncoder(tokenizer),
-                Vocab.from_tokenizer(tokenizer),
-                peers,
-                progress,
-                logs,
-            )
-
-    def context(self, plan: Plan) -> Context:
-        return Context(
-            plan,
-            self.model_dir,
-            self.log_dir,
-            self.tokenizer,
-            self.encoder,
-            self.vocab,
-            self.progress,
-            self.peers,
-        )
+Session = Context  # (the overload suite opens one too)
 
 
 def command_line(argv: Sequence[str] | None) -> str:
     return shown_command("python -m benchmarks.multiturn", argv or sys.argv[1:])
 
 
-def finished(preset: str, runs: int, elapsed: float, out: Path, page: str | None = None) -> int:
+def finished(preset: str, runs: int, started: float, out: Path, page: str | None = None) -> int:
+    elapsed = time.perf_counter() - started
     print(f"multiturn: {preset} run, {runs} runs in {elapsed:.0f} s -> {out}")
     print((out / (page or "results.md")).read_text().split("\n## Notes")[0])
     return 0
 
 
-def report_only(
-    parser: argparse.ArgumentParser, out: Path, trace: Path, merge: Sequence[Path] = ()
-) -> int:
+def report_only(parser: argparse.ArgumentParser, out: Path, merge: Sequence[Path] = ()) -> int:
     """The report of an earlier run, made again from its measurements (say, after the report
     code changed); the runs themselves are kept as they were."""
     source = out / "results.json"
     try:
         figures = json.loads(source.read_text())
-        runs, preset = figures["runs"], figures["preset"]
+        preset, _ = str(figures["preset"]), figures["runs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--report-only: cannot read the runs from {source}: {exc}")
-    if merge:
-        try:
-            figures = merged(figures, [json.loads((d / "results.json").read_text()) for d in merge])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            parser.error(f"--merge: {exc}")
-        runs = figures["runs"]
+    try:
+        figures = merged(figures, [json.loads((d / "results.json").read_text()) for d in merge])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--merge: {exc}")
     peers = {name: PeerStatus(**status) for name, status in figures.get("peers", {}).items()}
-    machine = figures.get("machine") or None  # where the runs were measured
-    elapsed, command = figures.get("elapsed_s", 0.0), figures.get("command", "")
     from benchmarks.multiturn import paired_cli
 
-    kind = paired_cli.kind_of(str(preset))
-    if kind is not None:
-        paired_cli.write(kind, out, figures, peers)
-        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
-        return 0
-    if str(preset).startswith("capacity"):
-        from benchmarks.multiturn.capacity_report import write_capacity
-
-        setup, missing = figures.get("setup") or {}, figures.get("missing") or []
-        write_capacity(out, preset, runs, setup, missing, peers, elapsed, command, machine)
-        print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
-        return 0
-    plan = make_plan(preset == "quick", trace)
-    capacity = figures.get("kv_capacity_tokens")  # the preset's, or --max-total-tokens
-    plan.max_total_tokens = (
-        None if capacity == sim_model()["kv_capacity_tokens_default"] else capacity
-    )
-    write_all(out, plan, runs, peers, elapsed, command, machine)
-    print(f"multiturn: report of {len(runs)} runs rewritten in {out}")
+    if (kind := paired_cli.kind_of(preset)) is not None:
+        write_paired(out, kind, figures, peers)
+    else:
+        write_all(out, None, figures, peers)
+    print(f"multiturn: report of {len(figures['runs'])} runs rewritten in {out}")
     return 0
 
 
@@ -415,6 +190,8 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
     cells run apart): their runs side by side, the setups and calibrations united, the
     commands and times added up. Runs of one configuration must not appear twice, and the
     sim's model must be the same."""
+    if not others:
+        return base
     kind = _merge_kind(base)
     if any(_merge_kind(f) != kind for f in others):
         raise ValueError(f"only results of one kind merge (these are {kind} results)")
@@ -435,7 +212,6 @@ def merged(base: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, 
                 for part in ("instance_kv_tokens", "working_set_estimates"):
                     mine.setdefault(part, {}).update(setup.get(part) or {})
         out.setdefault("calibration", {}).update(other.get("calibration") or {})
-        out["missing"] = list(dict.fromkeys([*out.get("missing", []), *other.get("missing", [])]))
         out["elapsed_s"] = out.get("elapsed_s", 0.0) + other.get("elapsed_s", 0.0)
         out["command"] = f"{out.get('command', '')}; {other.get('command', '')}"
     return out

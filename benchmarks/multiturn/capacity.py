@@ -20,18 +20,20 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.harness import REPO_ROOT
 from benchmarks.multiturn.cluster import RouterSpec
-from benchmarks.multiturn.plan import Plan, Step, rate_of
+from benchmarks.multiturn.paired import Config, Member, PairedPlan, Prebuilt
+from benchmarks.multiturn.plan import rate_of
+from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
 from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
-from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA, Workload
+from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
 from localrun.cluster import ClusterSpec
 
@@ -51,17 +53,6 @@ ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
 SMG_CACHE_AWARE = RouterSpec(SMG, "cache_aware")
 SYSTEMS = (PROMPT_TREE, COST, NO_PULL, CACHE_AWARE, ROUND_ROBIN, SMG_CACHE_AWARE)
 OURS_WITH_PULLS = (PROMPT_TREE, COST)  # the systems the targets are about
-
-
-@dataclass(frozen=True)
-class Prebuilt:
-    """A workload built (and measured) while planning, handed to the runner as a builder."""
-
-    workload: Workload
-    rate: float
-
-    def build(self, vocab: Vocab) -> Workload:
-        return self.workload
 
 
 @dataclass(frozen=True)
@@ -215,39 +206,7 @@ def size_workload(
     return Sized(name, preset.time_scale, per_seed, estimates, largest)
 
 
-@dataclass
-class CapacityPlan:
-    """The preset made concrete: the plan the runner executes, and how it was sized."""
-
-    plan: Plan
-    features: Features
-    sized: dict[str, Sized]
-    sizings: dict[tuple[str, float], Sizing] = field(default_factory=dict)
-
-    def setup(self) -> dict[str, Any]:
-        """For results.json: per workload its estimates and per multiple the KV sizes."""
-        return {
-            name: {
-                "time_scale": s.time_scale,
-                "working_set_estimates": {str(k): v for k, v in s.estimates.items()},
-                "working_set_sizing": s.working_set,
-                "largest_request_tokens": s.largest,
-                "instance_kv_tokens": {
-                    f"{m:g}": self.sizings[(name, m)].instance_tokens
-                    for (n, m) in self.sizings
-                    if n == name
-                },
-            }
-            for name, s in self.sized.items()
-        }
-
-
-def cluster_name(workload: str, multiple: float, host_ratio: float) -> str:
-    host = f", host tier {host_ratio:g}x" if host_ratio else ", no host tier"
-    return f"{workload} {multiple:g}x{host}"
-
-
-def make_capacity_plan(
+def make_plan(
     preset: CapacityPreset,
     vocab: Vocab,
     encoder: Any,
@@ -255,10 +214,10 @@ def make_capacity_plan(
     workloads: set[str] | None = None,
     systems: set[str] | None = None,
     on_seed: Callable[[], None] = lambda: None,
-) -> CapacityPlan:
-    """Build and size every workload, then one cluster per (workload, multiple, host tier)
-    and one step per seed on it. ValueError when a size cannot work (a request larger than
-    an instance's KV)."""
+) -> PairedPlan:
+    """Build and size every workload, then one config per (workload, multiple, host tier):
+    one cluster, every seed's workload at its own rate (no sustained-rate search). ValueError
+    when nothing is left to run or a request does not fit an instance's KV."""
     names = [n for n in preset.workloads if workloads is None or n in workloads]
     specs = tuple(s for s in preset.systems if systems is None or s.name in systems)
     if not features.no_pull_router:
@@ -267,42 +226,48 @@ def make_capacity_plan(
     ratios = tuple(dict.fromkeys(r if features.host_tier else 0.0 for r in preset.host_ratios))
     if not names or not specs or not ratios:
         raise ValueError("nothing to run: no workload, system or host tier configuration left")
-    sized = {n: size_workload(n, preset, vocab, encoder, on_seed) for n in names}
-    clusters: dict[str, ClusterSpec] = {}
-    steps: list[Step] = []
-    sizings: dict[tuple[str, float], Sizing] = {}
+    configs, setup = [], {}
     for name in names:
-        s = sized[name]
+        sized = size_workload(name, preset, vocab, encoder, on_seed)
+        kv: dict[str, int] = {}
         for multiple in preset.multiples:
-            sizing = Sizing(s.working_set, multiple, INSTANCES)
-            sizing.check_fits(s.largest)
-            sizings[(name, multiple)] = sizing
+            sizing = Sizing(sized.working_set, multiple, INSTANCES)
+            sizing.check_fits(sized.largest)
+            kv[f"{multiple:g}"] = sizing.instance_tokens
             for ratio in ratios:
-                key = cluster_name(name, multiple, ratio)
-                clusters[key] = ClusterSpec(
+                host = f"host tier {ratio:g}x" if ratio else "no host tier"
+                spec = ClusterSpec(
                     f"cap-{name[:5]}-{multiple:g}x-h{ratio:g}",
                     colocated=INSTANCES,
-                    label=key,
-                    time_scale=s.time_scale,
+                    label=f"{name} {multiple:g}x, {host}",
+                    time_scale=sized.time_scale,
                     max_total_tokens=sizing.instance_tokens,
                     hicache_ratio=ratio,
                     mempool_pull=features.pulls,
                     kv_events=features.kv_events,
                 )
-                for seed, prebuilt in s.per_seed.items():
-                    labels = {
-                        "seed": seed,
-                        "multiple": multiple,
-                        "hicache_ratio": ratio,
-                        "working_set_estimate": s.estimates[seed],
-                        "working_set_sizing": s.working_set,
-                        "instance_kv_tokens": sizing.instance_tokens,
-                        "cluster_kv_tokens": sizing.cluster_tokens,
-                        "host_kv_tokens": int(sizing.instance_tokens * ratio) * INSTANCES,
-                    }
-                    steps.append(Step(key, prebuilt, specs, CAPACITY, prebuilt.rate, labels=labels))
-    plan = Plan(preset.name, clusters, steps, None, features.missing())
-    return CapacityPlan(plan, features, sized, sizings)
+                labels = {
+                    "multiple": multiple,
+                    "hicache_ratio": ratio,
+                    "working_set_sizing": sized.working_set,
+                    "instance_kv_tokens": sizing.instance_tokens,
+                    "cluster_kv_tokens": sizing.cluster_tokens,
+                    "host_kv_tokens": int(sizing.instance_tokens * ratio) * INSTANCES,
+                }
+                members = (Member(spec, specs),)
+                seeds = dict(sized.per_seed)
+                configs.append(
+                    Config(spec.label, name, seeds, None, members, CACHE_AWARE, 1.0, SGLANG, labels)
+                )
+        setup[name] = {
+            "time_scale": sized.time_scale,
+            "working_set_estimates": {str(k): v for k, v in sized.estimates.items()},
+            "working_set_sizing": sized.working_set,
+            "largest_request_tokens": sized.largest,
+            "instance_kv_tokens": kv,
+        }
+    search = Search()  # (unused: every config is offered its workload's own rate)
+    return PairedPlan(preset.name, configs, search, features.missing(), setup)
 
 
 P = TypeVar("P", bound="DataclassInstance")  # a preset with `seeds` (and `multiples`)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import finite
+from benchmarks.multiturn.paired_report import med
 from benchmarks.report.figures import color, pyplot, save
 
 HIT_PLOT = "capacity_hit_ratio.png"
@@ -35,18 +36,20 @@ def _panel(ax: Any, subset: list[dict[str, Any]], key: str, reference: str) -> N
 
 def _line(ax: Any, entries: list[dict[str, Any]], key: str, **style: Any) -> None:
     """The median of `key` against the multiple, the seeds' min..max as error bars."""
-    entries = sorted((e for e in entries if finite(e.get(key))), key=lambda e: e["multiple"])
-    if not entries:
+    points = sorted(
+        ((e["multiple"], e[key]) for e in entries if finite(med(e, key))), key=lambda p: p[0]
+    )
+    if not points:
         return
-    xs = [e["multiple"] for e in entries]
-    ys = [e[key] for e in entries]
-    lo = [y - (e.get(f"{key}_range") or [y, y])[0] for e, y in zip(entries, ys, strict=True)]
-    hi = [(e.get(f"{key}_range") or [y, y])[1] - y for e, y in zip(entries, ys, strict=True)]
-    ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, **style)
+    ys = [f["median"] for _, f in points]
+    lo = [y - f["min"] for y, (_, f) in zip(ys, points, strict=True)]
+    hi = [f["max"] - y for y, (_, f) in zip(ys, points, strict=True)]
+    ax.errorbar([m for m, _ in points], ys, yerr=[lo, hi], marker="o", capsize=3, **style)
 
 
 def plot_capacity(out_dir: Path, summary: Sequence[dict[str, Any]]) -> list[str]:
-    """Both plots when the summary has anything to show; the file names written."""
+    """Both plots when the summary has anything to show; the file names written. An entry
+    is `paired_report.summarize`'s with its config's workload, multiple and host tier."""
     if not summary:
         return []
     written = []

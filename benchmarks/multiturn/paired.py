@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import step as advance
-from benchmarks.multiturn.capacity import Prebuilt
 from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.runner import Context, execute, run_one
 from benchmarks.multiturn.sustained import Calibration, Search, at_rate, calibrate
+from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.working_set import estimate
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS
@@ -52,6 +52,17 @@ def selected(systems: set[str] | None, system: str, pd_caching: str | None) -> b
 
 
 @dataclass(frozen=True)
+class Prebuilt:
+    """A workload built (and measured) while planning, handed to the runner as a builder."""
+
+    workload: Workload
+    rate: float
+
+    def build(self, vocab: Vocab) -> Workload:
+        return self.workload
+
+
+@dataclass(frozen=True)
 class Member:
     """One cluster of a config and the systems compared on it."""
 
@@ -63,7 +74,8 @@ class Member:
 class Config:
     """One comparison: `workload` (seed -> builder at a nominal rate) on `members`, offered at
     `load` x the rate `reference` sustains on the first member with the `calibration`
-    builder (a seed no measured run uses)."""
+    builder (a seed no measured run uses); without one (None), each seed's `Prebuilt`
+    workload at its own rate."""
 
     key: str
     workload: str
@@ -134,6 +146,8 @@ class Rater:
 
     def __call__(self, cluster: Cluster, steps: list[Step], model: str, floor: Floor) -> list[Step]:
         config = self.config_of(cluster)
+        if config.calibration is None:  # a fixed rate: each seed's own
+            return [replace(step, rate=step.workload.rate) for step in steps]
         shared = config.rate_key or config.key
         if shared not in self.sustained:
             self.sustained[shared] = self.measure(config, cluster, model, floor)

@@ -1,41 +1,44 @@
-"""The paired presets on the command line: `--hot-prefix`, `--pd` and `--sweep`, run or
-reported again.
+"""The paired presets on the command line: `--capacity`, `--hot-prefix`, `--pd` and
+`--sweep`, run or reported again.
 
 Kept apart from `__main__` so that the main module only parses and dispatches; a preset's
-own module says what it runs (`hot_prefix_preset`, `pd_preset`), this one how its runs are
-planned, executed and written.
+own module says what it runs (`capacity`, `hot_prefix_preset`, `pd_preset`, `sweep_preset`),
+this one how its runs are planned, executed and written: every one through `paired_report`.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from benchmarks.multiturn import hot_prefix_preset, pd_preset, sweep_preset, sweep_report
+from benchmarks.multiturn import (
+    capacity,
+    capacity_report,
+    hot_prefix_preset,
+    pd_preset,
+    sweep_preset,
+    sweep_report,
+)
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
-from benchmarks.multiturn.paired_report import ExtraFor, TargetsFor, write_paired
-from benchmarks.peers import PeerStatus
+from benchmarks.multiturn.paired_report import Kind
+from benchmarks.multiturn.runner import Context
+from benchmarks.multiturn.trace import DEFAULT_TRACE
 
 Shaped = TypeVar("Shaped", hot_prefix_preset.HotPrefixPreset, pd_preset.PDPreset)
 
 
-@dataclass(frozen=True)
-class Kind:
-    """One paired preset: where it writes, its title, notes and targets."""
-
-    name: str  # the preset's name (results.json `preset`), quick variant with -quick
-    out: Path
-    title: str
-    notes: tuple[str, ...]
-    targets_for: TargetsFor
-    page: str | None = None  # the Markdown page's file name (None: results.md)
-    extra: ExtraFor | None = None  # the preset's own tables and plots
-
-
+CAPACITY = Kind(
+    capacity.CAPACITY,
+    Path("benchmarks/results/multiturn_capacity"),
+    capacity_report.TITLE,
+    capacity_report.NOTES,
+    capacity_report.targets_for,
+    extra=capacity_report.extra,
+)
 HOT_PREFIX = Kind(
     hot_prefix_preset.HOT_PREFIX,
     Path("benchmarks/results/multiturn_hot_prefix"),
@@ -64,7 +67,7 @@ SWEEP = Kind(
 
 def kind_of(preset: str) -> Kind | None:
     """The paired preset a results.json's `preset` names, if any."""
-    for kind in (HOT_PREFIX, PD, SWEEP):
+    for kind in (CAPACITY, HOT_PREFIX, PD, SWEEP):
         if preset in (kind.name, f"{kind.name}-quick"):
             return kind
     return None
@@ -80,10 +83,18 @@ def make_plan(
     """The preset with the command line's narrowing; ValueError when it cannot run."""
     features = Features.detect()
     systems = set(args.systems) if args.systems else None
+    workloads = set(args.workloads) if args.workloads else None
     rates, known = known_from(args.calibration_from) if args.calibration_from else ({}, None)
     plan: PairedPlan
-    if kind is SWEEP:
-        sweep = sweep_preset.narrowed(sweep_of(args), args.seeds, args.cells)
+    if kind is CAPACITY:
+        cap = (capacity.quick_preset if args.quick else capacity.full_preset)(
+            args.trace or DEFAULT_TRACE
+        )
+        cap = narrowed(cap, args.seeds, args.multiples)
+        plan = capacity.make_plan(cap, vocab, encoder, features, workloads, systems, on_seed)
+    elif kind is SWEEP:
+        sweep = (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
+        sweep = sweep_preset.narrowed(sweep, args.seeds, args.cells)
         plan = sweep_preset.make_plan(sweep, vocab, encoder, features, systems, on_seed, known)
     elif kind is HOT_PREFIX:
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
@@ -94,7 +105,6 @@ def make_plan(
     else:
         pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)(args.trace)
         pd = with_shapes(narrowed(pd, args.seeds, args.multiples), args.shapes)
-        workloads = set(args.workloads) if args.workloads else None
         plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed, known)
     plan.known = rates
     return plan
@@ -111,71 +121,25 @@ def with_shapes(preset: Shaped, shapes: Sequence[str] | None) -> Shaped:
     return replace(preset, shapes=kept)
 
 
-def sweep_of(args: argparse.Namespace) -> sweep_preset.SweepPreset:
-    return (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
-
-
-def seeds_to_build(kind: Kind, args: argparse.Namespace) -> int:
-    """Workload builds the plan makes (for its progress bar)."""
-    if kind is SWEEP:
-        try:
-            sweep = sweep_preset.narrowed(sweep_of(args), args.seeds, args.cells)
-        except ValueError:
-            return 0  # (make_plan says why)
-        return len(sweep.cells) * len(sweep.seeds)
-    if kind is HOT_PREFIX:
-        preset = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)()
-        return len(args.seeds or preset.seeds)
-    pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)()
-    names = [n for n in pd.workloads if not args.workloads or n in args.workloads]
-    return len(names) * len(args.seeds or pd.seeds)
-
-
 def run(
     kind: Kind,
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    session: Any,  # __main__.Session
-) -> tuple[list[dict[str, Any]], dict[str, Any], PairedPlan]:
-    """Plan, calibrate and run; the records, the calibrations, and the plan."""
-    task = session.progress.add_task(
-        "plan: build and size workloads", total=seeds_to_build(kind, args)
-    )
+    session: Context,
+) -> dict[str, Any]:
+    """Plan (build and size the workloads), measure the sustained rates where the preset
+    offers a share of them, run: the figures as results.json holds them."""
+    task = session.progress.add_task("plan: build and size workloads", total=None)
+    on_seed = lambda: session.progress.advance(task)  # noqa: E731
     try:
-        plan = make_plan(
-            kind,
-            args,
-            session.vocab,
-            session.encoder,
-            lambda: session.progress.advance(task),
-        )
+        plan = make_plan(kind, args, session.vocab, session.encoder, on_seed)
     except (ValueError, OSError) as exc:
         parser.error(f"--{kind.name}: {exc}")
-    plan.notes = [
-        f"Sustained-rate search: {plan.search.describe()}.",
-        *(f"Left out: {m}" for m in plan.notes),
-    ]
+    searched = any(c.calibration is not None for c in plan.configs)
+    notes = [f"Sustained-rate search: {plan.search.describe()}."] if searched else []
+    notes += [f"Left out: {m}" for m in plan.notes]
     records, rater = run_paired(session.context(plan.plan()), plan)
-    return records, rater.calibrations, plan
-
-
-def write(kind: Kind, out: Path, figures: dict[str, Any], peers: dict[str, PeerStatus]) -> None:
-    """results.json, results.md, the targets and the plots from a run's figures as
-    results.json holds them: a new run's, or an earlier one's reported again."""
-    own = [n for n in figures.get("notes") or [] if n not in kind.notes]  # the run's own
-    write_paired(
-        out,
-        figures["preset"],
-        kind.title,
-        figures["runs"],
-        figures.get("calibration") or {},
-        figures.get("setup") or {},
-        [*kind.notes, *own],
-        kind.targets_for,
-        peers,
-        figures.get("elapsed_s", 0.0),
-        figures.get("command", ""),
-        figures.get("machine") or None,
-        kind.page,
-        kind.extra,
+    calibration = rater.calibrations
+    return dict(
+        preset=plan.preset, runs=records, calibration=calibration, setup=plan.setup, notes=notes
     )

@@ -54,10 +54,15 @@ def label(run: Run) -> str:
     return system_label(run["system"], run.get("pd_caching"))
 
 
+def roles(run: Run) -> list[str]:
+    """Each worker's role (colocated, prefill, decode); colocated where the run has none."""
+    return run.get("worker_roles") or ["colocated"] * len(run.get("per_worker") or [])
+
+
 def role_groups(run: Run) -> dict[str, list[int]]:
-    """Worker indices by role (colocated, prefill, decode)."""
+    """Worker indices by role."""
     groups: dict[str, list[int]] = {}
-    for i, role in enumerate(run.get("worker_roles") or []):
+    for i, role in enumerate(roles(run)):
         groups.setdefault(role, []).append(i)
     return groups
 
@@ -97,9 +102,7 @@ def kv_moved(run: Run) -> dict[str, float]:
     (write-backs) and pulled between colocated peers; write-backs completed."""
     by_role = {"prefill": 0.0, "decode": 0.0}
     writebacks = 0.0
-    for role, worker in zip(
-        run.get("worker_roles") or [], run.get("per_worker") or [], strict=True
-    ):
+    for role, worker in zip(roles(run), run.get("per_worker") or [], strict=True):
         if role in by_role:
             by_role[role] += worker.get("pd_bytes_sent", 0.0)
         writebacks += worker.get("written_back", 0.0)
@@ -116,6 +119,7 @@ def derived(run: Run) -> dict[str, Any]:
     cpu = sum((run.get("cpu_s") or {}).values())
     return {
         **kv_moved(run),
+        "hit_vs_oracle": ratio(run.get("reuse_ratio"), run.get("oracle_hit_ratio")),
         "p99_vs_floor": ratio(run.get("ttft_p99_s"), run.get("floor_ttft_p99_s")),
         "queue_floor_vs_floor": ratio(
             run.get("queue_floor_ttft_p99_s"), run.get("floor_ttft_p99_s")
@@ -203,7 +207,9 @@ def summarize(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "cluster": first["cluster"],
                 "seeds": sorted(mine),
                 "worker_roles": first.get("worker_roles"),
-                "errors": sum((r.get("errors") or 0) for r in mine.values()),
+                "errors": sum(  # warm-ups' too: a failure like any other
+                    (r.get("errors") or 0) + (r.get("warmup_errors") or 0) for r in mine.values()
+                ),
                 "retries_429": sum(r.get("retries_429") or 0 for r in mine.values()),
                 "engine_aborts": sum(r.get("engine_aborts") or 0 for r in mine.values()),
                 "retracted": sum(r.get("retracted") or 0 for r in mine.values()),
@@ -269,10 +275,8 @@ class Extra:
     plots: list[str]
 
 
-# out_dir, runs, summary, targets, calibration -> the preset's own part of the report
-ExtraFor = Callable[
-    [Path, Sequence[Run], Sequence[dict[str, Any]], dict[str, Any], dict[str, Any]], Extra
-]
+# out_dir, the figures (runs, summary, targets, calibration, setup) -> the preset's own part
+ExtraFor = Callable[[Path, dict[str, Any]], Extra]
 
 
 def evaluate(
@@ -333,6 +337,9 @@ def detail(target: Target, ours: dict[str, Any], other: dict[str, Any]) -> str:
         )
     if target.figure == "reuse_ratio":
         return f"hit {pct(med(ours, 'reuse_ratio'))} vs {pct(med(other, 'reuse_ratio'))} (medians)"
+    if target.figure == "hit_vs_oracle":
+        hit, oracle = med(ours, "reuse_ratio"), med(ours, "oracle_hit_ratio")
+        return f"hit {pct(hit)} vs the oracle's {pct(oracle)} (medians)"
     base = f"{target.figure.removesuffix('_s').replace('_', ' ')} {secs(med(ours, target.figure))}"
     if target.other == FLOOR:
         return f"{base}, floor {secs(med(ours, 'floor_' + target.figure))} (medians)"
@@ -545,11 +552,14 @@ def sections(
         "",
         markdown_table(target_rows(targets)),
         "",
-        "## Sustained rate (measured on each cluster before its runs)",
-        "",
-        markdown_table(calibration_rows(calibration)),
-        "",
     ]
+    if calibration:
+        out += [
+            "## Sustained rate (measured on each cluster before its runs)",
+            "",
+            markdown_table(calibration_rows(calibration)),
+            "",
+        ]
     for config in configs(runs):
         s = setup.get(config) or {}
         out += [f"## {config}", ""]
@@ -616,42 +626,52 @@ def notes(
             f"{len(unsynced)} runs of ours began before every worker's clear event reached "
             "the router: " + "; ".join(f"{label(r)} seed {r['seed']}" for r in unsynced)
         )
-    params: dict[str, dict[str, Any]] = {}
+    # each workload's parameters per seed, once for the configs that share them
+    shared: dict[tuple[Any, Any, str], list[Any]] = {}
     for run in runs:
-        key = f"{run.get('config')} (seed {run.get('seed')})"
-        if run.get("workload_params") and key not in params:
-            params[key] = run["workload_params"]
-    for key, p in params.items():
-        out.append(f"Workload of {key}: {params_text(p)}.")
+        if run.get("workload_params"):
+            key = (run.get("workload"), run.get("seed"), params_text(run["workload_params"]))
+            shared.setdefault(key, [])
+            if run.get("config") not in shared[key]:
+                shared[key].append(run.get("config"))
+    for (workload, seed, text), where in shared.items():
+        out.append(
+            f"Workload of {where[0] if len(where) == 1 else workload} (seed {seed}): {text}."
+        )
     return out
 
 
+@dataclass(frozen=True)
+class Kind:
+    """One paired preset: its name (results.json's `preset`; the quick one's ends in
+    -quick), where it writes, its title, notes and targets, and its own part of the page."""
+
+    name: str
+    out: Path
+    title: str
+    notes: tuple[str, ...]
+    targets_for: TargetsFor
+    page: str | None = None  # the Markdown page's file name (None: results.md)
+    extra: ExtraFor | None = None
+
+
 def write_paired(
-    out_dir: Path,
-    preset: str,
-    title: str,
-    runs: list[Run],
-    calibration: dict[str, Any],
-    setup: dict[str, Any],
-    preset_notes: Sequence[str],
-    targets_for: TargetsFor,
-    peers: dict[str, PeerStatus],
-    elapsed_s: float,
-    command: str,
-    machine: dict[str, Any] | None = None,
-    page: str | None = None,
-    extra: ExtraFor | None = None,
-) -> dict[str, Any]:
-    """results.json and results.md (or `page`); `extra` adds a preset's own tables, figures
-    and plots ahead of the common ones."""
-    out_dir = Path(out_dir)
+    out_dir: Path, kind: Kind, given: dict[str, Any], peers: dict[str, PeerStatus]
+) -> None:
+    """results.json and results.md (or the kind's page) from a run's figures as results.json
+    holds them: a new run's, or an earlier one's reported again (runs from before capacity's
+    were paired by config have their cluster as their config); the kind's `extra` adds its
+    own tables, figures and plots ahead of the common ones."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r if r.get("config") else {**r, "config": r["cluster"]} for r in given["runs"]]
+    own_notes = [n for n in given.get("notes") or [] if n not in kind.notes]  # the run's
+    own_notes = own_notes or [f"Left out: {m}" for m in given.get("missing") or []]
+    calibration, setup = given.get("calibration") or {}, given.get("setup") or {}
+    command, elapsed_s = given.get("command", ""), given.get("elapsed_s", 0.0)
     summary = summarize(runs)
-    targets = evaluate(runs, summary, targets_for)
-    own = extra(out_dir, runs, summary, targets, calibration) if extra else None
-    plots = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
-    figures = {
-        "preset": preset,
+    targets = evaluate(runs, summary, kind.targets_for)
+    figures: dict[str, Any] = {
+        "preset": given["preset"],
         "command": command,
         "elapsed_s": elapsed_s,
         "runs": runs,
@@ -659,18 +679,19 @@ def write_paired(
         "summary": summary,
         "targets": targets,
         "setup": setup,
-        "notes": list(preset_notes),
+        "notes": [*kind.notes, *own_notes],
         "sim_model": sim_model(),
         "peers": {name: s.__dict__ for name, s in peers.items()},
-        "plots": plots,
     }
+    own = kind.extra(out_dir, figures) if kind.extra else None
+    figures["plots"] = [*(own.plots if own else []), *plot_paired(out_dir, runs, summary, label)]
     if own is not None:
         figures[own.key] = own.figures
     met = sum(1 for t in targets.values() if t.get("met") is True)
     publish(
         out_dir,
         figures,
-        title,
+        kind.title,
         [
             f"`{command}` ({elapsed_s / 60:.1f} min, {len(runs)} runs; {met} of "
             f"{len(targets)} targets met).",
@@ -678,8 +699,7 @@ def write_paired(
             *(own.lines if own else []),
             *sections(runs, summary, targets, calibration, setup),
         ],
-        notes(preset_notes, runs, peers),
-        machine,
-        page,
+        notes(figures["notes"], runs, peers),
+        given.get("machine") or None,
+        kind.page,
     )
-    return figures

@@ -151,16 +151,17 @@ def peers_text(peers: dict[str, PeerStatus]) -> str:
     )
 
 
-def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatus]) -> list[str]:
-    model = sim_model()
-    capacity = plan.max_total_tokens or model["kv_capacity_tokens_default"]
+def notes(figures: dict[str, Any], peers: dict[str, PeerStatus]) -> list[str]:
+    model, runs = sim_model(), figures["runs"]
+    capacity = figures["kv_capacity_tokens"]
+    lowered = capacity != model["kv_capacity_tokens_default"]
     workloads: dict[str, dict[str, Any]] = {}
     for run in runs:
         if run.get("workload_params") and run["workload"] not in workloads:
             workloads[run["workload"]] = run["workload_params"]
     peer_text = peers_text(peers)
     out = [
-        f"Preset: {plan.preset}. Times in seconds unless marked. TTFT: time to the first "
+        f"Preset: {figures['preset']}. Times in seconds unless marked. TTFT: time to the first "
         "streamed chunk with content; JCT: time to the end of the stream; TPOT: (JCT - TTFT) "
         "/ (completion tokens - 1). `hit`: cached_tokens / prompt_tokens as the workers "
         "report them; `oracle`: the same requests replayed in send order into one infinite "
@@ -170,13 +171,13 @@ def notes(plan: Plan, runs: Sequence[dict[str, Any]], peers: dict[str, PeerStatu
         f"{capacity:,} tokens"
         + (
             " (--max-total-tokens, lowered so eviction shows)"
-            if plan.max_total_tokens
+            if lowered
             else " (90 % of an 80 GB H100 minus the 16 GB of weights, at 128 KiB per token)"
         )
         + ". The same workers serve every system of a cluster; caches are flushed before "
         "each run and each run starts a fresh router. `--time-scale` 1 (modelled H100 time) "
         "except where a cluster's name says otherwise: "
-        + "; ".join(f"{name}: {spec.time_scale:g}" for name, spec in plan.clusters.items())
+        + "; ".join(f"{name}: {c['time_scale']:g}" for name, c in figures["clusters"].items())
         + " (a time scale of k makes the sim GPU k times slower, so the same request rate "
         "is k times the load; its latencies are wall-clock, k times H100 time).",
         "Clients: one aiohttp session (uvloop), streaming, `temperature` 0, "
@@ -227,21 +228,19 @@ def params_text(params: dict[str, Any], leave: Sequence[str] = ("seed",)) -> str
 
 def write_all(
     out_dir: Path,
-    plan: Plan,
-    runs: list[dict[str, Any]],
+    plan: Plan | None,
+    given: dict[str, Any],
     peers: dict[str, PeerStatus],
-    elapsed_s: float,
-    command: str,
-    machine: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    out_dir = Path(out_dir)
+) -> None:
+    """results.json, results.md and the plots from a run's figures as results.json holds
+    them (with `plan`, a new run's: its clusters and KV are added; else an earlier one's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs, command, elapsed_s = given["runs"], given.get("command", ""), given.get("elapsed_s", 0.0)
     targets = all_targets(runs)
     replicas = replicas_report.summary(runs)
     processes = replicas_report.processes_summary(runs)
-    plots = plot_all(out_dir, runs)
     figures = {
-        "preset": plan.preset,
+        "preset": given["preset"],
         "command": command,
         "elapsed_s": elapsed_s,
         "runs": runs,
@@ -249,11 +248,15 @@ def write_all(
         "replicas": replicas,
         "processes": processes,
         "sim_model": sim_model(),
-        "kv_capacity_tokens": plan.max_total_tokens or sim_model()["kv_capacity_tokens_default"],
-        "clusters": {name: spec.__dict__ for name, spec in plan.clusters.items()},
+        "kv_capacity_tokens": given.get("kv_capacity_tokens"),
+        "clusters": given.get("clusters") or {},
         "peers": {name: s.__dict__ for name, s in peers.items()},
-        "plots": plots,
+        "plots": plot_all(out_dir, runs),
     }
+    if plan is not None:
+        capacity = plan.max_total_tokens or sim_model()["kv_capacity_tokens_default"]
+        figures["kv_capacity_tokens"] = capacity
+        figures["clusters"] = {name: spec.__dict__ for name, spec in plan.clusters.items()}
     publish(
         out_dir,
         figures,
@@ -263,7 +266,6 @@ def write_all(
             "",
             *sections(runs, targets, replicas, processes),
         ],
-        notes(plan, runs, peers),
-        machine,
+        notes(figures, peers),
+        given.get("machine") or None,
     )
-    return figures

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress, TaskID
 
-from benchmarks.harness import run_async
+from benchmarks.harness import progress_bar, run_async
 from benchmarks.harness import step as advance
 from benchmarks.load.bodies import served_model
 from benchmarks.load.causal import run_workload
@@ -26,20 +28,47 @@ from benchmarks.multiturn.queue_floor import lru_reference, prefill_servers, que
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
-from benchmarks.peers import OURS, PeerStatus
+from benchmarks.peers import OURS, SGLANG_ROUTER, SMG, PeerStatus, peer_status
 from localrun.cluster import Cluster, scrape
 
 
 @dataclass
 class Context:
-    plan: Plan
+    """What every run of a plan shares: the model's tokenizer (the oracle's encodes), the
+    workloads' vocabulary, the peers' status, the progress bars, the log directory; and the
+    plan being run (`context`)."""
+
     model_dir: Path
-    log_dir: Path
     tokenizer: Any  # ChatTokenizer
     encoder: Any  # CachedEncoder: the oracle's chat encodes
     vocab: Vocab
-    progress: Progress
     peers: dict[str, PeerStatus]
+    progress: Progress
+    log_dir: Path
+    plan: Plan = field(default_factory=lambda: Plan("", {}, [], None))
+
+    @classmethod
+    @contextmanager
+    def open(cls, log_dir: Path | None) -> Iterator[Context]:
+        from connector.model_files import ensure_hf_model
+        from shared.token_cache import CachedEncoder
+        from shared.tokenizer import ChatTokenizer
+
+        model_dir = ensure_hf_model()
+        tokenizer = ChatTokenizer(model_dir)
+        peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
+        with (
+            tempfile.TemporaryDirectory(prefix="multiturn-") as tmp,
+            progress_bar(46) as progress,
+        ):
+            logs = log_dir or Path(tmp)
+            logs.mkdir(parents=True, exist_ok=True)
+            encoder, vocab = CachedEncoder(tokenizer), Vocab.from_tokenizer(tokenizer)
+            yield cls(model_dir, tokenizer, encoder, vocab, peers, progress, logs)
+
+    def context(self, plan: Plan) -> Context:
+        """This session running `plan`."""
+        return replace(self, plan=plan)
 
 
 # Called once per cluster after it started (the cluster, its steps, the served model, the

@@ -220,15 +220,10 @@ def target_summary(targets: dict[str, Any]) -> list[str]:
     return lines
 
 
-def extra(
-    out_dir: Path,
-    runs: Sequence[Run],
-    summary: Sequence[dict[str, Any]],
-    targets: dict[str, Any],
-    calibration: dict[str, Any],
-) -> Extra:
+def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     """The sweep's part of README.md and results.json (`sweep`), and its heat map."""
-    cells = cell_rows(runs, summary, calibration)
+    runs, summary, targets = figures["runs"], figures["summary"], figures["targets"]
+    cells = cell_rows(runs, summary, figures["calibration"])
     rows = table_rows(runs, summary)
     data = heatmap_data(rows, runs, targets)
     plots = [HEATMAP] if plot_heatmap(Path(out_dir) / HEATMAP, data) else []

@@ -315,7 +315,7 @@ def capacity(cap_dir: Path) -> dict[str, Any]:
 
 def left_out(capacity: dict[str, Any], part: str) -> str | None:
     """Why the run left `part` out (the worker or router lacks it), or None."""
-    return next((m for m in capacity["missing"] if m.startswith(part)), None)
+    return next((m for m in capacity["notes"] if m.startswith(f"Left out: {part}")), None)
 
 
 def test_capacity_answers_split_every_prompt_token(capacity: dict[str, Any]) -> None:
@@ -365,7 +365,8 @@ def test_capacity_working_set_is_the_asked_multiple(capacity: dict[str, Any]) ->
     for run in available(capacity):
         assert run["multiple"] == 4
         measured = run["oracle_distinct_tokens"]
-        assert abs(measured - run["working_set_estimate"]) <= 0.02 * measured
+        estimate = capacity["setup"][run["workload"]]["working_set_estimates"][str(run["seed"])]
+        assert abs(measured - estimate) <= 0.02 * measured
         assert run["worker_capacity_tokens"] == run["instance_kv_tokens"]
         assert run["cluster_kv_tokens"] == 4 * run["instance_kv_tokens"]
         assert 4 <= run["working_set_sizing"] / run["cluster_kv_tokens"] < 4.05
@@ -384,20 +385,20 @@ def test_capacity_seeds_are_paired(capacity: dict[str, Any]) -> None:
     assert len(prompts) == 1, prompts
     for entry in capacity["summary"]:
         assert entry["seeds"] == [1]
-        for name in ("hit_vs_oracle", "hit_vs_cache_aware", "p99_vs_cache_aware", "p99_vs_floor"):
-            figure = entry[name]
-            assert set(figure["per_seed"]) == {"1"}, (entry["system"], name)
-            value = figure["per_seed"]["1"]
-            assert figure["median"] == figure["min"] == figure["max"] == value
-    ca = next(e for e in capacity["summary"] if e["system"] == "sglang-router cache_aware")
-    assert ca["p99_vs_cache_aware"]["median"] == 1.0
+    for name, t in capacity["targets"].items():
+        if t["value"] is not None:
+            assert t["per_seed"] == {"1": t["value"]} and t["spread"] == [t["value"]] * 2, name
+    rows = capacity["ratios"]["rows"]
+    ca = next(r for r in rows if r["system"] == "sglang-router cache_aware")
+    assert ca["p99 vs cache aware"] == "1.00 [1.00..1.00]"
 
 
 def test_capacity_targets_and_report(cap_dir: Path, capacity: dict[str, Any]) -> None:
     targets = capacity["targets"]
-    names = {f"multi_round_qa_4x_{'host' if not left_out(capacity, 'host tier') else 'nohost'}"}
+    host = "host_tier_4x" if not left_out(capacity, "host tier") else "no_host_tier"
+    names = {f"multi_round_qa_4x_{host}"}
     want = {
-        f"{prefix}_prompt_tree_{name}"
+        f"{prefix}_ours_prompt_tree_{name}"
         for prefix in names
         for name in ("hit_vs_oracle", "hit_vs_cache_aware", "p99_vs_cache_aware", "p99_vs_floor")
     }
@@ -407,7 +408,7 @@ def test_capacity_targets_and_report(cap_dir: Path, capacity: dict[str, Any]) ->
         if t["met"] is not True:
             assert t.get("why"), f"{name} missed without a reason"
     md = (cap_dir / "results.md").read_text()
-    for heading in ("## Targets at 4x", "## Paired ratios", "## Per configuration", "## Notes"):
+    for heading in ("## Targets", "## Paired ratios", "## Sizing", "## Notes"):
         assert heading in md, heading
     assert "floor p99" in md and "recomputed" in md
     for name in ("capacity_hit_ratio.png", "capacity_p99_ttft.png"):
@@ -550,7 +551,8 @@ def test_paired_ratios_and_targets_from_runs() -> None:
     """Ratios are taken within a seed and summarized as median and min..max; a seed whose
     cache_aware run is missing drops out of the ratios against it only; a target's figure
     from runs with failed requests is not a measurement."""
-    from benchmarks.multiturn.capacity_report import capacity_targets, summarize
+    from benchmarks.multiturn.capacity_report import ratio_rows, targets_for
+    from benchmarks.multiturn.paired_report import evaluate, summarize
 
     def run(system: str, seed: int, p99: float, reuse: float, errors: int = 0) -> dict[str, Any]:
         return {
@@ -567,6 +569,8 @@ def test_paired_ratios_and_targets_from_runs() -> None:
             "errors": errors,
             "requests": 100,
             "cluster": "c",
+            "config": "multi_round_qa 4x, host tier 4x",
+            "router": system.split()[0],
         }
 
     ours, ca = "ours prompt_tree", "sglang-router cache_aware"
@@ -578,24 +582,23 @@ def test_paired_ratios_and_targets_from_runs() -> None:
         run(ca, 2, 3.0, 0.3),
     ]
     summary = summarize(runs)
-    mine = next(e for e in summary if e["system"] == ours)
-    assert mine["p99_vs_cache_aware"]["per_seed"] == pytest.approx({1: 0.5, 2: 0.2})  # no 3
-    assert mine["p99_vs_cache_aware"]["median"] == pytest.approx(0.35)
-    assert mine["p99_vs_floor"]["per_seed"] == pytest.approx({1: 2.0, 2: 1.2, 3: 1.8})
-    floor = mine["p99_vs_floor"]
-    assert (floor["median"], floor["min"], floor["max"]) == pytest.approx((1.8, 1.2, 2.0))
-    assert mine["hit_vs_oracle"]["median"] == pytest.approx(0.925)
-    assert mine["hit_vs_cache_aware"]["per_seed"] == pytest.approx({1: 1.9, 2: 0.74 / 0.3})
-    targets = capacity_targets(runs, summary)
-    prefix = "multi_round_qa_4x_host_prompt_tree_"
+    mine = next(r for r in ratio_rows(runs) if r["system"] == ours)
+    assert mine["p99 vs cache aware"] == "0.35 [0.20..0.50]"  # no seed 3: no cache_aware run
+    assert mine["p99 vs floor"] == "1.80 [1.20..2.00]"
+    assert mine["hit vs oracle"] == "0.92 [0.80..0.95]"  # 0.925
+    assert mine["hit vs cache aware"] == "2.18 [1.90..2.47]"
+    targets = evaluate(runs, summary, targets_for)
+    prefix = "multi_round_qa_4x_host_tier_4x_ours_prompt_tree_"
     assert targets[prefix + "p99_vs_cache_aware"]["met"] is True
+    assert targets[prefix + "p99_vs_cache_aware"]["per_seed"] == pytest.approx({1: 0.5, 2: 0.2})
     assert targets[prefix + "p99_vs_floor"]["met"] is False
     assert "floor" in targets[prefix + "p99_vs_floor"]["why"]
+    assert targets[prefix + "hit_vs_oracle"]["value"] == pytest.approx(0.925)
     assert targets[prefix + "hit_vs_oracle"]["met"] is True
     hit = targets[prefix + "hit_vs_cache_aware"]
     assert hit["spread"] == pytest.approx([1.9, 0.74 / 0.3]) and hit["met"] is True
     runs[4]["errors"] = 3
-    failed = capacity_targets(runs, summarize(runs))
+    failed = evaluate(runs, summarize(runs), targets_for)
     assert failed[prefix + "p99_vs_cache_aware"]["met"] is None
     assert "not measurable" in failed[prefix + "p99_vs_cache_aware"]["why"]
     assert failed[prefix + "p99_vs_floor"]["met"] is False  # cache_aware is not involved

@@ -368,7 +368,7 @@ def test_one_decode_gets_a_policy_the_peers_accept() -> None:
         (["--hot-prefix", "--pd"], "pick one"),
         (["--hot-prefix", "--multiples", "2"], "--multiples belongs to --capacity and --pd"),
         (["--calibration-from", "x"], "--calibration-from belongs to"),
-        (["--pd", "--max-total-tokens", "4096"], "sizes the KV from the workload"),
+        (["--pd", "--max-total-tokens", "4096"], "sizes the KV from the working set"),
         (["--capacity", "--shapes", "2P2D"], "--shapes belongs to --hot-prefix and --pd"),
         (["--hot-prefix", "--quick", "--shapes", "3P1D"], "this preset has ['4 colocated']"),
     ],

@@ -26,7 +26,7 @@ SYSTEMS = {
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sweep")
-    done = benchmark("multiturn", out, "--sweep-quick", timeout=360)
+    done = benchmark("multiturn", out, "--sweep", "--quick", timeout=360)
     assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-5000:]}"
     return out
 
@@ -35,7 +35,7 @@ def test_sweep_quick(sweep_dir: Path) -> None:
     figures = json.loads((sweep_dir / "results.json").read_text())
     assert figures["preset"] == "sweep-quick"
     command = figures["command"]
-    assert command.startswith("python -m benchmarks.multiturn") and "--sweep-quick" in command
+    assert command.startswith("python -m benchmarks.multiturn") and "--sweep --quick" in command
     runs = check_paired_run(figures)
     cells = ["base", "engines mixed"]
     assert list(dict.fromkeys(r["config"] for r in runs)) == cells
