@@ -31,23 +31,35 @@ def timed(call: Callable[[A], R], arg: A) -> tuple[float, R]:
 def tokenizer_costs(
     tokenizer: Any, conversations: list[Conversation], progress: Progress
 ) -> dict[str, Any]:
-    """Full encode of an 8K chat, and our CachedEncoder cold (a new chat) and warm (turn 2)."""
+    """Full encode of an 8K chat (what an engine does), and the router's own encode of a new
+    chat (cold) and of its second turn (warm), as the router runs its CachedEncoder: with its
+    encode thread started (new pieces encoded one by one, not in a batch), the chat's cached
+    part first (`encode_chat_known`), then its new text (`complete`), ids left in an array."""
     from shared.token_cache import CachedEncoder
 
     task = progress.add_task("tokenizer: 8K chats", total=len(conversations) - 1)
     encoder = CachedEncoder(tokenizer)
+    encoder.start_thread()
     encoder.encode_chat(conversations[0].turns[0])  # a running router knows the system prompt
+
+    def routed(messages: list[dict[str, str]]) -> array:
+        known = encoder.encode_chat_known(messages)
+        return encoder.complete(known.ids, known.rest)
+
     full, cold, warm, render = [], [], [], []
-    for conv in conversations[1:]:
-        first, second = conv.turns[0], conv.turns[1]
-        full.append(timed(tokenizer.encode_chat, first)[0])
-        render.append(timed(tokenizer.render_chat, first)[0])
-        seconds, ids = timed(encoder.encode_chat, first)
-        cold.append(seconds)
-        warm.append(timed(encoder.encode_chat, second)[0])
-        if len(ids) != conv.tokens:
-            raise RuntimeError(f"CachedEncoder gave {len(ids)} ids, the tokenizer {conv.tokens}")
-        step(progress, task)
+    try:
+        for conv in conversations[1:]:
+            first, second = conv.turns[0], conv.turns[1]
+            full.append(timed(tokenizer.encode_chat, first)[0])
+            render.append(timed(tokenizer.render_chat, first)[0])
+            seconds, ids = timed(routed, first)
+            cold.append(seconds)
+            warm.append(timed(routed, second)[0])
+            if len(ids) != conv.tokens:
+                raise RuntimeError(f"the router's encode gave {len(ids)} ids, not {conv.tokens}")
+            step(progress, task)
+    finally:
+        encoder.close()
     return {
         "full_encode_ms": p50_p99(full, 1e3),
         "render_ms": p50_p99(render, 1e3),

@@ -91,8 +91,8 @@ INTERNAL = [  # (row, part of the figures, key, unit)
     ("tree record(), 8K path held", "decision", "record_8k_us", "µs"),
     ("ChatTokenizer.encode_chat, 8K (full)", "tokenizer", "full_encode_ms", "ms"),
     ("  of which chat template render", "tokenizer", "render_ms", "ms"),
-    ("CachedEncoder cold (new 8K chat)", "tokenizer", "cached_cold_ms", "ms"),
-    ("CachedEncoder warm (turn 2)", "tokenizer", "cached_warm_ms", "ms"),
+    ("the router's encode, cold (new 8K chat)", "tokenizer", "cached_cold_ms", "ms"),
+    ("the router's encode, warm (turn 2)", "tokenizer", "cached_warm_ms", "ms"),
 ]
 
 
