@@ -1,5 +1,5 @@
 """`python -m benchmarks.router_overhead.floor_proxy --port P --worker-urls URL [URL ...]
-[--server httptools|granian|uvicorn] [--client upstream|aiohttp]`: the least CPU a Python
+[--server httptools|granian|uvicorn] [--client upstream|aiohttp|aiosonic]`: the least CPU a Python
 router can spend on a request, as a reference row.
 
 It does only what every router must: parse the client's HTTP/1.1 request, send its body to
@@ -12,7 +12,7 @@ between ours and this row is ours to cut.
 `--server` and `--client` put the HTTP libraries side by side with nothing else around
 them: the hand-written httptools server against granian (RSGI, the router's server since
 issue 35) and uvicorn (httptools, a bare ASGI app); the router's `UpstreamPool` against
-aiohttp's client with a tuned connector.
+aiohttp's client with a tuned connector and aiosonic's (an asyncio client built for speed).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from http import HTTPStatus
 from typing import Any
 
 import aiohttp
+import aiosonic
 import httptools
 import uvloop
 
@@ -33,7 +34,8 @@ from router.forward.upstream import UpstreamError, UpstreamPool
 
 SERVERS = ("httptools", "granian", "uvicorn")
 UNREACHABLE = b'{"error": {"message": "worker unreachable", "code": 502}}'
-CLIENTS = ("upstream", "aiohttp")
+CLIENTS = ("upstream", "aiohttp", "aiosonic")
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 def _answer(status: int, body: bytes, kind: str = "application/json") -> bytes:
@@ -114,15 +116,27 @@ class FloorProxy:
         self.workers = itertools.cycle([u.rstrip("/") for u in worker_urls])
         self.pool = UpstreamPool() if client == "upstream" else None
         self.session: aiohttp.ClientSession | None = None
+        self.sonic: aiosonic.HTTPClient | None = None
         if client == "aiohttp":  # tuned as a gateway would: no connection cap, no decoding
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
             self.session = aiohttp.ClientSession(
                 connector=connector, auto_decompress=False, read_bufsize=2**16
             )
+        elif client == "aiosonic":  # its default pool, as large as aiohttp's is unbounded
+            pools = {":default": {"size": 256, "max_conn_requests": None}}  # keep-alive, no cap
+            connector = aiosonic.TCPConnector(pool_configs=pools)
+            self.sonic = aiosonic.HTTPClient(connector=connector)
 
     async def relay(self, path: str, body: bytes) -> tuple[int, bytes, str]:
         """The worker's status, body and content type (502 when it cannot be reached)."""
         url = next(self.workers) + path
+        if self.sonic is not None:
+            try:
+                answer = await self.sonic.post(url, data=body, headers=JSON_HEADERS)
+                payload = await answer.content()
+            except (OSError, aiosonic.exceptions.AiosonicError):
+                return 502, UNREACHABLE, "application/json"
+            return answer.status_code, payload, answer.headers.get("content-type", "")
         if self.session is not None:
             try:
                 async with self.session.post(url, data=body) as resp:
@@ -148,6 +162,8 @@ class FloorProxy:
             await self.pool.close()
         if self.session is not None:
             await self.session.close()
+        if self.sonic is not None:
+            await self.sonic.aclose()
 
 
 class RSGIFloor:

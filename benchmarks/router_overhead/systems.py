@@ -42,6 +42,7 @@ FLOOR_VARIANTS = [
     ("python floor [granian]", ["--server", "granian"]),
     ("python floor [uvicorn]", ["--server", "uvicorn"]),
     ("python floor [aiohttp client]", ["--client", "aiohttp"]),
+    ("python floor [aiosonic client]", ["--client", "aiosonic"]),
 ]
 BEFORE = "ours [before]"  # --before DIR: an earlier commit's router, run from DIR
 FLOOR_MODULE = "benchmarks.router_overhead.floor_proxy"

@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks.peers import SGLANG_ROUTER, SMG, PeerStatus
+from benchmarks.router_overhead.floor_proxy import CLIENTS
 from benchmarks.router_overhead.phases import tree_cpu_s
 from benchmarks.router_overhead.profile import section, summarize
 from benchmarks.router_overhead.systems import BEFORE, cpu_sets, make_systems
@@ -45,20 +48,25 @@ def test_router_cpu_counts_the_processes_it_started() -> None:
     assert tree_cpu_s(parent.pid) == 0.0
 
 
-def test_the_python_floor_forwards_and_says_what_fails(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", CLIENTS)
+def test_the_python_floor_forwards_and_says_what_fails(
+    model_dir: Path, tmp_path: Path, client: str
+) -> None:
     worker_args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"]
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     module = "benchmarks.router_overhead.floor_proxy"
+    flags = ["--client", client]
     with (
         running("connector.worker", worker_args, tmp_path) as worker,
-        running(module, ["--worker-urls", worker.url], tmp_path) as floor,
+        running(module, ["--worker-urls", worker.url, *flags], tmp_path) as floor,
     ):
-        status, answer = call(floor.url + "/v1/chat/completions", chat)
-        assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
+        for _ in range(3):  # its pooled connection reused
+            status, answer = call(floor.url + "/v1/chat/completions", chat)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 2, answer
         status, answer = call(floor.url + "/v1/models", method="GET")
         assert status == 405 and "POST requests only" in answer["error"]["message"]
     nobody = f"http://{LOOPBACK}:{free_port()}"
-    with running(module, ["--worker-urls", nobody], tmp_path) as floor:
+    with running(module, ["--worker-urls", nobody, *flags], tmp_path) as floor:
         status, answer = call(floor.url + "/v1/chat/completions", chat)
         assert status == 502 and answer["error"]["message"] == "worker unreachable"
 
