@@ -7,7 +7,14 @@ buffered batches from a requested sequence number, ending with sequence -1.
 Block hashes chain SHA-256 over (parent hash, page tokens), folded to a signed int64.
 BlockStored and BlockRemoved end with SGLang's optional `medium` (the tier: "GPU",
 "CPU_PINNED"); it is left off the wire when None, so decoders with or without the field read
-both forms.
+both forms. A BlockStored of pages in a cache namespace (connector/worker/namespaces.py) ends
+with one more element, `metadata`, as SGLang's BlockStoredWithMetadata puts it after `medium`:
+an array [cache_salt, extra_key, lora_name] (SGLang's BlockStoredMetadata has cache_salt
+alone; the other two are ours, after it), and `lora_id` holds the adapter's id folded to a
+signed int64. Its `block_hashes` chain over the namespace's index key, so equal tokens in two
+namespaces never share a hash; `token_ids` are the real tokens. Decoders that know fewer
+fields ignore the trailing ones (msgspec's array-like structs do), and events of pages in no
+namespace are byte for byte what they were.
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Base of the tagged union."""
 
 
+class BlockStoredMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The namespace of stored pages: SGLang's `cache_salt`, then ours."""
+
+    cache_salt: str | None = None  # None: the pages are not salted (a public prefix, or none)
+    extra_key: str | None = None
+    lora_name: str | None = None
+
+
 class BlockStored(KVCacheEvent):
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -44,6 +59,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None = None  # SGLang's StorageMedium: "GPU", "CPU_PINNED"; None: GPU
+    metadata: BlockStoredMetadata | None = None  # the cache namespace; None: none
 
 
 class BlockRemoved(KVCacheEvent):
@@ -159,10 +175,16 @@ class KVEventPublisher:
         )
 
     def moved(
-        self, hashes: list[int], parent: int | None, token_ids: list[int], medium: str | None
+        self,
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        medium: str | None,
+        lora_id: int | None = None,
+        metadata: BlockStoredMetadata | None = None,
     ) -> None:
         """Pages known by their hashes (and `parent`, the page before them) are now stored in
-        tier `medium`: a swap between tiers, or new pages."""
+        tier `medium`: a swap between tiers, or new pages (in a namespace: `metadata`)."""
         if hashes:
             self._pending.append(
                 BlockStored(
@@ -170,8 +192,9 @@ class KVEventPublisher:
                     parent_block_hash=parent,
                     token_ids=token_ids,
                     block_size=self.page_size,
-                    lora_id=None,
+                    lora_id=lora_id,
                     medium=medium,
+                    metadata=metadata,
                 )
             )
 

@@ -5,11 +5,12 @@ Flags keep SGLang's names where the meaning is the same (--model-path, --host, -
 --disable-radix-cache, --enable-hierarchical-cache, --hicache-ratio, --hicache-size,
 --chunked-prefill-size, --kv-events-config, --disaggregation-mode,
 --disaggregation-bootstrap-port, --disaggregation-transfer-backend, --served-model-name,
---context-length; --init-new-token-ratio, --min-new-token-ratio, --new-token-ratio-decay, which
-SGLang 0.5.23 reads from environment variables). Ours: --pd-caching (MemServe's caching
-modes of a disaggregated pair), --mempool-port, --mempool-secret, --cluster-redis,
---enable-mempool-pull, --mempool-pull-timeout-secs, --tokenizer-cache, --backend,
---time-scale, --sim-interconnect-gbps.
+--context-length, --lora-paths, --max-loaded-loras, --max-loras-per-batch,
+--lora-eviction-policy, --enable-lora; --init-new-token-ratio, --min-new-token-ratio,
+--new-token-ratio-decay, which SGLang 0.5.23 reads from environment variables). Ours:
+--pd-caching (MemServe's caching modes of a disaggregated pair), --mempool-port,
+--mempool-secret, --cluster-redis, --enable-mempool-pull, --mempool-pull-timeout-secs,
+--tokenizer-cache, --backend, --time-scale, --sim-interconnect-gbps, --sim-lora-size-mb.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from connector.worker.admission import TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import ChainedHooks, RequestHooks
 from connector.worker.kv_cache import KVCache, host_tier_tokens
+from connector.worker.lora import LoRAError, LoRARegistry, parse_lora_path
 from connector.worker.pd import PDConfig, PDLink, PDMode
 from connector.worker.pd_hooks import PDHooks
 from connector.worker.pull import PullConfig, PullHooks
@@ -123,6 +125,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=(0.7 - 0.098) / 600,
         help="decay per decode step without retraction (SGLang: (init - min) / 600 steps); "
         "a retraction raises the ratio to what the running requests generated so far",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="accepted for SGLang compatibility: adapters are served whenever --lora-paths "
+        "names some or /load_lora_adapter loads one",
+    )
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="SPEC",
+        help='LoRA adapters to serve: PATH, NAME=PATH, or JSON {"lora_name": ..., '
+        '"lora_path": ..., "pinned": true} (SGLang\'s forms); no backend applies real '
+        "adapter weights, KV is keyed per adapter all the same",
+    )
+    p.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="adapters in memory at once (default: no limit); a request for another one "
+        "loads it, evicting an unpinned adapter no running request uses",
+    )
+    p.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="different adapters in one running batch (SGLang's default 8)",
+    )
+    p.add_argument(
+        "--lora-eviction-policy",
+        choices=["lru", "fifo"],
+        default="lru",
+        help="which loaded adapter makes room: least recently used, or first loaded",
+    )
+    p.add_argument(
+        "--sim-lora-size-mb",
+        type=float,
+        default=84.0,
+        help="sim: bytes of one adapter's weights, in MB (default 84: rank 16 on every "
+        "linear layer of Llama-3.1-8B); loading one costs the latency model's "
+        "lora_load_latency_s plus this at lora_load_bytes_per_s (NVMe, 2 GB/s)",
     )
     p.add_argument(
         "--kv-events-config",
@@ -260,6 +304,7 @@ def make_backend(args: argparse.Namespace, model_dir: Path, tokenizer: ChatToken
         stand_in=args.disaggregation_mode != "null"
         or args.enable_hierarchical_cache
         or args.enable_mempool_pull,
+        lora_bytes=args.sim_lora_size_mb * 1e6,
         **({"context_length": args.context_length} if args.context_length else {}),
     )
 
@@ -335,6 +380,19 @@ def host_tier_blocks(args: argparse.Namespace, backend: Backend, device_blocks: 
     return tokens // page
 
 
+def lora_registry(args: argparse.Namespace) -> LoRARegistry:
+    """The adapters of --lora-paths under SGLang's limits; SystemExit naming what is wrong."""
+    if not args.sim_lora_size_mb >= 0:
+        raise SystemExit(f"--sim-lora-size-mb must be >= 0, got {args.sim_lora_size_mb}")
+    try:
+        refs = [parse_lora_path(spec) for spec in args.lora_paths]
+        return LoRARegistry(
+            refs, args.max_loaded_loras, args.max_loras_per_batch, args.lora_eviction_policy
+        )
+    except LoRAError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def token_ratio(args: argparse.Namespace) -> TokenRatio:
     """SGLang's new-token ratio from the three flags; SystemExit naming what is wrong."""
     try:
@@ -364,6 +422,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             "--enable-mempool-pull, join membership"
         )
     check_tier_args(args)
+    lora = lora_registry(args)
     if args.model_path is None:
         from connector.model_files import ensure_hf_model
 
@@ -458,6 +517,7 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             ratio=token_ratio(args),
         ),
         hooks,
+        lora,
     )
     server_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     server_args["model_path"] = str(model_dir)

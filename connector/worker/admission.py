@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from connector.worker.kv_cache import KVCache
+from connector.worker.lora import LoRARegistry
 from connector.worker.sequence import Sequence
 from mempool import PrefixMatch
 
@@ -107,8 +108,10 @@ class Admission:
         enable_cache: bool,
         chunked_prefill_size: int | None = None,
         ratio: TokenRatio | None = None,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.kv = kv
+        self.lora = lora
         self.ratio = ratio if ratio is not None else TokenRatio()
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -144,8 +147,11 @@ class Admission:
                 out.chunked = chunked
                 return out
         busy = bool(running) or chunked is not None
+        adapters = self._adapters(running, chunked)
         while waiting and len(running) + len(out.prefills) < self.max_running_requests:
             seq = waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                break  # its adapter has no slot in this batch, or cannot be loaded yet
             prefix = self.prefix(seq)
             rest = self._rest(seq, prefix)
             if out.prefills and rest > budget:
@@ -175,6 +181,29 @@ class Admission:
             break  # memory held by running requests, transfers or pulls in flight: wait
         return out
 
+    def _adapters(self, running: list[Sequence], chunked: Sequence | None) -> set[str]:
+        """Names of the adapters the batch already uses."""
+        seqs = [*running, *([chunked] if chunked is not None else [])]
+        return {s.lora.lora_name for s in seqs if s.lora is not None}
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[str]) -> bool:
+        """SGLang's LoRA admission: at most max_loras_per_batch adapters in a batch; an
+        adapter not in memory is loaded (evicting an unused one) or the request waits.
+        Held from here until the request finishes or is retracted."""
+        if seq.lora is None or self.lora is None:
+            return True
+        name = seq.lora.lora_name
+        if name not in adapters and len(adapters) >= self.lora.max_per_batch:
+            return False
+        if not seq.lora_held:
+            loaded = self.lora.acquire(seq.lora, adapters)
+            if loaded is None:
+                return False
+            seq.lora_held = True
+            seq.lora_load_pending = seq.lora_load_pending or loaded
+        adapters.add(seq.lora.lora_name)
+        return True
+
     def _never_fits(self, seq: Sequence) -> bool:
         """`seq`'s tokens need more blocks than the request tier has at all."""
         tokens = len(seq.prompt_ids) + seq.fill_outputs
@@ -200,7 +229,7 @@ class Admission:
             return None
         prompt = seq.fill_ids
         # Keep at least one prompt token to compute: its logits give the first token.
-        return self.kv.match(prompt, (len(prompt) - 1) // self.page * self.page)
+        return self.kv.match(prompt, (len(prompt) - 1) // self.page * self.page, seq.namespace)
 
     def _rest(self, seq: Sequence, prefix: PrefixMatch | None) -> int:
         """Prompt tokens `seq` still has to compute after its cached prefix."""

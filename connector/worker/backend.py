@@ -73,6 +73,11 @@ class Backend(ABC):
         the pages are stand-ins (None: the copy's own time is the real one)."""
         return None
 
+    def lora_load_s(self) -> float:
+        """Seconds (scaled, to sleep) that loading one LoRA adapter takes on the endpoint
+        (0: nothing is modelled; the `hf` backend applies no adapter weights)."""
+        return 0.0
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (finished or aborted)."""
         seq.backend_state = None

@@ -11,8 +11,10 @@ a disaggregated pair, a host tier, pulls between instances: `stand_in=True`) it 
 write-back, swaps between tiers) run on small bytes, and the time the real bytes would take
 is modelled: `wire_s` on the interconnect, slept by the sender between the allocation and the
 data of each transfer; `host_copy_s` over PCIe for a load from the host tier, added to the
-step that prefills the request. Stamps of KV that arrived or was cached are checked before
-it is used: a transfer or swap that moved the wrong bytes fails the step.
+step that prefills the request. A LoRA adapter loaded for a request (`lora.py`) adds
+`LatencyModel.lora_load_s` of `lora_bytes` to that step too; no adapter weights exist.
+Stamps of KV that arrived or was cached are checked before it is used: a transfer or swap
+that moved the wrong bytes fails the step.
 
 A prefill computes the chunk `seq.extend_from`.. of `seq.extend_len` tokens (chunked
 prefill); its first output token comes with the chunk that ends the prompt.
@@ -56,6 +58,7 @@ class SimBackend(Backend):
         model: LatencyModel | None = None,
         context_length: int = 131072,
         stand_in: bool = False,
+        lora_bytes: float = 84e6,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
@@ -69,6 +72,8 @@ class SimBackend(Backend):
         self._words = _word_tokens(tokenizer)
         self.simulated_busy_s = 0.0
         self.simulated_load_s = 0.0  # of which: waiting for host-tier KV
+        self.lora_bytes = lora_bytes  # one adapter's weights (--sim-lora-size-mb)
+        self.simulated_lora_load_s = 0.0  # of which: loading LoRA adapters
         self.verified_pages = 0
 
     @staticmethod
@@ -97,6 +102,12 @@ class SimBackend(Backend):
     def host_copy_s(self, pages: int) -> float:
         """Modelled seconds (unscaled) to copy `pages` real-size pages host <-> device."""
         return self.latency.host_copy_s(pages, self.spec.page_size)
+
+    def lora_load_s(self) -> float:
+        """/load_lora_adapter's modelled load, scaled (the request sleeps it)."""
+        seconds = self.latency.lora_load_s(self.lora_bytes)
+        self.simulated_lora_load_s += seconds
+        return seconds * self.time_scale
 
     def host_copy_model(self) -> Callable[[int], float]:
         return self.host_copy_s
@@ -127,8 +138,15 @@ class SimBackend(Backend):
             if s.host_cached_tokens and start == s.cached_tokens
         ]
         load_s = sum(self.host_copy_s(pages) for pages in loads)
+        # An adapter loaded for a request (not in memory at its admission) before its step.
+        lora_s = 0.0
+        for seq in prefills:
+            if seq.lora_load_pending:
+                seq.lora_load_pending = False
+                lora_s += self.latency.lora_load_s(self.lora_bytes)
+        self.simulated_lora_load_s += lora_s
         context = sum(s.num_computed for s in decodes)
-        seconds = self.latency.step_s(work, len(decodes), context, load_s)
+        seconds = self.latency.step_s(work, len(decodes), context, load_s + lora_s)
         self.simulated_busy_s += seconds
         self.simulated_load_s += load_s
         if seconds and self.time_scale:
@@ -183,6 +201,8 @@ class SimBackend(Backend):
             "latency_model": self.latency.describe(),
             "simulated_busy_s": round(self.simulated_busy_s, 6),
             "simulated_load_s": round(self.simulated_load_s, 6),
+            "simulated_lora_load_s": round(self.simulated_lora_load_s, 6),
+            "lora_bytes": self.lora_bytes,
             "kv_page_bytes": self.spec.page_bytes,
             "modelled_kv_page_bytes": self.modelled_spec.page_bytes,
         }

@@ -12,10 +12,18 @@ host eviction drops last. A matched prefix that reaches host pages is swapped ba
 as KV events with SGLang's `medium`: BlockRemoved(GPU) + BlockStored(CPU_PINNED) for a
 swap-out, the reverse for a swap-in, BlockRemoved(CPU_PINNED) for a host drop. Without a
 host tier nothing carries a medium and memory is made by dropping, as before.
+
+Cache namespaces (`namespaces.py`): every token-keyed call takes the request's namespace and
+keys the index by `CacheNamespace.key`; KV events of namespaced pages carry the real tokens,
+hashes of the key, the adapter's `lora_id` and `metadata` (remembered per page, so that
+their moves between tiers say it again). Pages inserted by a transfer (`note_inserted`)
+arrive keyed already: their events carry the key's tokens (a derived page's ids, which no
+prompt matches) and no metadata.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -24,12 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.worker.backend import Backend
+from connector.worker.namespaces import CacheNamespace, key_tokens
 from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
 from mempool.address import mem_type_of
 from mempool.pool import Moved
 from mempool.transfer.receiver import Received
-from shared.kv_events import KVEventPublisher, page_hashes
+from shared.kv_events import BlockStoredMetadata, KVEventPublisher, page_hashes
 
 # SGLang's StorageMedium names for our tiers (KV events' `medium`).
 MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}
@@ -84,6 +93,8 @@ class KVCache:
         self.copy_model: Callable[[int], float] | None = backend.host_copy_model()
         self._hash_of_block: dict[int, int] = {}  # historical page's first block -> page hash
         self._parent_hash: dict[int, int | None] = {}  # page hash -> the previous page's
+        # Namespaced pages: hash -> (lora_id, metadata, the real tokens) for their events.
+        self._ns_pages: dict[int, tuple[int | None, BlockStoredMetadata, list[int]]] = {}
         # Pages a decode instance wrote back here (PD-Caching-3), by hash, while cached: a
         # request reusing them reports them apart (its hit came from the decode's KV).
         self._written_back: set[int] = set()
@@ -219,6 +230,7 @@ class KVCache:
                 self.tiers.dropped_device_pages += 1
             if page_hash is not None:
                 self._parent_hash.pop(page_hash, None)
+                self._ns_pages.pop(page_hash, None)
                 self._written_back.discard(page_hash)
                 gone.setdefault(mem, []).append(page_hash)
         if self.events is not None:
@@ -233,12 +245,19 @@ class KVCache:
 
     # ----------------------------------------------------------------- the prefix index
 
-    def match(self, tokens: Tokens[int], max_tokens: int | None = None) -> PrefixMatch:
-        """The longest cached prefix of `tokens[:max_tokens]`, pinned until `release`. Its
-        pages may be on the host tier (`host_pages`) until `load` brings them in."""
+    def key(self, tokens: Tokens[int], ns: CacheNamespace | None) -> Tokens[int]:
+        """`tokens` as the index keys them in namespace `ns`."""
+        return key_tokens(tokens, ns, self.page)
+
+    def match(
+        self, tokens: Tokens[int], max_tokens: int | None = None, ns: CacheNamespace | None = None
+    ) -> PrefixMatch:
+        """The longest cached prefix of `tokens[:max_tokens]` in namespace `ns`, pinned until
+        `release`. Its pages may be on the host tier (`host_pages`) until `load` brings them
+        in."""
         if max_tokens is not None:
             tokens = tokens[: max(max_tokens, 1)]  # (one token matches no page)
-        return self.pool.match(tokens, lock=True)
+        return self.pool.match(self.key(tokens, ns), lock=True)
 
     def host_pages(self, prefix: PrefixMatch) -> int:
         """Pages of a match that are on the host tier."""
@@ -277,9 +296,9 @@ class KVCache:
         hashes = map(self._hash_of_block.get, prefix.addrs[:: self.bpp])
         return sum(1 for h in hashes if h in self._written_back) * self.page
 
-    def lookup(self, tokens: Tokens[int]) -> list[int]:
-        """The index's blocks for `tokens` (all cached), not pinned."""
-        return self.pool.match(tokens).addrs
+    def lookup(self, tokens: Tokens[int], ns: CacheNamespace | None = None) -> list[int]:
+        """The index's blocks for `tokens` (all cached, in namespace `ns`), not pinned."""
+        return self.pool.match(self.key(tokens, ns)).addrs
 
     def release(self, pinned: PrefixMatch | InsertResult) -> None:
         self.pool.release(pinned)
@@ -306,12 +325,13 @@ class KVCache:
             self.write(seq, cached_pages, adopt, partial=False)
         addrs = (seq.prefix.addrs if seq.prefix is not None else []) + adopt
         tokens = seq.all_ids[: full * self.page]
+        key = self.key(tokens, seq.namespace)
         if self.tiered:  # pages cached on the host that this request recomputed
-            self._publish_moves(self.pool.promote(tokens, addrs), MemType.HOST, MemType.DEVICE)
-        result = self.pool.insert(tokens, addrs, flags)  # validates before it changes anything
+            self._publish_moves(self.pool.promote(key, addrs), MemType.HOST, MemType.DEVICE)
+        result = self.pool.insert(key, addrs, flags)  # validates before it changes anything
         stored = result.new_tokens // self.page
         if stored:
-            self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :])
+            self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :], seq.namespace)
         return result
 
     def note_inserted(
@@ -341,23 +361,66 @@ class KVCache:
             received.tokens, received.cached_pages, whole - received.cached_pages, True
         )
 
-    def _learn(self, tokens: Tokens[int], first: int, blocks: list[int]) -> None:
-        """Remember pages first.. of `tokens` (in `blocks`) by hash and publish them."""
+    def _learn(
+        self, tokens: Tokens[int], first: int, blocks: list[int], ns: CacheNamespace | None = None
+    ) -> None:
+        """Remember pages first.. of `tokens` (in `blocks`, namespace `ns`) by hash and
+        publish them."""
         pages = len(blocks) // self.bpp
-        hashes = page_hashes(tokens[: (first + pages) * self.page], self.page)
+        end = (first + pages) * self.page
+        hashes = page_hashes(self.key(tokens[:end], ns), self.page)
         firsts = blocks[:: self.bpp]
         for i in range(first, first + pages):
             self._hash_of_block[firsts[i - first]] = hashes[i]
             self._parent_hash[hashes[i]] = hashes[i - 1] if i else None
+        if ns is not None:
+            lora_id = fold_id(ns.lora_id) if ns.lora_id else None
+            for i in range(first, first + pages):
+                meta = ns.event_metadata(i, self.page)
+                if meta:
+                    real = list(tokens[i * self.page : (i + 1) * self.page])
+                    self._ns_pages[hashes[i]] = (lora_id, BlockStoredMetadata(**meta), real)
         if self.events is not None and pages:
             medium = self._medium(MemType(mem_type_of(firsts[0])))
-            self.events.stored(tokens, first, pages, medium)
+            if ns is None:
+                self.events.stored(tokens, first, pages, medium)
+            else:
+                ps = self.page
+                self._publish_stored(
+                    hashes[first : first + pages], list(tokens[first * ps : end]), medium
+                )
+
+    def _publish_stored(self, hashes: list[int], token_ids: list[int], medium: str | None) -> None:
+        """BlockStored events for pages known by hash, one per run of pages in the same
+        namespace (a public prefix and the salted rest after it are two)."""
+        assert self.events is not None
+        ps = self.page
+        start = 0
+        for i in range(1, len(hashes) + 1):
+            info = self._ns_pages.get(hashes[start])
+            if i < len(hashes) and _same_ns(self._ns_pages.get(hashes[i]), info):
+                continue
+            run = hashes[start:i]
+            ids: list[int] = []
+            for j, page_hash in enumerate(run, start):
+                known = self._ns_pages.get(page_hash)
+                ids += known[2] if known is not None else token_ids[j * ps : (j + 1) * ps]
+            self.events.moved(
+                run,
+                self._parent_hash.get(run[0]),
+                ids,
+                medium,
+                info[0] if info is not None else None,
+                info[1] if info is not None else None,
+            )
+            start = i
 
     def flush(self) -> None:
         """Drop all historical KV."""
         self.pool.flush()
         self._hash_of_block.clear()
         self._parent_hash.clear()
+        self._ns_pages.clear()
         self._written_back.clear()
         if self.events is not None:
             self.events.cleared()
@@ -380,9 +443,7 @@ class KVCache:
             if self.events is None or len(known) != len(hashes) or not known:
                 continue  # pages never published (inserted behind our back) stay unpublished
             self.events.removed(known, MEDIUM[src])
-            self.events.moved(
-                known, self._parent_hash.get(known[0]), run.tokens.tolist(), MEDIUM[dst]
-            )
+            self._publish_stored(known, run.tokens.tolist(), MEDIUM[dst])
 
     def publish(self) -> None:
         """Send the KV events of this step."""
@@ -392,3 +453,18 @@ class KVCache:
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
+
+
+def fold_id(lora_id: str) -> int:
+    """An adapter's id (a uuid hex) as KV events' `lora_id`: a signed int64."""
+    digest = hashlib.sha256(lora_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _same_ns(
+    a: tuple[int | None, BlockStoredMetadata, list[int]] | None,
+    b: tuple[int | None, BlockStoredMetadata, list[int]] | None,
+) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[0] == b[0] and a[1] == b[1]

@@ -176,7 +176,7 @@ class PDHooks(RequestHooks):
                 unindexed, first_unindexed = own[whole - cached_pages :], whole
                 owned = unindexed + spare  # the index holds the rest now (or freed it)
                 # The index's blocks: pages another request cached meanwhile replaced ours.
-                addrs = kv.lookup(seq.prompt_ids[: whole * page]) + unindexed
+                addrs = kv.lookup(seq.prompt_ids[: whole * page], seq.namespace) + unindexed
             if unindexed:
                 kv.write(seq, first_unindexed, unindexed, partial=True)
         except Exception as exc:
@@ -201,7 +201,8 @@ class PDHooks(RequestHooks):
         try:
             await self.link.send(
                 room,
-                list(seq.prompt_ids),
+                # Index keys: the decode inserts (and matches) the pages in its namespace.
+                list(engine.kv.key(seq.prompt_ids, seq.namespace)),
                 addrs,
                 seq.output_ids[0],
                 # What admission found, as a colocated answer reports it: a chunked prompt's
@@ -233,7 +234,7 @@ class PDHooks(RequestHooks):
             log.exception("caching request %s failed", seq.rid)
             engine.retire(seq, seq.blocks)
             return
-        tokens = seq.all_ids[: full * page]
+        tokens = list(kv.key(seq.all_ids[: full * page], seq.namespace))  # keyed, as inserted
         addrs = kv.lookup(tokens)  # the index's blocks (duplicates were freed)
         engine.retire(seq, rest)  # the client has its answer; the write-back runs after
         self.link.spawn(self._send_back(prefill_id, tokens, addrs, pinned, engine))

@@ -51,6 +51,7 @@ _PASSTHROUGH = {
     "priority",
     "routing_key",
     "lora_path",
+    "shared_prefix_tokens",
     "data_parallel_rank",
     "log_metrics",
     "return_text_in_logprobs",
@@ -114,6 +115,25 @@ def memserve_options(extras: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise _type_error("memserve", "an object", options)
     return options
+
+
+def _opt_str(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        raise BadRequest(f"'{name}' as a list (a batch of prompts) is not supported; give one")
+    raise _type_error(name, "a string", value)
+
+
+def cache_fields(extras: dict[str, Any]) -> tuple[str, str | None, int, str | None]:
+    """The cache namespace fields of a request, checked: (extra_key or "", cache_salt,
+    shared_prefix_tokens, the adapter's name from `lora_path`)."""
+    extra_key = _opt_str("extra_key", extras.get("extra_key")) or ""
+    salt = _opt_str("cache_salt", extras.get("cache_salt"))
+    shared = extras.get("shared_prefix_tokens")
+    shared = 0 if shared is None else _int("shared_prefix_tokens", shared, low=0)
+    lora = _opt_str("lora_path", extras.get("lora_path"))
+    return extra_key, salt, shared, lora or None
 
 
 def write_back_wanted(extras: dict[str, Any]) -> bool:
@@ -255,8 +275,25 @@ def _openai_input(
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     extras = {k: body[k] for k in _PASSTHROUGH if k in body}
+    adapter = model_adapter(body.get("model"))
+    if adapter is not None:  # SGLang: "base:adapter" wins over lora_path
+        extras["lora_path"] = adapter
     gen = GenerateInput(input_ids, sampling, stream, _rid(body.get("rid")), extras)
     return gen, bool(options.get("include_usage", False))
+
+
+def model_adapter(model: Any) -> str | None:
+    """The adapter of an OpenAI `model` in SGLang's `base:adapter` form (None: none)."""
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if ":" not in model:
+        return None
+    adapter = model.split(":", 1)[1]
+    if not adapter:
+        raise BadRequest(f"'model' {model!r}: no adapter name after ':'")
+    return adapter
 
 
 def _message_text(index: int, content: Any) -> str:

@@ -246,6 +246,10 @@ class PullHooks(RequestHooks):
         expected to be slower than recomputing (counted)."""
         page, prompt = self.page, seq.prompt_ids
         limit = (len(prompt) - 1) // page * page  # the last token is computed anyway
+        if seq.namespace is not None:  # a peer's pages are keyed by tokens alone: pull only
+            open_tokens = seq.namespace.open_tokens(page)  # what is shared with no namespace
+            if open_tokens is not None:
+                limit = min(limit, open_tokens)
         if limit <= 0:
             return None
         have = len(self.kv.lookup(prompt[:limit])) // self.pool.blocks_per_page * page

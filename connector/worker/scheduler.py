@@ -35,7 +35,9 @@ from connector.worker.admission import Admission, TokenRatio
 from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache
-from connector.worker.protocol import BadRequest, GenerateInput
+from connector.worker.lora import LoRAError, LoRARegistry
+from connector.worker.namespaces import MIN_NAMESPACE_PAGE, CacheNamespace
+from connector.worker.protocol import BadRequest, GenerateInput, cache_fields
 from connector.worker.sequence import DONE, TOKEN, Sequence
 from mempool import InsertResult, PrefixMatch
 from shared.tokenizer import ChatTokenizer
@@ -82,8 +84,10 @@ class Scheduler:
         tokenizer: ChatTokenizer,
         config: SchedulerConfig,
         hooks: RequestHooks | None = None,
+        lora: LoRARegistry | None = None,
     ) -> None:
         self.backend = backend
+        self.lora = lora if lora is not None else LoRARegistry()
         self.kv = kv
         self.tokenizer = tokenizer
         self.config = config
@@ -95,6 +99,7 @@ class Scheduler:
             config.enable_cache,
             config.chunked_prefill_size,
             config.ratio,
+            self.lora,
         )
         self.ratio = self.admission.ratio
         self.page = kv.page
@@ -135,9 +140,42 @@ class Scheduler:
         sampling = gen.sampling
         sampling.max_new_tokens = min(sampling.max_new_tokens, limit - n)
         seq = Sequence(gen.rid, gen.input_ids, sampling)
+        seq.namespace, seq.lora = self.namespace(gen.extras)
         if not self.hooks.on_submit(seq, gen.extras, self):
             self.enqueue(seq)
         return seq
+
+    def namespace(self, extras: dict[str, Any]) -> tuple[CacheNamespace | None, Any]:
+        """The request's cache namespace and adapter; BadRequest for an adapter that is not
+        loaded (SGLang's message) or a namespace on pages too small to key it safely."""
+        extra_key, salt, shared, name = cache_fields(extras)
+        ref = None
+        if name is not None:
+            try:
+                ref = self.lora.resolve(name)
+            except LoRAError as exc:
+                raise BadRequest(str(exc)) from None
+        if not extra_key and salt is None and ref is None:
+            return None, None
+        if self.page < MIN_NAMESPACE_PAGE:
+            raise BadRequest(
+                f"extra_key, cache_salt and LoRA adapters need --page-size >= "
+                f"{MIN_NAMESPACE_PAGE} on this worker (it has {self.page}): a smaller page "
+                "is too short a key to keep cache namespaces apart"
+            )
+        ns = CacheNamespace(
+            extra_key=extra_key,
+            lora_id=ref.lora_id if ref is not None else "",
+            lora_name=ref.lora_name if ref is not None else None,
+            cache_salt=salt,
+            shared_prefix_tokens=shared,
+        )
+        return ns, ref
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora is not None and seq.lora_held:
+            self.lora.release(seq.lora)
+            seq.lora_held = False
 
     def enqueue(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -147,6 +185,7 @@ class Scheduler:
         """The client went away: drop a waiting request, finish a running one at the next step."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._release_lora(seq)
             self.stats.aborted += 1
             log.info("request %s aborted while waiting: the client disconnected", seq.rid)
         elif seq.finish_reason is None:
@@ -259,7 +298,7 @@ class Scheduler:
             return
         # The index holds these pages now (or its own copies of them): the request reads
         # them as its prefix, locked by the insert, instead of owning them.
-        addrs = self.kv.lookup(seq.all_ids[: full * self.page])
+        addrs = self.kv.lookup(seq.all_ids[: full * self.page], seq.namespace)
         if seq.prefix is not None:
             self.kv.release(seq.prefix)
         seq.prefix = PrefixMatch(addrs, full * self.page, pinned.node, True)
@@ -336,6 +375,7 @@ class Scheduler:
             self.kv.release(seq.prefix)
             seq.prefix = None
         self.backend.retract(seq)
+        self._release_lora(seq)
         if seq.reported_cached is None:  # the response reports the first admission's hit
             seq.reported_cached = seq.report_cached
         seq.retractions += 1
@@ -377,6 +417,7 @@ class Scheduler:
         step = self.admission.admit(self.waiting, self.running, self.chunked)
         self.chunked = step.chunked
         for seq in step.refused:
+            self._release_lora(seq)
             need = len(seq.prompt_ids) + seq.fill_outputs
             seq.finish_reason = {
                 "type": "abort",
@@ -482,6 +523,7 @@ class Scheduler:
         if pinned is not None:
             self.kv.release(pinned)
         self.backend.release(seq)
+        self._release_lora(seq)
         self.stats.generation_tokens += len(seq.output_ids)
         self.on_finish(time.perf_counter() - seq.arrival)
         if seq.finish_reason and seq.finish_reason.get("type") == "abort":

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mempool import PrefixMatch
+
+if TYPE_CHECKING:
+    from connector.worker.lora import LoRARef
+    from connector.worker.namespaces import CacheNamespace
 
 # What `Sequence.events` carries to the request's HTTP handler: a step appended a token, or the
 # request ended (finish_reason says how).
@@ -84,6 +88,13 @@ class Sequence:
     retractions: int = 0
     fill_outputs: int = 0
     resume_state: Any = None
+    # Cache namespace (extra_key, adapter, cache_salt): the index keys its pages by it.
+    namespace: CacheNamespace | None = None
+    # LoRA: the adapter it runs with; `lora_held` while admitted (counted in use), and
+    # `lora_load_pending` when its admission loaded the adapter (the sim charges the time).
+    lora: LoRARef | None = None
+    lora_held: bool = False
+    lora_load_pending: bool = False
 
     @property
     def pulled_tokens(self) -> int:

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from connector.worker.lora import LoRAError, LoRARef
 from connector.worker.protocol import (
     BadRequest,
     GenerateInput,
@@ -221,6 +222,9 @@ class WorkerServer:
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_load", self.loads)
         r.add_get("/v1/loads", self.loads)
@@ -443,21 +447,87 @@ class WorkerServer:
     # ----------------------------------------------------------------- management
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
+        """The served model, then each loaded adapter as SGLang lists it (its `parent` the
+        base model; requests name it as `model: "base:adapter"` or `lora_path`)."""
+        now = int(time.time())
+        base = self.info.served_model_name
+        cards = [
             {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.info.served_model_name,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "sglang",
-                        "root": self.info.model_path,
-                        "max_model_len": self.scheduler.backend.context_length,
-                    }
-                ],
+                "id": base,
+                "object": "model",
+                "created": now,
+                "owned_by": "sglang",
+                "root": self.info.model_path,
+                "parent": None,
+                "max_model_len": self.scheduler.backend.context_length,
             }
+        ]
+        for name, path in self.scheduler.lora.loaded_adapters().items():
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "sglang",
+                    "root": path,
+                    "parent": base,
+                    "max_model_len": None,
+                }
+            )
+        return web.json_response({"object": "list", "data": cards})
+
+    def _lora_reply(self, error: str | None) -> web.Response:
+        """SGLang's LoRAUpdateOutput: 200 on success, 400 with `error_message` otherwise."""
+        body = {
+            "success": error is None,
+            "error_message": error,
+            "loaded_adapters": self.scheduler.lora.loaded_adapters(),
+        }
+        return web.json_response(body, status=200 if error is None else 400)
+
+    @staticmethod
+    def _lora_body(body: Any, fields: dict[str, type]) -> dict[str, Any]:
+        """A LoRA endpoint's JSON object, its fields type-checked (BadRequest: a 400)."""
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        out: dict[str, Any] = {}
+        for name, kind in fields.items():
+            value = body.get(name)
+            if kind is str and (not isinstance(value, str) or not value):
+                raise BadRequest(f"'{name}' must be a non-empty string")
+            if kind is bool:
+                value = False if value is None else value
+                if not isinstance(value, bool):
+                    raise BadRequest(f"'{name}' must be true or false")
+            out[name] = value
+        return out
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's POST /load_lora_adapter {lora_name, lora_path, pinned}: registered and
+        loaded (the sim sleeps the modelled load)."""
+        raw = self._lora_body(
+            await read_json(request), {"lora_name": str, "lora_path": str, "pinned": bool}
         )
+        ref = LoRARef(raw["lora_name"], raw["lora_path"], raw["pinned"])
+        try:
+            self.scheduler.lora.register(ref)
+        except LoRAError as exc:
+            return self._lora_reply(str(exc))
+        seconds = self.scheduler.backend.lora_load_s()
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        return self._lora_reply(None)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's POST /unload_lora_adapter {lora_name}: new requests can no longer name
+        it; running ones finish with it. Its cached KV stays until evicted, unreachable (a
+        reload gets a new lora_id, so a new namespace)."""
+        raw = self._lora_body(await read_json(request), {"lora_name": str})
+        try:
+            self.scheduler.lora.unregister(raw["lora_name"])
+        except LoRAError as exc:
+            return self._lora_reply(str(exc))
+        return self._lora_reply(None)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -499,6 +569,7 @@ class WorkerServer:
                 "mempool": kv.stats(),
                 "disaggregation": self.scheduler.hooks.info(),
                 **self.scheduler.hooks.server_info(),
+                "lora": self.scheduler.lora.info(),
                 "internal_states": [self.scheduler.state()],
             }
         )

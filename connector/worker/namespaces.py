@@ -1,0 +1,120 @@
+"""Cache namespaces: which requests may share cached KV, as SGLang keys its radix cache.
+
+SGLang keys a request's prefix by `(extra_key or "") + lora_id` (the namespace: children of
+the radix root are split by it, so different adapters or extra keys never share a page) and,
+apart from it, by `cache_salt` (PR #10718, kept apart from `extra_key` by PR #30827). This
+worker does the same on MemPool's index, which keys pages by token ids alone: a request with
+a namespace has the first whole page of its namespaced part replaced, in the index key only,
+by `page_size` ids derived from SHA-256 (SHAKE-256) of the namespace and the page's tokens,
+each with the top bit set, which no vocabulary id has. Every later page hangs under that one,
+so nothing in another namespace, or in none, can ever match it; the KV written into the
+blocks is the real tokens', and the response's `cached_tokens` counts only the namespace's
+own hits.
+
+Public prefixes (our extension, named after vLLM PR #37961's `shared_prefix_tokens`, which
+was not merged): a request may say that its first `shared_prefix_tokens` tokens are shared
+by everyone with the same `extra_key` and adapter; those tokens, rounded down to whole
+pages, are keyed without the salt, and the salt starts at the next page. A shared tool list
+or system prompt is then cached once for every tenant, and what follows it in each tenant's
+namespace.
+
+The derived key page carries `31 x page_size` bits, so namespaces need `--page-size` >= 8
+(248 bits: no collision between two namespaces' pages can be found); on a smaller page a
+namespaced request is refused with a 400 rather than risk sharing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
+from typing import Any
+
+# Smallest page on which a derived key page is collision-free (8 x 31 bits).
+MIN_NAMESPACE_PAGE = 8
+_TOP = 0x80000000
+
+
+@dataclass(frozen=True, slots=True)
+class CacheNamespace:
+    """Where a request's KV may be shared: `extra_key` plus the adapter's `lora_id`
+    (SGLang's namespace), `cache_salt` after the first `shared_prefix_tokens` tokens."""
+
+    extra_key: str = ""
+    lora_id: str = ""  # the loaded adapter's id (a new one each time it is loaded)
+    lora_name: str | None = None  # reported in KV events; not part of the key
+    cache_salt: str | None = None
+    shared_prefix_tokens: int = 0
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the namespace part (extra_key + adapter) is set at all."""
+        return bool(self.extra_key or self.lora_id)
+
+    def salt_page(self, page: int) -> int | None:
+        """Index of the first salted page (the public prefix rounded down to pages)."""
+        if self.cache_salt is None:
+            return None
+        return self.shared_prefix_tokens // page
+
+    def open_tokens(self, page: int) -> int | None:
+        """Tokens keyed as plain token ids (shareable with un-namespaced requests): all
+        (None) without a namespace or salt, else those before the first derived page."""
+        if self.keyed:
+            return 0
+        salt = self.salt_page(page)
+        return None if salt is None else salt * page
+
+    def _tags(self, page: int) -> dict[int, bytes]:
+        """Page index -> what its derived key is seeded with."""
+        tags: dict[int, list[bytes]] = {}
+        if self.keyed:
+            tags.setdefault(0, []).append(
+                _field(b"ns", self.extra_key) + _field(b"lora", self.lora_id)
+            )
+        salt = self.salt_page(page)
+        if salt is not None:
+            tags.setdefault(salt, []).append(_field(b"salt", self.cache_salt or ""))
+        return {i: b"".join(parts) for i, parts in tags.items()}
+
+    def key(self, tokens: Tokens[int], page: int) -> list[int]:
+        """The index key of `tokens` (a copy with the derived pages in place). Prefix-stable:
+        the key of a prefix is the prefix of the key, whole page by whole page."""
+        out = list(tokens)
+        for index, tag in self._tags(page).items():
+            start = index * page
+            if start + page > len(out):
+                continue  # a partial page is never indexed
+            out[start : start + page] = derived_page(tag, out[start : start + page])
+        return out
+
+    def event_metadata(self, page_index: int, page: int) -> dict[str, Any]:
+        """What KV events say about the namespace of page `page_index`."""
+        salt = self.salt_page(page)
+        meta: dict[str, Any] = {}
+        if salt is not None and page_index >= salt:
+            meta["cache_salt"] = self.cache_salt
+        if self.extra_key:
+            meta["extra_key"] = self.extra_key
+        if self.lora_name is not None:
+            meta["lora_name"] = self.lora_name
+        return meta
+
+
+def _field(name: bytes, value: str) -> bytes:
+    data = value.encode("utf-8", "surrogatepass")
+    return name + b"\0" + len(data).to_bytes(8, "big") + data
+
+
+def derived_page(tag: bytes, tokens: Tokens[int]) -> list[int]:
+    """`len(tokens)` ids (top bit set) from SHAKE-256 over the tag and the page's tokens."""
+    n = len(tokens)
+    h = hashlib.shake_256(b"memserve-cache-namespace\0" + tag)
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    raw = h.digest(4 * n)
+    return [int.from_bytes(raw[4 * i : 4 * i + 4], "little") | _TOP for i in range(n)]
+
+
+def key_tokens(tokens: Tokens[int], ns: CacheNamespace | None, page: int) -> Tokens[int]:
+    """`tokens` as the index keys them for a request in namespace `ns`."""
+    return tokens if ns is None else ns.key(tokens, page)
