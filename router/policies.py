@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import random
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from mempool.radix import RadixTree
 from router.speed import Work
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerType
+from shared.namespaces import CacheNamespace
 
 
 @dataclass(slots=True)
@@ -50,6 +52,20 @@ class RouteRequest:
     # the trees told at dispatch that a worker is about to hold the prompt: (tree, URL,
     # time.monotonic() then) (router.forward.dispatch; learning skips a record that adds nothing)
     recorded: list[tuple[WorkerType, str, float]] | None = None
+    # the cache namespace its body names (cache_salt, extra_key, an adapter): what the trees
+    # predict for it is keyed in it, as the worker keys its cache (shared.namespaces)
+    namespace: CacheNamespace | None = None
+
+    def tree_key(self, tokens: Sequence[int], page: int) -> Sequence[int]:
+        """`tokens` (this prompt's, or its prefix plus an answer) as the trees key them:
+        in a namespace, its first page there replaced by ids derived from it, so that no
+        prefix is predicted across namespaces (none is shared by the workers either)."""
+        if self.namespace is None:
+            return tokens
+        key = array("I", tokens)
+        for start, ids in self.namespace.derived(tokens, page):
+            key[start : start + page] = array("I", ids)
+        return key
 
     @property
     def num_tokens(self) -> int:
@@ -320,7 +336,7 @@ class PromptTree(Policy):
         self.core.heat = heat
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
-        tokens = request.tokens or ()
+        tokens = request.tree_key(request.tokens or (), self.trees.page_size)
         states = [w.state for w in workers]
         if self._native:
             tree = self.trees.trees[request.type]

@@ -13,6 +13,7 @@ encoded, and only those are recorded.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from router.policies import RouteRequest
+from shared.namespaces import CacheNamespace, namespace_fields
 from shared.token_cache import CachedEncoder, Known
 
 _json_decode = msgspec.json.Decoder().decode
@@ -70,7 +72,25 @@ def check_model(body: Mapping[str, Any], served: set[str]) -> None:
         raise RequestError(400, "'model' must be a string")
     if not served or model in served or model == "default":
         return
+    if model.split(":", 1)[0] in served:  # SGLang's base:adapter (the worker knows adapters)
+        return
     raise RequestError(404, f"model {model!r} not found; served: {sorted(served)}")
+
+
+def cache_namespace(body: Mapping[str, Any]) -> CacheNamespace | None:
+    """The cache namespace the body names (`cache_salt`, `extra_key`, an adapter, and where
+    a salt starts: `shared_prefix_tokens`), keyed as the workers key it; None for none. 400
+    for a malformed field, as the worker would answer."""
+    try:
+        fields = namespace_fields(body)
+    except ValueError as exc:
+        raise RequestError(400, str(exc)) from None
+    if not fields.any:
+        return None
+    adapter = fields.adapter or ""
+    return CacheNamespace(
+        fields.extra_key, adapter, adapter or None, fields.cache_salt, fields.shared_prefix_tokens
+    )
 
 
 def session_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -88,14 +108,26 @@ def route_request(
     """The prompt of `body` for the policies: uint32 token ids (when `encoder` is given),
     the raw text (a chat's joined only when `want_text`: cache_aware's character tree), and
     a chat's normalized messages. Malformed prompts are 400 whatever the policy."""
+    namespace = cache_namespace(body)
     if route == CHAT:
-        return _chat(body, encoder, want_text)
-    if route == COMPLETIONS:
-        return _completion(body, encoder)
-    request = _generate(body, encoder)
-    if want_text and not request.text and request.tokens is not None:
-        request.text = " ".join(map(str, request.tokens))  # sglang-router's tree sees the ids
+        request = _chat(body, encoder, want_text)
+    elif route == COMPLETIONS:
+        request = _completion(body, encoder)
+    else:
+        request = _generate(body, encoder)
+        if want_text and not request.text and request.tokens is not None:
+            request.text = " ".join(map(str, request.tokens))  # sglang-router's tree sees ids
+    if namespace is not None:
+        request.namespace = namespace
+        if request.text:  # a character tree's prefix is kept apart too (the whole prompt)
+            request.text = f"\0{namespace_tag(namespace)}\0{request.text}"
     return request
+
+
+def namespace_tag(namespace: CacheNamespace) -> str:
+    """A short name of a namespace for text trees (the salt and keys, hashed)."""
+    parts = (namespace.extra_key, namespace.lora_id, namespace.cache_salt or "")
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _chat(body: Mapping[str, Any], encoder: CachedEncoder | None, want_text: bool) -> RouteRequest:

@@ -7,7 +7,7 @@ buffered batches from a requested sequence number, ending with sequence -1.
 Block hashes chain SHA-256 over (parent hash, page tokens), folded to a signed int64.
 BlockStored and BlockRemoved end with SGLang's optional `medium` (the tier: "GPU",
 "CPU_PINNED"); it is left off the wire when None, so decoders with or without the field read
-both forms. A BlockStored of pages in a cache namespace (connector/worker/namespaces.py) ends
+both forms. A BlockStored of pages in a cache namespace (shared/namespaces.py) ends
 with one more element, `metadata`, as SGLang's BlockStoredWithMetadata puts it after `medium`:
 an array [cache_salt, extra_key, lora_name] (SGLang's BlockStoredMetadata has cache_salt
 alone; the other two are ours, after it), and `lora_id` holds the adapter's id folded to a

@@ -13,7 +13,7 @@ as KV events with SGLang's `medium`: BlockRemoved(GPU) + BlockStored(CPU_PINNED)
 swap-out, the reverse for a swap-in, BlockRemoved(CPU_PINNED) for a host drop. Without a
 host tier nothing carries a medium and memory is made by dropping, as before.
 
-Cache namespaces (`namespaces.py`): every token-keyed call takes the request's namespace and
+Cache namespaces (`shared/namespaces.py`): every token-keyed call takes the request's namespace and
 keys the index by `CacheNamespace.key`; KV events of namespaced pages carry the real tokens,
 hashes of the key, the adapter's `lora_id` and `metadata` (remembered per page, so that
 their moves between tiers say it again). Pages inserted by a transfer (`note_inserted`)
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.worker.backend import Backend
-from connector.worker.namespaces import CacheNamespace, key_tokens
 from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
 from mempool.address import mem_type_of
 from mempool.pool import Moved
 from mempool.transfer.receiver import Received
 from shared.kv_events import BlockStoredMetadata, KVEventPublisher, page_hashes
+from shared.namespaces import CacheNamespace, key_tokens
 
 # SGLang's StorageMedium names for our tiers (KV events' `medium`).
 MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}

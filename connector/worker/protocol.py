@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.worker.sequence import SamplingParams
+from shared import namespaces
+from shared.namespaces import namespace_fields
 from shared.tokenizer import ChatTemplateError, PromptEncoder
 
 # SGLang sampling parameters this worker accepts but does not apply (kept for compatibility).
@@ -117,23 +119,13 @@ def memserve_options(extras: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _opt_str(name: str, value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        raise BadRequest(f"'{name}' as a list (a batch of prompts) is not supported; give one")
-    raise _type_error(name, "a string", value)
-
-
 def cache_fields(extras: dict[str, Any]) -> tuple[str, str | None, int, str | None]:
     """The cache namespace fields of a request, checked: (extra_key or "", cache_salt,
     shared_prefix_tokens, the adapter's name from `lora_path`)."""
-    extra_key = _opt_str("extra_key", extras.get("extra_key")) or ""
-    salt = _opt_str("cache_salt", extras.get("cache_salt"))
-    shared = extras.get("shared_prefix_tokens")
-    shared = 0 if shared is None else _int("shared_prefix_tokens", shared, low=0)
-    lora = _opt_str("lora_path", extras.get("lora_path"))
-    return extra_key, salt, shared, lora or None
+    try:
+        return tuple(namespace_fields(extras))  # type: ignore[return-value]
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def write_back_wanted(extras: dict[str, Any]) -> bool:
@@ -284,16 +276,10 @@ def _openai_input(
 
 def model_adapter(model: Any) -> str | None:
     """The adapter of an OpenAI `model` in SGLang's `base:adapter` form (None: none)."""
-    if model is None:
-        return None
-    if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
-    if ":" not in model:
-        return None
-    adapter = model.split(":", 1)[1]
-    if not adapter:
-        raise BadRequest(f"'model' {model!r}: no adapter name after ':'")
-    return adapter
+    try:
+        return namespaces.model_adapter(model)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _message_text(index: int, content: Any) -> str:

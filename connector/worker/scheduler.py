@@ -36,10 +36,10 @@ from connector.worker.backend import Backend
 from connector.worker.hooks import RequestHooks
 from connector.worker.kv_cache import KVCache
 from connector.worker.lora import LoRAError, LoRARegistry
-from connector.worker.namespaces import MIN_NAMESPACE_PAGE, CacheNamespace
 from connector.worker.protocol import BadRequest, GenerateInput, cache_fields
 from connector.worker.sequence import DONE, TOKEN, Sequence
 from mempool import InsertResult, PrefixMatch
+from shared.namespaces import MIN_NAMESPACE_PAGE, CacheNamespace
 from shared.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from mempool import PrefixMatch
 
 if TYPE_CHECKING:
     from connector.worker.lora import LoRARef
-    from connector.worker.namespaces import CacheNamespace
+    from shared.namespaces import CacheNamespace
 
 # What `Sequence.events` carries to the request's HTTP handler: a step appended a token, or the
 # request ended (finish_reason says how).

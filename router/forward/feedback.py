@@ -90,7 +90,7 @@ class Learner:
         self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
     ) -> None:
         if tokens:
-            self.trees.record(tree, url, tokens)
+            self.trees.record(tree, url, prompt.tree_key(tokens, self.trees.page_size))
             if prompt.recorded is None:
                 prompt.recorded = []
             prompt.recorded.append((tree, url, time.monotonic()))
@@ -158,17 +158,20 @@ class Learner:
         tokens = full_tokens(prompt, self.encoder)
         if not tokens:
             return
+        page = self.trees.page_size
+        key = prompt.tree_key(tokens, page)
         for s in served:
             if s.reported is not None:
-                self.trees.feedback(s.tree, s.worker.url, tokens, s.predicted, s.reported)
+                self.trees.feedback(s.tree, s.worker.url, key, s.predicted, s.reported)
                 self.metrics.accuracy.observe(s.worker.url, s.predicted, s.reported)
         prefix = self.next_prefix(prompt, answer)  # (primes the next turn's encode too)
         if self.exact:
             return
         unchanged = self._recorded_as_is(prompt, served, len(tokens), len(prefix))
+        next_key = prompt.tree_key(prefix, page)
         for tree, worker in holders:
             if (tree, worker.url) not in unchanged:
-                self.trees.record(tree, worker.url, prefix)
+                self.trees.record(tree, worker.url, next_key)
 
     def _recorded_as_is(
         self, prompt: RouteRequest, served: Sequence[Served], tokens: int, prefix: int

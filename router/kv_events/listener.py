@@ -27,7 +27,14 @@ import zmq.asyncio
 
 from router.trees import PromptTrees, Tier
 from router.workers import WorkerRegistry, WorkerType, normalize_url
-from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shared.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockStoredMetadata,
+    KVEventBatch,
+)
+from shared.namespaces import CacheNamespace
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,8 @@ class _Pages:
     parent: dict[int, int | None] = field(default_factory=dict)
     tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
     tiers: dict[int, set[Tier]] = field(default_factory=dict)
+    # pages stored in a cache namespace: what their events said of it
+    meta: dict[int, BlockStoredMetadata] = field(default_factory=dict)
     on_device: int = 0  # pages its device tier holds
     page_tokens: int = 0  # tokens a page (its events' block size)
 
@@ -60,17 +69,51 @@ class _Pages:
         self.tokens.pop(block_hash, None)
         self.parent.pop(block_hash, None)
         self.tiers.pop(block_hash, None)
+        self.meta.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self.parent.clear()
+        self.tokens.clear()
+        self.tiers.clear()
+        self.meta.clear()
+        self.on_device = 0
 
     def prefix(self, block_hash: int) -> list[int] | None:
-        """All tokens from the root to the end of this page; None if a link is unknown."""
-        chain: list[tuple[int, ...]] = []
+        """All tokens from the root to the end of this page, keyed as the router keys a
+        request in the pages' cache namespace (RouteRequest.tree_key); None if a link is
+        unknown."""
+        chain: list[int] = []
         current: int | None = block_hash
         while current is not None:
             if current not in self.tokens:
                 return None
-            chain.append(self.tokens[current])
+            chain.append(current)
             current = self.parent[current]
-        return [t for page in reversed(chain) for t in page]
+        chain.reverse()
+        tokens = [t for h in chain for t in self.tokens[h]]
+        if self.meta:
+            namespace = self._namespace(chain)
+            if namespace is not None:
+                for start, ids in namespace.derived(tokens, self.page_tokens):
+                    tokens[start : start + self.page_tokens] = ids
+        return tokens
+
+    def _namespace(self, chain: list[int]) -> CacheNamespace | None:
+        """The namespace of a chain of pages: its keys from any page's metadata, its salt
+        from the first salted page (the pages before it are a public prefix)."""
+        metas = [self.meta.get(h) for h in chain]
+        keyed = next((m for m in metas if m is not None), None)
+        if keyed is None:
+            return None
+        first = next((i for i, m in enumerate(metas) if m is not None and m.cache_salt), None)
+        adapter = keyed.lora_name or ""
+        return CacheNamespace(
+            keyed.extra_key or "",
+            adapter,
+            adapter or None,
+            None if first is None else metas[first].cache_salt,  # type: ignore[union-attr]
+            0 if first is None else first * self.page_tokens,
+        )
 
 
 class KVEventApplier:
@@ -133,10 +176,7 @@ class KVEventApplier:
                         self.trees.drop(type, url, tokens, keep, tier)
                     pages.gone_from(block_hash, tier)
             elif isinstance(event, AllBlocksCleared):
-                pages.parent.clear()
-                pages.tokens.clear()
-                pages.tiers.clear()
-                pages.on_device = 0
+                pages.clear()
                 self.trees.forget(url)
 
     def _stored(self, url: str, type: WorkerType, pages: _Pages, event: BlockStored) -> None:
@@ -147,6 +187,8 @@ class KVEventApplier:
         for i, block_hash in enumerate(event.block_hashes):
             pages.parent[block_hash] = parent
             pages.tokens[block_hash] = tuple(event.token_ids[i * size : (i + 1) * size])
+            if event.metadata is not None:
+                pages.meta[block_hash] = event.metadata
             pages.held_in(block_hash, tier)
             parent = block_hash
         tokens = pages.prefix(parent) if parent is not None else None

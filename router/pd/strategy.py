@@ -166,8 +166,8 @@ class PrefillDecode(Strategy):
         if not tokens or n <= 1:
             return holders
         trees = self.sender.trees
-        view = trees.match(WorkerType.DECODE, tokens)
         page = trees.page_size
+        view = trees.match(WorkerType.DECODE, prompt.tree_key(tokens, page))
         for decode in self.registry.available(WorkerType.DECODE):
             held = reusable(view.held.get(decode.url, 0), n, page)
             if decode.agent is not None and held > decision.predicted_cached:

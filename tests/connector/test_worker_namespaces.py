@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 
-from connector.worker.namespaces import CacheNamespace
 from shared.kv_events import BlockStored, decode_batch
+from shared.namespaces import CacheNamespace
 from tests.connector.test_worker_sim import PAGE, generate, prompt_ids, sim_args
 from tests.http_client import call
 from tests.procs import free_port, running
@@ -142,7 +143,12 @@ def test_two_adapters_never_share_a_prefix(worker) -> None:
     assert cached(worker, ids, lora_path="beta") == 0
     assert cached(worker, ids) == 0  # the base model neither
     assert cached(worker, ids, lora_path="alpha") == 64
-    body = {"prompt": ids, "max_tokens": 2, "model": "base:beta", "lora_path": "alpha"}
+    body: dict[str, Any] = {
+        "prompt": ids,
+        "max_tokens": 2,
+        "model": "base:beta",
+        "lora_path": "alpha",
+    }
     status, out = call(worker.url + "/v1/completions", body)  # "base:adapter" wins
     assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     body["prompt"] = prompt_ids(21, 80)
@@ -268,7 +274,7 @@ def test_small_pages_refuse_namespaces(model_dir: Path, tmp_path: Path) -> None:
 
 def test_namespaced_kv_events_keep_namespaces_apart(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.bind(f"tcp://127.0.0.1:{port}")
     config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
@@ -301,7 +307,10 @@ def test_namespaced_kv_events_keep_namespaces_apart(model_dir: Path, tmp_path: P
     public_runs = [e for e in events if e.metadata is not None and e.metadata.cache_salt is None]
     plain = [e for e in events if e.metadata is None]
     assert salted and public_runs and plain
-    assert all(e.metadata.lora_name == "alpha" and e.lora_id is not None for e in salted)
+    assert all(
+        e.metadata is not None and e.metadata.lora_name == "alpha" and e.lora_id is not None
+        for e in salted
+    )
     assert public_runs[0].token_ids[:32] == public  # real tokens, adapter-keyed hashes
     assert salted[0].token_ids[:PAGE] == private[:PAGE]
     adapter_hashes = {h for e in salted + public_runs for h in e.block_hashes}

@@ -97,11 +97,13 @@ def _reported(route: str, answer: dict[str, Any]) -> int:
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def _served(cluster: Cluster, route: str, text: str) -> tuple[int, str, int]:
-    """Send one request: (tokens the router predicted cached, the worker that served it,
-    the cached tokens that worker reported)."""
+def _served(
+    cluster: Cluster, route: str, text: str, body: dict[str, Any] | None = None
+) -> tuple[int, str, int]:
+    """Send one request (`body`, else the route's for `text`): (tokens the router predicted
+    cached, the worker that served it, the cached tokens that worker reported)."""
     before = _counts(cluster)
-    status, answer = call(cluster.router + route, _body(route, text))
+    status, answer = call(cluster.router + route, body or _body(route, text))
     assert status == 200, answer
     deadline = time.monotonic() + 5
     while True:  # the router learns from the answer a few milliseconds after it

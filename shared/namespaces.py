@@ -26,9 +26,10 @@ namespaced request is refused with a 400 rather than risk sharing.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # Smallest page on which a derived key page is collision-free (8 x 31 bits).
 MIN_NAMESPACE_PAGE = 8
@@ -81,12 +82,17 @@ class CacheNamespace:
         """The index key of `tokens` (a copy with the derived pages in place). Prefix-stable:
         the key of a prefix is the prefix of the key, whole page by whole page."""
         out = list(tokens)
+        for start, ids in self.derived(tokens, page):
+            out[start : start + page] = ids
+        return out
+
+    def derived(self, tokens: Tokens[int], page: int) -> Iterator[tuple[int, list[int]]]:
+        """(start, ids) of each page of `tokens` its key replaces (a partial page is never
+        indexed, so never replaced)."""
         for index, tag in self._tags(page).items():
             start = index * page
-            if start + page > len(out):
-                continue  # a partial page is never indexed
-            out[start : start + page] = derived_page(tag, out[start : start + page])
-        return out
+            if start + page <= len(tokens):
+                yield start, derived_page(tag, tokens[start : start + page])
 
     def event_metadata(self, page_index: int, page: int) -> dict[str, Any]:
         """What KV events say about the namespace of page `page_index`."""
@@ -99,6 +105,65 @@ class CacheNamespace:
         if self.lora_name is not None:
             meta["lora_name"] = self.lora_name
         return meta
+
+
+class NamespaceFields(NamedTuple):
+    """A request's cache namespace as it names it (SGLang's fields, and ours)."""
+
+    extra_key: str  # "" without one
+    cache_salt: str | None
+    shared_prefix_tokens: int
+    adapter: str | None  # the LoRA adapter's name: `model="base:adapter"`, else `lora_path`
+
+    @property
+    def any(self) -> bool:
+        return bool(self.extra_key or self.cache_salt is not None or self.adapter)
+
+
+def namespace_fields(body: Mapping[str, Any]) -> NamespaceFields:
+    """The cache namespace fields of a request body, checked (a ValueError says which field
+    and why). The worker and the router read them alike: what the router predicts a worker
+    holds is keyed as the worker keys it."""
+    adapter = model_adapter(body.get("model"))
+    return NamespaceFields(
+        _opt_str("extra_key", body.get("extra_key")) or "",
+        _opt_str("cache_salt", body.get("cache_salt")),
+        _count("shared_prefix_tokens", body.get("shared_prefix_tokens")),
+        adapter or _opt_str("lora_path", body.get("lora_path")) or None,
+    )
+
+
+def model_adapter(model: Any) -> str | None:
+    """The adapter of an OpenAI `model` in SGLang's `base:adapter` form (None: none); it
+    wins over `lora_path`, as in SGLang."""
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise ValueError(f"'model' must be a string, got {type(model).__name__} {model!r:.60}")
+    if ":" not in model:
+        return None
+    adapter = model.split(":", 1)[1]
+    if not adapter:
+        raise ValueError(f"'model' {model!r}: no adapter name after ':'")
+    return adapter
+
+
+def _opt_str(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        raise ValueError(f"'{name}' as a list (a batch of prompts) is not supported; give one")
+    raise ValueError(f"'{name}' must be a string, got {type(value).__name__} {value!r:.60}")
+
+
+def _count(name: str, value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"'{name}' must be an integer, got {type(value).__name__} {value!r:.60}")
+    if value < 0:
+        raise ValueError(f"'{name}' must be >= 0, got {value}")
+    return value
 
 
 def _field(name: bytes, value: str) -> bytes:
