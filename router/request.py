@@ -77,10 +77,16 @@ def check_model(body: Mapping[str, Any], served: set[str]) -> None:
     raise RequestError(404, f"model {model!r} not found; served: {sorted(served)}")
 
 
+_NS_FIELDS = ("cache_salt", "extra_key", "lora_path", "shared_prefix_tokens")
+
+
 def cache_namespace(body: Mapping[str, Any]) -> CacheNamespace | None:
     """The cache namespace the body names (`cache_salt`, `extra_key`, an adapter, and where
     a salt starts: `shared_prefix_tokens`), keyed as the workers key it; None for none. 400
     for a malformed field, as the worker would answer."""
+    model = body.get("model")
+    if not (isinstance(model, str) and ":" in model) and not any(f in body for f in _NS_FIELDS):
+        return None  # (most requests: no namespace, and no parse)
     try:
         fields = namespace_fields(body)
     except ValueError as exc:
