@@ -257,15 +257,19 @@ class Decider:
         num_tokens: int,
         workers: Sequence[WorkerState],
         ttl: float | None = None,
+        before: Sequence[float] | None = None,
     ) -> _Choice:
         """(worker index, reason, predicted cached tokens, longer holders as (index, tokens)
-        longest first, index pulled from or None, work terms at the constants)."""
+        longest first, index pulled from or None, work terms at the constants). `before`:
+        seconds each worker spends on the request before its prefill (an adapter to load),
+        finite and not negative, one per worker."""
     def decide_view(
         self,
         view: Sequence[tuple[int, int, int]],
         tokens: _Tokens,
         num_tokens: int,
         workers: Sequence[WorkerState],
+        before: Sequence[float] | None = None,
     ) -> _Choice:
         """`decide` over a view given per worker as (any tier, device, home), -1 for none."""
     def plan(

@@ -164,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cost model: seconds to load one token's KV from a worker's host tier to its GPU",
     )
     a(
+        "--lora-load-secs",
+        type=float,
+        default=cost.lora_load_s,
+        help="cost model: seconds a worker takes to load a LoRA adapter it does not hold "
+        "(a request for it pays them there before its prefill)",
+    )
+    a(
         "--disable-mempool-pull",
         action="store_true",
         help="never name a longer prefix's holder for a MemPool pull (workers recompute)",
@@ -487,6 +494,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         "--busy-secs-per-request": args.busy_secs_per_request,
         "--host-load-secs-per-token": args.host_load_secs_per_token,
         "--prefill-secs-per-token-pair": args.prefill_secs_per_token_pair,
+        "--lora-load-secs": args.lora_load_secs,
     }
     for flag, value in values.items():
         if not value >= 0:
@@ -497,6 +505,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         busy_s_per_request=args.busy_secs_per_request,
         host_load_s_per_token=args.host_load_secs_per_token,
         prefill_s_per_token_pair=args.prefill_secs_per_token_pair,
+        lora_load_s=args.lora_load_secs,
     )
 
 

@@ -137,6 +137,9 @@ class CostModel:
     host_load_s_per_token: float = 2.6e-6  # 128 KiB per token host -> GPU over 50 GB/s PCIe
     # Attention: each new token attends to the context before it (0.52 MFLOP a pair).
     prefill_s_per_token_pair: float = 1.3e-9
+    # Loading a LoRA adapter a worker does not hold (router.adapters): the sim's 10 ms plus
+    # 84 MB (rank 16 on every linear layer of Llama-3.1-8B) at 2 GB/s.
+    lora_load_s: float = 0.052
     _rule: Decider = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -338,10 +341,14 @@ class PromptTree(Policy):
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tree_key(request.tokens or (), self.trees.page_size)
         states = [w.state for w in workers]
+        adapter = request.namespace.lora_name if request.namespace is not None else None
+        before = None
+        if adapter is not None:  # its load, where the adapter is not in memory
+            before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
         if self._native:
             tree = self.trees.trees[request.type]
             choice, reason, cached, longer, pull, work = self.core.decide(
-                tree, tokens, request.num_tokens, states, self.trees.ttl_s
+                tree, tokens, request.num_tokens, states, self.trees.ttl_s, before
             )
         else:
             view = self.trees.match(request.type, tokens)
@@ -350,8 +357,10 @@ class PromptTree(Policy):
                 for w in workers
             ]
             choice, reason, cached, longer, pull, work = self.core.decide_view(
-                held, tokens, request.num_tokens, states
+                held, tokens, request.num_tokens, states, before
             )
+        if adapter is not None:
+            workers[choice].adapters.sent(adapter)
         holders = [(workers[i], n) for i, n in longer]
         pull_from = workers[pull] if pull is not None else None
         return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))

@@ -72,7 +72,8 @@ def check_model(body: Mapping[str, Any], served: set[str]) -> None:
         raise RequestError(400, "'model' must be a string")
     if not served or model in served or model == "default":
         return
-    if model.split(":", 1)[0] in served:  # SGLang's base:adapter (the worker knows adapters)
+    base = model.split(":", 1)[0]  # SGLang's base:adapter (the worker knows its adapters)
+    if base != model and (base in served or base == "default"):
         return
     raise RequestError(404, f"model {model!r} not found; served: {sorted(served)}")
 

@@ -260,6 +260,8 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             info = None
         worker.agent = Agent.from_server_info(info)
+        if isinstance(info, dict):
+            worker.adapters.learn(info)
         capacity = info.get("max_total_num_tokens") if isinstance(info, dict) else None
         if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > 0:
             worker.kv_capacity = capacity

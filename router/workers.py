@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from mempool._radix import WorkerState
+from router.adapters import WorkerAdapters
 from router.speed import EngineSpeed, delegated
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Worker:
     processed: int = 0
     learned: bool = False  # its /get_server_info was read (model, agent, KV-event source)
     kv_capacity: int | None = None  # device KV in tokens (its server info's max_total_num_tokens)
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)  # its LoRA adapters loaded
     # the deadlines of the exchanges in flight to it (router.forward.relay.Bound): a worker that
     # stops answering its health checks has them ended at once instead of at the timeout
     exchanges: set[asyncio.Timeout] = field(default_factory=set)

@@ -106,14 +106,36 @@ struct Decider {
         return ws;
     }
 
+    // Seconds per worker paid before its prefill (None: none), checked.
+    static std::vector<double> seconds_before(nb::handle before, size_t k) {
+        std::vector<double> out;
+        if (before.is_none()) return out;
+        nb::object seq = nb::steal(PySequence_Fast(before.ptr(), "before must be a list"));
+        if (!seq.is_valid()) throw nb::python_error();
+        if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())) != k) {
+            raise(PyExc_ValueError, "before needs one number of seconds per worker");
+        }
+        out.resize(k);
+        for (size_t i = 0; i < k; i++) {
+            double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq.ptr(), i));
+            if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
+            if (!std::isfinite(v) || v < 0) {
+                raise(PyExc_ValueError, "before: seconds must be finite and not negative");
+            }
+            out[i] = v;
+        }
+        return out;
+    }
+
     nb::tuple run(const std::vector<const route::WorkerState*>& ws,
                   const std::vector<route::Held>& held, const uint32_t* tokens, size_t n,
-                  int64_t num_tokens) {
+                  int64_t num_tokens, const std::vector<double>& before) {
         if (num_tokens < 0) raise(PyExc_ValueError, "num_tokens must not be negative");
         PyHeat* h = settings.rule == route::Rule::PromptTree ? heat() : nullptr;
         double heat_now = h ? h->clock() : 0.0;
         route::Choice c = route::decide(settings, ws, held, tokens, n, num_tokens,
-                                        h ? &h->heat : nullptr, monotonic_now(), heat_now);
+                                        h ? &h->heat : nullptr, monotonic_now(), heat_now,
+                                        before.empty() ? nullptr : &before);
         nb::list holders;
         for (const auto& [i, tokens_held] : c.holders) {
             holders.append(nb::make_tuple(i, tokens_held));
@@ -126,7 +148,7 @@ struct Decider {
 
     // One walk of `tree` for every candidate, then the rule.
     nb::tuple decide(nb::handle tree, nb::handle tokens, int64_t num_tokens, nb::handle workers,
-                     nb::handle ttl) {
+                     nb::handle ttl, nb::handle before_s) {
         std::shared_ptr<Core> core = tree_core(tree);
         if (core->tree.page_size() != settings.page_size) {
             raise(PyExc_ValueError, "the tree's page size is not the decider's");
@@ -134,9 +156,10 @@ struct Decider {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         std::vector<route::Held> held(ws.size());
+        std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(ws, held, nullptr, 0, num_tokens);
+        if (len == 0) return run(ws, held, nullptr, 0, num_tokens, before);
         Tokens t(tokens, core->scratch, core->tree.page_size());
         double now = core->now();
         double cutoff = -std::numeric_limits<double>::infinity();
@@ -159,13 +182,13 @@ struct Decider {
                 held[i] = route::Held{std::max(device, host), device, tokens_of(py[i]->home_key)};
             }
         }
-        return run(ws, held, t.data(), t.size(), num_tokens);  // every id, for the heat
+        return run(ws, held, t.data(), t.size(), num_tokens, before);  // every id, for the heat
     }
 
     // The same rule over a view given per worker as (held in any tier, on device, home),
     // -1 for none: trees that are not a RadixTree (a replay's exact caches).
     nb::tuple decide_view(nb::handle view, nb::handle tokens, int64_t num_tokens,
-                          nb::handle workers) {
+                          nb::handle workers, nb::handle before_s) {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         nb::object seq = nb::steal(PySequence_Fast(view.ptr(), "view must be a list"));
@@ -179,11 +202,12 @@ struct Decider {
                 nb::handle(PySequence_Fast_GET_ITEM(seq.ptr(), i)));
             held[i] = route::Held{std::get<0>(entry), std::get<1>(entry), std::get<2>(entry)};
         }
+        std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(ws, held, nullptr, 0, num_tokens);
+        if (len == 0) return run(ws, held, nullptr, 0, num_tokens, before);
         Tokens t(tokens, scratch, 1);
-        return run(ws, held, t.data(), t.size(), num_tokens);
+        return run(ws, held, t.data(), t.size(), num_tokens, before);
     }
 };
 
@@ -350,9 +374,10 @@ void radix_py::bind_decide(nb::module_& m) {
             })
         .def_prop_ro("page_size", [](Decider& d) { return d.settings.page_size; })
         .def("decide", &Decider::decide, nb::arg("tree"), nb::arg("tokens"),
-             nb::arg("num_tokens"), nb::arg("workers"), nb::arg("ttl") = nb::none())
+             nb::arg("num_tokens"), nb::arg("workers"), nb::arg("ttl") = nb::none(),
+             nb::arg("before") = nb::none())
         .def("decide_view", &Decider::decide_view, nb::arg("view"), nb::arg("tokens"),
-             nb::arg("num_tokens"), nb::arg("workers"))
+             nb::arg("num_tokens"), nb::arg("workers"), nb::arg("before") = nb::none())
         .def(
             "plan",
             [](Decider& d, PyWorkerState& w, int64_t num_tokens, int64_t cached, int64_t host,

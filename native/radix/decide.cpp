@@ -169,7 +169,8 @@ struct Options {
 };
 
 Options options(const Settings& s, const std::vector<const WorkerState*>& ws,
-                const std::vector<Held>& view, int64_t n, double now) {
+                const std::vector<Held>& view, int64_t n, double now,
+                const std::vector<double>* before) {
     Options o;
     size_t k = ws.size();
     int64_t page = s.page_size;
@@ -198,6 +199,10 @@ Options options(const Settings& s, const std::vector<const WorkerState*>& ws,
         int64_t host = std::min(o.host[i], o.held[i]);
         const WorkerState* from = source != ws[i] ? source : nullptr;
         o.plans.push_back(plan(s.costs, *ws[i], n, o.held[i], host, from, most, o.loads[i], now));
+        if (before) {  // paid before its prefill, modelled and not learned
+            o.plans[i].seconds += (*before)[i];
+            o.plans[i].work.fixed_s += (*before)[i];
+        }
     }
     return o;
 }
@@ -233,8 +238,9 @@ Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, cons
 
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
               const std::vector<Held>& view, const uint32_t* tokens, size_t n,
-              int64_t num_tokens, Heat* heat, double now, double heat_now) {
-    Options o = options(s, ws, view, num_tokens, now);
+              int64_t num_tokens, Heat* heat, double now, double heat_now,
+              const std::vector<double>* before) {
+    Options o = options(s, ws, view, num_tokens, now, before);
     size_t k = ws.size();
     if (s.rule == Rule::Cost) {
         size_t choice = 0;

@@ -149,8 +149,11 @@ struct Settings {
 // The choice among `workers` (never empty) for a prompt of `num_tokens` tokens whose first
 // `n` ids are `tokens` (what the trees matched), `held` per worker; `heat` is bumped by the
 // prompt_tree rule. `now`: time.monotonic, for measured waits; `heat_now`: the heat's clock.
+// `before` (or null): seconds each worker would spend on this request before its prefill
+// that the cost model does not price (a LoRA adapter to load: router.adapters).
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& workers,
               const std::vector<Held>& held, const uint32_t* tokens, size_t n,
-              int64_t num_tokens, Heat* heat, double now, double heat_now);
+              int64_t num_tokens, Heat* heat, double now, double heat_now,
+              const std::vector<double>* before = nullptr);
 
 }  // namespace route

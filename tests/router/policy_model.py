@@ -131,7 +131,7 @@ class ReferencePolicy:
 
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         n, page = request.num_tokens, self.trees.page_size
-        view = self.trees.match(request.type, request.tokens or ())
+        view = self.trees.match(request.type, request.tree_key(request.tokens or (), page))
         held = {w.url: reusable(view.held.get(w.url, 0), n, page) for w in workers}
         loads = {w.url: w.load for w in workers}
         best, best_key = workers[0], (held[workers[0].url], -loads[workers[0].url])
@@ -153,6 +153,13 @@ class ReferencePolicy:
             )
             for w in workers
         }
+        adapter = request.namespace.lora_name if request.namespace is not None else None
+        if adapter is not None:  # an adapter to load first, where it is not in memory
+            for w in workers:
+                p, load_s = plans[w.url], w.adapters.seconds(adapter, self.cost.lora_load_s)
+                assert p.work is not None
+                p.seconds += load_s
+                p.work = p.work._replace(fixed_s=p.work.fixed_s + load_s)
         return Options(workers, view, held, plans, best, loads)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
@@ -172,7 +179,7 @@ class ReferencePolicy:
         else:
             affinity, best = held, o.best
         most = affinity[best.url]
-        heat = self.heat.bump(request.tokens or (), most)
+        heat = self.heat.bump(request.tree_key(request.tokens or (), page), most)
         if heat:
             copies = sum(a >= most for a in affinity.values())
             if copies >= self.heat.share(heat) * len(workers):

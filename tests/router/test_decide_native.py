@@ -4,6 +4,7 @@ and priced work; bad input raises a clear Python exception."""
 
 from __future__ import annotations
 
+import math
 from array import array
 
 import pytest
@@ -15,6 +16,7 @@ from mempool.errors import InvalidRequest
 from router.policies import Cost, CostModel, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, Worker, WorkerType
+from shared.namespaces import CacheNamespace
 from tests.router.policy_model import PrefixHeat, ReferencePolicy
 
 PAGE = 4
@@ -43,6 +45,8 @@ worker_st = st.fixed_dictionaries(
         "agent": st.sampled_from([None, True, True, False]),  # None, pulls, serves only
         "finished": st.integers(0, 8),
         "free_tokens": st.one_of(st.just(-1), st.integers(0, 48)),  # -1: not known
+        # LoRA adapters loaded (router.adapters) and how many it holds (None: not known)
+        "adapters": st.tuples(st.sets(st.sampled_from("ab")), st.sampled_from([None, 1, 2])),
         "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05)),
     }
 )
@@ -68,6 +72,9 @@ def make_worker(i: int, spec: dict) -> Worker:
     for k in range(spec["finished"]):
         w.state.finish(FUTURE + k * 0.25)
     w.speed.queue_x, w.speed.token_x, w.speed.pair_x, w.speed.overhead_s = spec["x"]
+    loaded, w.adapters.capacity = spec["adapters"]
+    for name in sorted(loaded):
+        w.adapters.sent(name)
     return w
 
 
@@ -103,6 +110,7 @@ doc_st = st.lists(st.integers(0, 1000), min_size=8, max_size=48)
             st.lists(st.integers(0, 3), max_size=40),  # none: a prompt all in `rest`
             st.integers(0, 9),
             st.sampled_from([0.0, 0.5, 30.0]),
+            st.sampled_from([None, None, "a", "b", "c"]),  # a LoRA adapter
         ),
         min_size=1,
         max_size=12,
@@ -134,13 +142,16 @@ def test_the_native_decision_is_the_reference_models(
     model = ReferencePolicy(
         rule, trees, thresholds, cost, pulls, PrefixHeat(PAGE, clock=heat_clock)
     )
-    for doc, cut, suffix, rest, later in requests:
+    for doc, cut, suffix, rest, later, adapter in requests:
         heat_clock.now += later
         tokens = docs[doc % len(docs)][:cut] + suffix
-        same(
-            native.select(RouteRequest(array("I", tokens), "", None, rest_tokens=rest), ws),
-            model.select(RouteRequest(tokens, "", None, rest_tokens=rest), ws),
-        )
+        ns = None if adapter is None else CacheNamespace(lora_id=adapter, lora_name=adapter)
+        # the model first: the native policy then notes the adapter as loaded where it chose
+        expected = model.select(RouteRequest(tokens, "", None, rest_tokens=rest, namespace=ns), ws)
+        request = RouteRequest(array("I", tokens), "", None, rest_tokens=rest, namespace=ns)
+        same(native.select(request, ws), expected)
+        if adapter is not None:
+            assert adapter in expected.worker.adapters.resident
 
 
 def test_a_hot_prefix_is_counted_alike() -> None:
@@ -191,6 +202,18 @@ def test_bad_input_raises_a_clear_error() -> None:
         WorkerState(5)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="token ids"):
         core.decide(tree, [1, -2, 3, 4], 4, [state])
+    for before, error in (
+        ([0.1, 0.2], "one number of seconds per worker"),
+        ([-0.1], "not negative"),
+        ([math.nan], "finite"),
+        ([math.inf], "finite"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            core.decide(tree, [1, 2, 3, 4], 4, [state], None, before)
+    with pytest.raises(TypeError, match="must be a list"):
+        core.decide(tree, [1, 2, 3, 4], 4, [state], None, 0.1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        core.decide_view([(-1, -1, -1)], [1], 1, [state], ["soon"])  # type: ignore[list-item]
     assert isinstance(Decider, type)
 
 

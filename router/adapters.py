@@ -1,0 +1,93 @@
+"""Which LoRA adapters each worker has loaded, as far as the router can tell, and what a
+request for one costs there before its prefill.
+
+An engine serves a request for an adapter it has not loaded by loading it first (SGLang:
+`--max-loaded-loras` in memory, the least recently used evicted past that), which costs tens
+of milliseconds to seconds by the adapter's size; past its limit it also evicts another
+adapter, whose next request pays the load again. A router blind to adapters sends requests
+for the same adapter to every worker in turn and pays a load on most of them (llm-d's LoRA
+scorer prefers a worker with the adapter loaded, then one with a free slot). Here the price
+joins the cost model (the decision's `before`: paid before the prefill, not learned), so a
+worker holding the adapter and the request's prefix wins by both, and a busy one can still
+lose to a free one.
+
+What is known: the adapters a worker loaded at start (its server info: ours lists them with
+their residency, SGLang's has `lora_paths` and `max_loaded_loras`), then every request the
+router sends it, as the engine's LRU sees them. Requests from elsewhere and explicit
+`/load_lora_adapter` calls are not seen until the worker is learned again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class WorkerAdapters:
+    """One worker's adapters as the router sees them."""
+
+    resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU first
+    pinned: set[str] = field(default_factory=set)  # never evicted
+    capacity: int | None = None  # its max_loaded_loras (None: not known)
+
+    def seconds(self, adapter: str, load_s: float) -> float:
+        """What a request for `adapter` pays here before its prefill: nothing if loaded, a
+        load if a slot is free (or the limit is not known), two past the limit (the evicted
+        adapter's next request loads it again)."""
+        if adapter in self.resident:
+            return 0.0
+        if self.capacity is None or len(self.resident) < self.capacity:
+            return load_s
+        return 2 * load_s
+
+    def sent(self, adapter: str) -> None:
+        """A request for `adapter` went here: loaded and most recently used, the least
+        recently used unpinned ones evicted past the limit."""
+        self.resident[adapter] = None
+        self.resident.move_to_end(adapter)
+        if self.capacity is None:
+            return
+        for name in list(self.resident):
+            if len(self.resident) <= self.capacity:
+                break
+            if name != adapter and name not in self.pinned:
+                del self.resident[name]
+
+    def learn(self, info: Mapping[str, Any]) -> None:
+        """From a worker's /get_server_info: ours (`lora`: adapters with their residency) or
+        SGLang's (`lora_paths` loaded at start, `max_loaded_loras`)."""
+        ours = info.get("lora")
+        if isinstance(ours, dict):
+            self.capacity = _count(ours.get("max_loaded_loras"))
+            adapters = [a for a in ours.get("adapters") or () if isinstance(a, dict)]
+            loaded = [str(a.get("lora_name") or "") for a in adapters if a.get("resident")]
+            self.pinned = {str(a.get("lora_name")) for a in adapters if a.get("pinned")}
+        else:
+            self.capacity = _count(info.get("max_loaded_loras"))
+            loaded = _names(info.get("lora_paths"))
+            self.pinned = set()
+            if self.capacity is not None:
+                loaded = loaded[: self.capacity]
+        self.resident = OrderedDict((str(name), None) for name in loaded if name)
+
+
+def _count(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
+
+
+def _names(paths: Any) -> list[str]:
+    """Adapter names of SGLang's --lora-paths as its server info gives them: a list of
+    `NAME=PATH`, `PATH` or {lora_name, ...} entries, or a {name: path} mapping."""
+    if isinstance(paths, dict):
+        return [str(name) for name in paths]
+    names = []
+    for entry in paths if isinstance(paths, list) else ():
+        if isinstance(entry, dict):
+            names.append(str(entry.get("lora_name") or ""))
+        elif isinstance(entry, str):
+            names.append(entry.split("=", 1)[0])
+    return names

@@ -1,0 +1,136 @@
+"""LoRA adapters in the routing decision: a request for an adapter goes where it is loaded,
+unless waiting there costs more than loading it elsewhere (router.adapters)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.adapters import WorkerAdapters
+from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
+from router.trees import PromptTrees
+from router.workers import Worker
+from shared.namespaces import CacheNamespace
+from tests.http_client import call
+from tests.procs import running
+
+LOAD_S = 0.05
+
+
+def test_a_loaded_adapter_costs_nothing_a_free_slot_one_load_a_full_worker_two() -> None:
+    w = WorkerAdapters(capacity=2)
+    assert w.seconds("a", LOAD_S) == LOAD_S
+    w.sent("a")
+    assert w.seconds("a", LOAD_S) == 0.0
+    assert w.seconds("b", LOAD_S) == LOAD_S
+    w.sent("b")
+    assert w.seconds("c", LOAD_S) == 2 * LOAD_S  # it evicts one, loaded again later
+    w.sent("a")  # used again: "b" is now the least recently used
+    w.sent("c")
+    assert list(w.resident) == ["a", "c"]
+    assert WorkerAdapters().seconds("a", LOAD_S) == LOAD_S  # no limit known: a load
+
+
+def test_pinned_adapters_are_never_counted_out() -> None:
+    w = WorkerAdapters(capacity=1, pinned={"keep"})
+    w.sent("keep")
+    w.sent("other")
+    assert list(w.resident) == ["keep", "other"]  # as the engine keeps a pinned one
+
+
+def test_adapters_learned_from_ours_and_sglangs_server_info() -> None:
+    ours = WorkerAdapters()
+    ours.learn(
+        {
+            "lora": {
+                "max_loaded_loras": 2,
+                "adapters": [
+                    {"lora_name": "a", "resident": True, "pinned": True},
+                    {"lora_name": "b", "resident": False, "pinned": False},
+                ],
+            }
+        }
+    )
+    assert (list(ours.resident), ours.pinned, ours.capacity) == (["a"], {"a"}, 2)
+    theirs = WorkerAdapters()
+    theirs.learn({"lora_paths": ["x=/p/x", {"lora_name": "y"}, "z"], "max_loaded_loras": 2})
+    assert (list(theirs.resident), theirs.capacity) == (["x", "y"], 2)
+    mapping = WorkerAdapters()
+    mapping.learn({"lora_paths": {"m": "/p/m"}, "max_loaded_loras": None})
+    assert (list(mapping.resident), mapping.capacity) == (["m"], None)
+    garbage = WorkerAdapters()
+    garbage.learn({"lora": {"adapters": "none", "max_loaded_loras": True}})
+    assert (list(garbage.resident), garbage.capacity) == ([], None)
+
+
+def _request(adapter: str | None) -> RouteRequest:
+    ns = None if adapter is None else CacheNamespace(lora_id=adapter, lora_name=adapter)
+    return RouteRequest(list(range(64)), "", None, namespace=ns)
+
+
+def test_the_policy_prefers_the_worker_holding_the_adapter() -> None:
+    trees = PromptTrees(page_size=16)
+    policy = PromptTree(trees, Thresholds(), CostModel(lora_load_s=LOAD_S))
+    a, b = Worker("http://127.0.0.1:9501"), Worker("http://127.0.0.1:9502")
+    for w in (a, b):
+        w.adapters.capacity = 1
+    b.adapters.sent("beta")
+    assert policy.select(_request("beta"), [a, b]).worker is b
+    assert policy.select(_request("alpha"), [a, b]).worker is a  # a free slot beats an evict
+    assert list(a.adapters.resident) == ["alpha"]
+    b.in_flight_tokens = 10_000  # 0.4 s of queued prefill: loading elsewhere is sooner
+    assert policy.select(_request("beta"), [a, b]).worker is a
+    d = policy.select(_request(None), [a, b])  # no adapter: nothing changes
+    assert d.worker is a and d.work is not None and d.work.fixed_s == 0.0
+
+
+# ----------------------------------------------------------------- over loopback
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[list[str]]:
+    root = tmp_path_factory.mktemp("adapters")
+    worker = [
+        *("--backend", "sim", "--model-path", str(model_dir), "--time-scale", "0"),
+        *("--lora-paths", "alpha=/adapters/alpha", "beta=/adapters/beta"),
+        *("--max-loaded-loras", "1", "--max-loras-per-batch", "1"),
+    ]
+    with (
+        running("connector.worker", [*worker, "--instance-id", "1"], root) as w1,
+        running("connector.worker", [*worker, "--instance-id", "2"], root) as w2,
+        running("router", ["--policy", "prompt_tree", "--worker-urls", w1.url, w2.url], root) as r,
+    ):
+        yield [r.url, w1.url, w2.url]
+
+
+def _loads(worker: str) -> int:
+    status, info = call(worker + "/get_server_info")
+    assert status == 200
+    return int(info["lora"]["loads"])
+
+
+def test_requests_for_two_adapters_keep_to_two_workers(cluster: list[str]) -> None:
+    """Each worker holds one adapter: alternating requests for two adapters would load one on
+    every request if sent to either worker alike; by placement, each adapter is loaded once."""
+    router, *workers = cluster
+    before = sum(_loads(w) for w in workers)
+    for i in range(12):
+        body: dict[str, Any] = {
+            "model": "default:" + ("alpha", "beta")[i % 2],
+            "prompt": f"{uuid.uuid4().hex} question {i}",
+            "max_tokens": 2,
+        }
+        status, answer = call(router + "/v1/completions", body)
+        assert status == 200, answer
+    assert sum(_loads(w) for w in workers) - before <= 2
+
+
+def test_an_unknown_adapter_is_the_workers_400(cluster: list[str]) -> None:
+    router = cluster[0]
+    body = {"model": "default:nope", "prompt": "hi", "max_tokens": 2}
+    status, answer = call(router + "/v1/completions", body)
+    assert status == 400 and "nope" in answer["message"], answer
