@@ -273,13 +273,22 @@ def ids(seed: int, n: int = 96) -> list[int]:
     return [(seed * 7919 + i * 104729) % 30000 + 100 for i in range(n)]
 
 
+def chat(seed: int) -> list[dict[str, str]]:
+    """A chat that differs from its first page on (a template's default system prompt, the
+    same in every chat without one, would be cached once per tenant and hit)."""
+    return [
+        {"role": "system", "content": f"Session {seed}: " + words(seed, 8)},
+        {"role": "user", "content": words(seed + 1)},
+    ]
+
+
 # every inference route, both prompt forms
 PROMPTS = {
     "generate-text": (GENERATE, lambda s: {"text": words(s)}),
     "generate-ids": (GENERATE, lambda s: {"input_ids": ids(s)}),
     "completions-text": (COMPLETIONS, lambda s: {"prompt": words(s)}),
     "completions-ids": (COMPLETIONS, lambda s: {"prompt": ids(s)}),
-    "chat": (CHAT, lambda s: {"messages": [{"role": "user", "content": words(s)}]}),
+    "chat": (CHAT, lambda s: {"messages": chat(s)}),
 }
 
 
