@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +283,7 @@ def chat(seed: int) -> list[dict[str, str]]:
 
 
 # every inference route, both prompt forms
-PROMPTS = {
+PROMPTS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
     "generate-text": (GENERATE, lambda s: {"text": words(s)}),
     "generate-ids": (GENERATE, lambda s: {"input_ids": ids(s)}),
     "completions-text": (COMPLETIONS, lambda s: {"prompt": words(s)}),
@@ -408,13 +408,15 @@ def test_max_in_flight_is_a_429_with_retry_after(model_dir: Path, tmp_path: Path
         time.sleep(0.5)  # in flight first (a probe sent before it would refuse it instead)
         deadline = time.monotonic() + 10
         quick = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
-        status, answer, headers = 200, None, None
+        status: int = 200
+        answer: Any = None
+        headers: Any = None
         while time.monotonic() < deadline and thread.is_alive():
             status, answer, headers = post(r.url + GENERATE, quick, KEYS["b"])
             if status == 429:
                 break
             time.sleep(0.05)
-        assert status == 429, (answer, first)
+        assert status == 429 and answer is not None and headers is not None, (answer, first)
         assert answer["code"] == 429 and int(headers["Retry-After"]) >= 1
         assert post(r.url + GENERATE, quick, KEYS["a"])[0] == 200  # another tenant goes on
         thread.join(60)
