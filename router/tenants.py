@@ -560,9 +560,20 @@ def from_args(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m router.tenants hash-key` (the key on stdin, or prompted for) prints its
-    stored form; `new-key` prints a fresh key and its stored form."""
-    args = sys.argv[1:] if argv is None else argv
-    if args == ["hash-key"]:
+    stored form; `new-key` a fresh key and its stored form; `new-secret` a random secret."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m router.tenants", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("hash-key", help="read a key from stdin, print 'sha256:<hex>' for the file")
+    sub.add_parser("new-key", help="print a new random key and its stored form")
+    sub.add_parser("new-secret", help="print a random --tenant-secret")
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.command == "hash-key":
         if sys.stdin.isatty():
             import getpass
 
@@ -573,22 +584,12 @@ def main(argv: list[str] | None = None) -> int:
             print("no key given", file=sys.stderr)
             return 2
         print(hash_key(key))
-        return 0
-    if args == ["new-key"]:
+    elif args.command == "new-key":
         key = "sk-" + secrets.token_urlsafe(32)
         print(f"key:    {key}\nstored: {hash_key(key)}")
-        return 0
-    if args == ["new-secret"]:
+    else:
         print(secrets.token_hex(32))
-        return 0
-    print(
-        "usage: python -m router.tenants hash-key | new-key | new-secret\n"
-        "  hash-key    read a key from stdin, print 'sha256:<hex>' for the tenants file\n"
-        "  new-key     print a new random key and its stored form\n"
-        "  new-secret  print a random --tenant-secret",
-        file=sys.stderr,
-    )
-    return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -487,3 +487,13 @@ def test_a_bad_tenants_file_is_a_clear_startup_error(tmp_path: Path, content: st
     assert run.returncode != 0
     assert run.stderr.strip().startswith("--tenants:"), run.stderr
     assert "Traceback" not in run.stderr and "sk-in-clear" not in run.stderr
+
+
+def test_the_docs_example_parses() -> None:
+    page = (ROOT / "docs" / "router" / "tenants.md").read_text()
+    example = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    loaded = parse(example, "docs/router/tenants.md")
+    assert set(loaded.tenants) == {"acme", "globex"}
+    assert loaded.tenants["globex"].own_salt and len(loaded.tenants["globex"].key_hashes) == 2
+    assert loaded.by_key[hashlib.sha256(b"sk-acme-example").digest()].id == "acme"
+    assert len(loaded.public) == 2
