@@ -20,6 +20,10 @@ text prompt that begins with one, gets `shared_prefix_tokens`: the prefix's toke
 engine encodes the prompt (a chat's system message as its template renders it, to the end
 of that message), so the engine caches those pages once for everyone and salts the rest.
 
+Limits per tenant: `max_in_flight` (its requests inside the router at once) and
+`tokens_per_s` (prompt and most output tokens a second, a bucket holding a second's worth),
+both 429 with Retry-After when exceeded, and split evenly among the router's processes.
+
 The file (JSON or TOML) is read again when its modification time changes (looked at at most
 once a second, on the request path) and on SIGHUP; a file that does not parse on reload
 leaves the tenants as they were and logs an error; at start it is a startup error.
@@ -44,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-from router.admission import Refused
+from router.admission import Refused, TokenBucket, retry_after
 from router.request import CHAT, COMPLETIONS, GENERATE, RequestError
 from shared.token_cache import CachedEncoder
 
@@ -78,7 +82,7 @@ class Tenant:
     id: str
     own_salt: bool = False  # may its clients choose a salt (under the tenant's)?
     max_in_flight: int = 0  # requests in flight at once, this router (0: unlimited)
-    tokens_per_s: float = 0.0  # parsed and shown; not enforced yet
+    tokens_per_s: float = 0.0  # prompt + most output tokens a second, this router (0: none)
     key_hashes: tuple[bytes, ...] = ()
 
 
@@ -240,6 +244,7 @@ class Tenants:
         self.operator = Tenant(OPERATOR, own_salt=True)
         self._salts: dict[str, str] = {}
         self.in_flight: dict[str, int] = {}
+        self._buckets: dict[str, TokenBucket] = {}  # tokens_per_s, by tenant id
         self.refusals: dict[str, int] = {}
         self.reloads = 0
         self.reload_errors = 0
@@ -339,6 +344,8 @@ class Tenants:
         the tenant may choose its own), a client's extra_key under the tenant's salt,
         shared_prefix_tokens set from a public prefix and never from a client. `body` is
         changed in place; the bytes returned are what is sent."""
+        if tenant.tokens_per_s:
+            self.charge(tenant, route, body)
         salt = self.salt(tenant)
         client = body.get("cache_salt")
         fields: dict[str, Any] = {
@@ -511,6 +518,67 @@ class Tenants:
             )
         self.in_flight[tenant.id] = now + 1
         return tenant
+
+    def charge(self, tenant: Tenant, route: str, body: Mapping[str, Any]) -> None:
+        """tokens_per_s: take the request's tokens (its prompt's, estimated from its length,
+        and the most it may generate) from the tenant's bucket; Refused (429) while the
+        bucket is in debt. A bucket holds a second's worth; one request may take it below
+        zero (a prompt larger than a second's worth still goes, when the bucket is full),
+        and the next waits until it has refilled past zero."""
+        rate = tenant.tokens_per_s / max(self.process[1], 1)
+        bucket = self._buckets.get(tenant.id)
+        if bucket is None or bucket.rate != rate:
+            bucket = self._buckets[tenant.id] = TokenBucket(rate, rate, self.clock)
+        have = bucket.available()
+        if have < 0:
+            self.refusals[tenant.id] = self.refusals.get(tenant.id, 0) + 1
+            raise Refused(
+                "this API key's tenant is past its tokens_per_s; retry later",
+                "tenant_tokens_per_s",
+                retry_after(-have / rate),
+            )
+        bucket.tokens = have - self.request_tokens(route, body)
+
+    def request_tokens(self, route: str, body: Mapping[str, Any]) -> float:
+        """The prompt's tokens (ids counted, text at the tokenizer's characters a token)
+        and the most tokens the request may generate (when it says)."""
+        if route == CHAT:
+            messages = body.get("messages")
+            chars = 0
+            for m in messages if isinstance(messages, list) else ():
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, str):
+                    chars += len(content)
+                elif isinstance(content, list):
+                    chars += sum(
+                        len(str(p.get("text", ""))) for p in content if isinstance(p, dict)
+                    )
+            prompt: Any = chars
+        else:
+            prompt = body.get("prompt") if route == COMPLETIONS else body.get("text")
+            if prompt is None:
+                prompt = body.get("input_ids")
+        ratio = self.encoder.chars_per_token if self.encoder is not None else 4.0
+        if isinstance(prompt, int):
+            tokens = prompt / ratio
+        elif isinstance(prompt, str):
+            tokens = len(prompt) / ratio
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            tokens = sum(len(p) for p in prompt if isinstance(p, str)) / ratio
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            tokens = sum(len(p) for p in prompt if isinstance(p, list))
+        elif isinstance(prompt, list):
+            tokens = len(prompt)
+        else:
+            tokens = 0
+        params = body.get("sampling_params")
+        out = params.get("max_new_tokens") if isinstance(params, dict) else None
+        for name in ("max_completion_tokens", "max_tokens"):
+            if out is None:
+                out = body.get(name)
+        if isinstance(out, int) and not isinstance(out, bool) and out > 0:
+            tokens += out
+        return max(float(tokens), 1.0)
 
     def exit(self, tenant: Tenant) -> None:
         n = self.in_flight.get(tenant.id, 0) - 1

@@ -42,7 +42,7 @@ from tests.procs import ROOT, TEST_ENV, Server, running
 
 PAGE = 16
 SECRET = "test-tenant-secret-0b7d"
-KEYS = {"a": "sk-alpha-1111", "b": "sk-bravo-2222", "c": "sk-charlie-3333"}
+KEYS = {"a": "sk-alpha-1111", "b": "sk-bravo-2222", "c": "sk-charlie-3333", "d": "sk-delta-4444"}
 OPERATOR_KEY = "sk-operator-9999"
 SYSTEM = (
     "You are the shared support assistant of the Example gateway. You answer questions about "
@@ -62,6 +62,7 @@ def tenants_file(path: Path, keys: dict[str, str] | None = None, **extra: Any) -
             {"id": "a", "keys": [hash_key(keys["a"])]},
             {"id": "b", "keys": [hash_key(keys["b"])], "max_in_flight": 1},
             {"id": "c", "keys": [hash_key(keys["c"])], "own_salt": True},
+            {"id": "d", "keys": [hash_key(keys["d"])], "tokens_per_s": 50},
         ],
         "public_prefixes": [SYSTEM, TEXT_PREFIX],
         **extra,
@@ -392,6 +393,22 @@ def test_keys_guard_the_routes(router: Server) -> None:
         assert (status == 200) == tenant_may, path
 
 
+def test_tokens_per_s_is_a_429_with_retry_after(router: Server) -> None:
+    body = {"input_ids": ids(7, 200), "sampling_params": {"max_new_tokens": 1}}
+    assert post(router.url + GENERATE, body, KEYS["d"])[0] == 200  # a full bucket: it goes
+    status, answer, headers = post(router.url + GENERATE, body, KEYS["d"])
+    assert status == 429 and answer["code"] == 429, answer
+    assert int(headers["Retry-After"]) >= 3  # about 150 tokens of debt at 50 a second
+    assert post(router.url + GENERATE, body, KEYS["a"])[0] == 200  # others go on
+    req = urllib.request.Request(
+        router.url + "/get_server_info", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        info = json.loads(resp.read())["tenants"]
+    assert info["tenants"] == 4 and info["refusals"]["d"] >= 1
+    assert SECRET not in json.dumps(info) and minted("a") not in json.dumps(info)
+
+
 def test_max_in_flight_is_a_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:
     args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "1"]
     path = tenants_file(tmp_path / "tenants.json")
@@ -497,3 +514,23 @@ def test_the_docs_example_parses() -> None:
     assert loaded.tenants["globex"].own_salt and len(loaded.tenants["globex"].key_hashes) == 2
     assert loaded.by_key[hashlib.sha256(b"sk-acme-example").digest()].id == "acme"
     assert len(loaded.public) == 2
+
+
+def test_tokens_per_s_refuses_while_the_bucket_is_in_debt(tmp_path: Path) -> None:
+    now = [0.0]
+    path = tmp_path / "tenants.json"
+    doc = {"tenants": [{"id": "d", "keys": [hash_key("kd")], "tokens_per_s": 100}]}
+    path.write_text(json.dumps(doc))
+    t = Tenants(path, SECRET.encode(), clock=lambda: now[0], process=(0, 2))  # 50 a process
+    d = t.identify("Bearer kd")
+    assert d is not None
+    big = {"input_ids": list(range(120)), "sampling_params": {"max_new_tokens": 30}}
+    t.namespace(d, GENERATE, dict(big), b"{}")  # a full bucket lets one large request go
+    with pytest.raises(Refused) as refused:
+        t.namespace(d, GENERATE, {"text": "hi"}, b"{}")
+    assert refused.value.retry_after_s == 2  # 100 tokens of debt at 50 a second
+    now[0] = 2.01
+    t.namespace(d, CHAT, {"messages": [{"role": "user", "content": "x" * 40}]}, b"{}")
+    assert t.request_tokens(CHAT, {"messages": [{"role": "user", "content": "x" * 40}]}) == 10
+    assert t.request_tokens(COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 5}) == 8
+    assert t.info()["refusals"] == {"d": 1}
