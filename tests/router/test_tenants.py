@@ -441,6 +441,14 @@ def test_max_in_flight_is_a_429_with_retry_after(model_dir: Path, tmp_path: Path
         assert post(r.url + GENERATE, quick, KEYS["b"])[0] == 200  # its slot is back
 
 
+def same_stamp(path: Path, rewrite: Callable[[], object]) -> None:
+    """Rewrite the file in place keeping its size and times: only SIGHUP can tell."""
+    before = path.stat()
+    rewrite()
+    assert path.stat().st_size == before.st_size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
 def test_keys_rotate_without_a_restart(worker: Server, tmp_path: Path) -> None:
     path = tenants_file(tmp_path / "tenants.toml")
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
@@ -460,17 +468,45 @@ def test_keys_rotate_without_a_restart(worker: Server, tmp_path: Path) -> None:
         r.proc.send_signal(signal.SIGHUP)
         time.sleep(0.3)
         assert post(r.url + GENERATE, body, rotated["a"])[0] == 200
-        tenants_file(path, {**rotated, "b": "sk-bravo-rotated"})
-        os.utime(path, (time.time() - 100, time.time() - 100))  # same size, older mtime
+        tenants_file(path, {**rotated, "b": "sk-bravo-rotated"})  # (SIGHUP alone: below)
         r.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 5
         while post(r.url + GENERATE, body, "sk-bravo-rotated")[0] != 200:
-            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            assert time.monotonic() < deadline, "not reloaded"
             time.sleep(0.1)
         assert r.proc.poll() is None
     log = r.log.read_text() if r.log else ""
     assert "tenants file not reloaded" in log
     assert "sk-pasted-by-mistake" not in log and KEYS["a"] not in log
+
+
+def test_processes_mint_one_salt_and_pass_sighup_on(worker: Server, tmp_path: Path) -> None:
+    """--processes 2 without a secret: the supervisor draws one for both processes (else a
+    tenant's prompt would hit only on the process that first served it); SIGHUP to the
+    supervisor reaches them and kills nothing."""
+    path = tenants_file(tmp_path / "tenants.json")
+    args = ["--worker-urls", worker.url, "--tenants", str(path), "--processes", "2"]
+    body = {"text": words(900), "sampling_params": {"max_new_tokens": 1}}
+    with running("router", args, tmp_path) as r:
+        assert post(r.url + GENERATE, body, KEYS["a"])[0] == 200
+        hits: dict[str, int] = {}
+        for _ in range(200):
+            status, answer, headers = post(r.url + GENERATE, body, KEYS["a"])
+            assert status == 200, answer
+            hits.setdefault(headers["X-Router-Process"], answer["meta_info"]["cached_tokens"])
+            if len(hits) == 2:
+                break
+        assert len(hits) == 2 and all(n >= 4 * PAGE for n in hits.values()), hits
+        same_stamp(path, lambda: tenants_file(path, {**KEYS, "a": "sk-alpha-hup"}))
+        r.proc.send_signal(signal.SIGHUP)
+        answered: set[str] = set()
+        deadline = time.monotonic() + 10
+        while len(answered) < 2:
+            assert time.monotonic() < deadline, answered
+            status, _, headers = post(r.url + GENERATE, body, "sk-alpha-hup")
+            if status == 200:
+                answered.add(headers["X-Router-Process"])
+        assert r.proc.poll() is None
 
 
 @pytest.mark.parametrize(
