@@ -425,11 +425,8 @@ class Tenants:
         if not isinstance(first, dict) or first.get("role") != "system":
             return 0
         content = first.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            content = "".join(p for p in parts if isinstance(p, str))
         if not isinstance(content, str) or not content:
-            return 0
+            return 0  # parts: a template may render them otherwise than the string
         digest = _sha(content)
         if digest not in self._chat_index:
             return 0

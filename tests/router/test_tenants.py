@@ -480,6 +480,28 @@ def test_keys_rotate_without_a_restart(worker: Server, tmp_path: Path) -> None:
     assert "sk-pasted-by-mistake" not in log and KEYS["a"] not in log
 
 
+def test_two_replicas_with_one_secret_keep_tenants_apart_and_share_their_hits(
+    worker: Server, tmp_path: Path, redis_url: str
+) -> None:
+    """Router replicas (--redis-url) with the same secret: a tenant's prompt hits through
+    the other replica, another tenant's identical prompt does not, through either."""
+    path = tenants_file(tmp_path / "tenants.json")
+    args = ["--worker-urls", worker.url, "--tenants", str(path), "--redis-url", redis_url]
+    env_secret = ["--tenant-secret", SECRET]
+    with (
+        running("router", [*args, *env_secret, "--replica-id", "r1"], tmp_path) as r1,
+        running("router", [*args, *env_secret, "--replica-id", "r2"], tmp_path) as r2,
+    ):
+        for route, make in (PROMPTS["generate-text"], PROMPTS["chat"]):
+            body = make(1000 + len(route))
+            assert cached(r1.url, route, body, KEYS["a"]) == 0
+            assert cached(r2.url, route, body, KEYS["b"]) == 0
+            assert cached(r1.url, route, body, KEYS["b"]) >= 4 * PAGE  # B's, through r2
+            assert cached(r2.url, route, body, KEYS["a"]) >= 4 * PAGE  # A's, through r1
+            copied = {**body, "cache_salt": minted("a")}
+            assert cached(r2.url, route, copied, KEYS["c"]) == 0
+
+
 def test_processes_mint_one_salt_and_pass_sighup_on(worker: Server, tmp_path: Path) -> None:
     """--processes 2 without a secret: the supervisor draws one for both processes (else a
     tenant's prompt would hit only on the process that first served it); SIGHUP to the
