@@ -344,16 +344,18 @@ class Tenants:
         the tenant may choose its own), a client's extra_key under the tenant's salt,
         shared_prefix_tokens set from a public prefix and never from a client. `body` is
         changed in place; the bytes returned are what is sent."""
+        client, extra = body.get("cache_salt"), body.get("extra_key")
+        for name, value in (("cache_salt", client), ("extra_key", extra)):
+            if value is not None and not isinstance(value, str):
+                raise RequestError(400, f"'{name}' must be a string")  # as the engine says
         if tenant.tokens_per_s:
             self.charge(tenant, route, body)
         salt = self.salt(tenant)
-        client = body.get("cache_salt")
         fields: dict[str, Any] = {
             "cache_salt": f"{salt}:{client}"
             if tenant.own_salt and isinstance(client, str) and client
             else salt
         }
-        extra = body.get("extra_key")
         if isinstance(extra, str) and extra:
             fields["extra_key"] = f"{salt}:{extra}"
         shared = self.public_tokens(route, body)

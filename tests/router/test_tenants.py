@@ -181,6 +181,10 @@ def test_the_namespace_fields_are_minted_from_the_tenant(tmp_path: Path) -> None
     raw = b'{"text": "hi" , "stream":false}  \n'
     sent = msgspec.json.decode(t.namespace(a, GENERATE, msgspec.json.decode(raw), raw))
     assert sent == {"text": "hi", "stream": False, "cache_salt": minted("a")}
+    for bad in ({"cache_salt": 5}, {"extra_key": ["k"]}):
+        with pytest.raises(RequestError) as err:
+            t.namespace(a, GENERATE, {"text": "hi", **bad}, b"{}")
+        assert err.value.status == 400
     assert msgspec.json.decode(t.namespace(a, GENERATE, {}, b" {} ")) == {"cache_salt": minted("a")}
 
 
