@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from localrun.cluster import Cluster, ClusterSpec
+from router import tenants
 from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
@@ -56,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("MEMSERVE_ROUTER_API_KEY") or None,
         help="clients must send 'Authorization: Bearer KEY' (default: $MEMSERVE_ROUTER_API_KEY, "
         "which, unlike a flag, other users' ps does not show)",
+    )
+    a(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenants and their hashed API keys, limits and public prefixes (JSON or TOML; "
+        "default: $MEMSERVE_ROUTER_TENANTS, a path or the JSON itself): the router mints "
+        "each tenant's cache_salt; reloaded when the file changes and on SIGHUP; --api-key "
+        "stays the operator's key (every route). See docs/router/tenants.md",
+    )
+    a(
+        "--tenant-secret",
+        default=None,
+        help="key of the HMAC that mints tenants' salts; every replica and process must share "
+        f"it (default: ${tenants.SECRET_ENV}, else a random one for this run)",
     )
     a("--max-payload-size", type=int, default=512 * 1024 * 1024, help="bytes")
     a(
@@ -380,7 +396,27 @@ def check_args(args: argparse.Namespace) -> str:
     replica_config(args)
     cost_model(args)
     processes(args)
+    check_tenants(args)
     return name
+
+
+def check_tenants(args: argparse.Namespace) -> None:
+    """--tenants: the file must parse (its public prefixes are counted once the tokenizer is
+    loaded); SystemExit with what is wrong."""
+    given = args.tenants or os.environ.get(tenants.TENANTS_ENV) or None
+    if given is None:
+        return
+    try:
+        if given.lstrip().startswith("{"):
+            tenants.parse(given, tenants.TENANTS_ENV)
+        else:
+            try:
+                text = Path(given).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise tenants.TenantsError(f"cannot read {given}: {exc}") from None
+            tenants.parse(text, given)
+    except tenants.TenantsError as exc:
+        raise SystemExit(f"--tenants: {exc}") from None
 
 
 def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
@@ -444,8 +480,13 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             "directory with tokenizer.json) or workers whose /get_model_info "
             "names a local tokenizer_path"
         )
+    process = (0, 1) if siblings is None else (siblings.index, siblings.count)
+    tenant_keys = tenants.from_args(
+        args.tenants, args.tenant_secret, args.api_key, encoder, replica is not None, process
+    )
     config = RouterConfig(
         api_key=args.api_key,
+        tenants=tenant_keys,
         max_payload_bytes=args.max_payload_size,
         request_timeout_s=args.request_timeout_secs,
         # each process admits its share; the expected-wait deadline needs none: every
@@ -533,6 +574,9 @@ async def serve(router: Router, args: argparse.Namespace) -> None:
                 f"router ({router.policy.name}) on http://{args.host}:{args.port} -> {workers}",
                 flush=True,
             )
+        if router.config.tenants is not None:  # SIGHUP: read the tenants file again
+            keys = router.config.tenants
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
         await _wait_for_signal()
     finally:
         for server in servers:
@@ -574,6 +618,10 @@ def main(argv: list[str] | None = None) -> None:
     count = 1 if args.process_index is not None else processes(args)
     if count > 1:
         check_args(args)
+        if (args.tenants or os.environ.get(tenants.TENANTS_ENV)) and not (
+            args.tenant_secret or os.environ.get(tenants.SECRET_ENV)
+        ):  # the processes must mint the same salts: one random secret for all of them
+            os.environ[tenants.SECRET_ENV] = tenants.load_secret(None, False).decode()
     if args.process_index is None:  # the processes of one router share it; nobody else may
         for host, port in ((args.host, args.port), (args.prometheus_host, args.prometheus_port)):
             if port and not port_is_free(host, port):

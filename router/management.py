@@ -116,6 +116,7 @@ class Management:
                 "admission": self._admission_info(),
                 "workers": [self._worker_json(w) for w in self.router.registry.workers.values()],
                 "process": self._process_info(),
+                "tenants": None if (t := self.router.config.tenants) is None else t.info(),
                 **self._replica_info(),
             }
         )

@@ -37,6 +37,7 @@ from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
 from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
 from router.request import (
+    INFERENCE_ROUTES,
     check_model,
     full_tokens,
     parse_json_object,
@@ -45,6 +46,7 @@ from router.request import (
     without_router_fields,
 )
 from router.siblings import SiblingConfig, Siblings
+from router.tenants import Tenants
 from router.trees import PromptTrees
 from router.workers import Agent, Worker, WorkerRegistry
 from shared.token_cache import CachedEncoder
@@ -54,6 +56,8 @@ PRIME_WHEN_ACTIVE_AT_MOST = 4  # requests in the router; busier, answers are not
 # Open without the API key: probes and the API's description. /metrics on this port lists
 # the workers' URLs, so it needs the key when one is set (scrapers use --prometheus-port).
 OPEN_ROUTES = {"/health", "/liveness", "/readiness", "/openapi.json"}
+# With --tenants, what a tenant's key opens besides the inference routes (no worker URLs).
+TENANT_ROUTES = {*INFERENCE_ROUTES, "/v1/models", "/get_model_info"}
 VERSION = "0.1.0"
 PROCESS_HEADER = "X-Router-Process"  # --processes: the index of the process that answered
 METRICS_SYNC_S = 1.0  # several processes: counts written to the metrics files this often
@@ -77,6 +81,7 @@ class RouterConfig:
     cost: CostModel = field(default_factory=CostModel)  # the policies' expected-TTFT terms
     replica: ReplicaConfig | None = None  # share state with other replicas through Redis
     siblings: SiblingConfig | None = None  # one of several processes of this router
+    tenants: Tenants | None = None  # --tenants: keys per tenant, minted salts (router.tenants)
 
 
 class Router:
@@ -329,9 +334,13 @@ class Router:
         started = time.perf_counter()
         self._active += 1
         self.requests_received += 1
+        tenants, tenant = self.config.tenants, None
         try:
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
+            if tenants is not None:
+                tenant = tenants.enter(headers.get("authorization"))  # 401, or 429 at its limit
+                raw = tenants.namespace(tenant, route, body, raw)  # its salt, public prefix
             check_model(body, self.model_ids)
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
@@ -355,10 +364,17 @@ class Router:
                     duration.observe(time.perf_counter() - started)
         finally:
             self._active -= 1
+            if tenants is not None and tenant is not None:
+                tenants.exit(tenant)
 
     def authorized(self, path: str, authorization: str) -> bool:
-        """The API key, when one is set, on every route but the open ones."""
-        if not self.config.api_key or path in OPEN_ROUTES:
+        """The API key, when one is set, on every route but the open ones; with --tenants,
+        a tenant's key too, on the routes a tenant may use (router.tenants)."""
+        if path in OPEN_ROUTES:
+            return True
+        if self.config.tenants is not None:
+            return self.config.tenants.authorized(path, authorization, TENANT_ROUTES)
+        if not self.config.api_key:
             return True
         expected = f"Bearer {self.config.api_key}"
         return hmac.compare_digest(authorization.encode(), expected.encode())

@@ -7,7 +7,8 @@ with the same arguments plus their index. Each child binds the port with SO_REUS
 the kernel spreads incoming connections over them, and they share their state over the
 local channel (router.siblings).
 
-It forwards SIGTERM and SIGINT to the children; a child whose supervisor dies without
+It forwards SIGTERM and SIGINT to the children, and SIGHUP (each reads its tenants file
+again); a child whose supervisor dies without
 stopping it (SIGKILL, the OOM killer) gets SIGTERM from the kernel (Linux's parent-death
 signal), so no orphan keeps serving the port beside a restarted router. When a child exits
 on its own the supervisor stops the others and exits with an error: a router missing a
@@ -111,7 +112,14 @@ def supervise(argv: Sequence[str], count: int) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGTERM)
 
+    def forward(signum: int, frame: FrameType | None = None) -> None:
+        for child in children:  # SIGHUP: each process reads its files again (--tenants)
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signum)
+
     previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward)
     failed = False
     try:
         for i in range(count):
