@@ -30,13 +30,8 @@ import pytest
 
 from router.admission import Refused
 from router.request import CHAT, COMPLETIONS, GENERATE, RequestError
-from router.tenants import (
-    Tenants,
-    TenantsError,
-    hash_key,
-    main,
-    parse,
-)
+from router.tenants import Tenants, TenantsError, hash_key, parse
+from router.tenants.__main__ import main
 from shared.tokenizer import ChatTokenizer
 from tests.procs import ROOT, TEST_ENV, Server, running
 

@@ -33,24 +33,45 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
-import re
 import secrets
-import sys
 import time
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from router.admission import Refused, TokenBucket, retry_after
-from router.request import CHAT, COMPLETIONS, GENERATE, RequestError
+from router.request import CHAT, COMPLETIONS, RequestError
+from router.tenants.config import (
+    PublicPrefix,
+    Tenant,
+    TenantsError,
+    TenantsFile,
+    hash_key,
+    parse,
+)
+from router.tenants.public import PublicPrefixes
 from shared.token_cache import CachedEncoder
+
+__all__ = [
+    "NAMESPACE_FIELDS",
+    "OPERATOR",
+    "SECRET_ENV",
+    "TENANTS_ENV",
+    "PublicPrefix",
+    "PublicPrefixes",
+    "Tenant",
+    "Tenants",
+    "TenantsError",
+    "TenantsFile",
+    "from_args",
+    "hash_key",
+    "load_secret",
+    "parse",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,143 +81,6 @@ RELOAD_CHECK_S = 1.0  # the file's mtime is looked at at most this often
 OPERATOR = ""  # the tenant id of --api-key's holder (file ids are never empty)
 # Fields only the router sets from the tenant: a client's are replaced or dropped.
 NAMESPACE_FIELDS = ("cache_salt", "extra_key", "shared_prefix_tokens")
-_KEY = re.compile(r"sha256:([0-9a-f]{64})")
-_HEX = re.compile(r"[0-9a-f]{64}")
-_TENANT_FIELDS = {"id", "keys", "own_salt", "max_in_flight", "tokens_per_s"}
-# Texts after a public text prefix: its tokens are counted up to where none of these merges
-# with its end (a tokenizer's pieces rarely reach across more than one boundary token).
-_PROBES = ("a", " a", "A", "1", " 1", ".", "\n", " ", "\u4e2d", "\n\n")
-
-
-class TenantsError(ValueError):
-    """A tenants file that cannot be used: what is wrong, and where."""
-
-
-def hash_key(key: str) -> str:
-    """The form a key is stored in: `sha256:<hex of its UTF-8>`."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    id: str
-    own_salt: bool = False  # may its clients choose a salt (under the tenant's)?
-    max_in_flight: int = 0  # requests in flight at once, this router (0: unlimited)
-    tokens_per_s: float = 0.0  # prompt + most output tokens a second, this router (0: none)
-    key_hashes: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PublicPrefix:
-    """A prefix every tenant may share: its text when the file gives it, its SHA-256, and
-    its length in characters (for a text prompt's start; None: a chat's system message
-    only)."""
-
-    sha256: str
-    text: str | None = None
-    chars: int | None = None
-
-
-@dataclass(slots=True)
-class TenantsFile:
-    tenants: dict[str, Tenant]
-    by_key: dict[bytes, Tenant]
-    public: list[PublicPrefix] = field(default_factory=list)
-
-
-def parse(text: str, name: str = "tenants file") -> TenantsFile:
-    """A tenants file's text (JSON, or TOML when it does not start with '{'); TenantsError
-    naming what is wrong."""
-    stripped = text.lstrip()
-    try:
-        data: Any = json.loads(text) if stripped.startswith("{") else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise TenantsError(f"{name}: not valid JSON or TOML: {exc}") from None
-    if not isinstance(data, dict):
-        raise TenantsError(f"{name}: must be an object (JSON) or a table (TOML)")
-    unknown = set(data) - {"tenants", "public_prefixes"}
-    if unknown:
-        raise TenantsError(f"{name}: unknown top-level keys {sorted(unknown)}")
-    entries = data.get("tenants")
-    if isinstance(entries, dict):  # {id: settings} / [tenants.<id>] tables
-        entries = [{**v, "id": k} if isinstance(v, dict) else v for k, v in entries.items()]
-    if not isinstance(entries, list) or not entries:
-        raise TenantsError(f"{name}: 'tenants' must be a non-empty list (or table) of tenants")
-    tenants: dict[str, Tenant] = {}
-    by_key: dict[bytes, Tenant] = {}
-    for i, entry in enumerate(entries):
-        tenant = _tenant(entry, f"{name}: tenants[{i}]")
-        if tenant.id in tenants:
-            raise TenantsError(f"{name}: tenant {tenant.id!r} is given twice")
-        tenants[tenant.id] = tenant
-        for digest in tenant.key_hashes:
-            if digest in by_key:
-                other = by_key[digest].id
-                raise TenantsError(f"{name}: tenants {other!r} and {tenant.id!r} share a key")
-            by_key[digest] = tenant
-    public = data.get("public_prefixes", [])
-    if not isinstance(public, list):
-        raise TenantsError(f"{name}: 'public_prefixes' must be a list")
-    prefixes = [_public(p, f"{name}: public_prefixes[{i}]") for i, p in enumerate(public)]
-    return TenantsFile(tenants, by_key, prefixes)
-
-
-def _tenant(entry: Any, where: str) -> Tenant:
-    if not isinstance(entry, dict):
-        raise TenantsError(f"{where} must be an object")
-    unknown = set(entry) - _TENANT_FIELDS
-    if unknown:
-        raise TenantsError(f"{where}: unknown keys {sorted(unknown)}")
-    tid = entry.get("id")
-    if not isinstance(tid, str) or not tid or len(tid) > 128 or not tid.isprintable():
-        raise TenantsError(f"{where}: 'id' must be a non-empty printable string")
-    where = f"{where} ({tid!r})"
-    keys = entry.get("keys")
-    if isinstance(keys, str):
-        keys = [keys]
-    if not isinstance(keys, list) or not keys:
-        raise TenantsError(f"{where}: 'keys' must be a non-empty list of 'sha256:<hex>'")
-    hashes = []
-    for key in keys:
-        match = _KEY.fullmatch(key) if isinstance(key, str) else None
-        if match is None:
-            raise TenantsError(
-                f"{where}: keys are stored hashed, as 'sha256:' and 64 lowercase hex digits "
-                "(python -m router.tenants hash-key); got something else"  # never echo a key
-            )
-        hashes.append(bytes.fromhex(match.group(1)))
-    own = entry.get("own_salt", False)
-    if not isinstance(own, bool):
-        raise TenantsError(f"{where}: 'own_salt' must be true or false")
-    limit = entry.get("max_in_flight", 0)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise TenantsError(f"{where}: 'max_in_flight' must be a whole number >= 0 (0: no limit)")
-    rate = entry.get("tokens_per_s", 0)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1e18:
-        raise TenantsError(f"{where}: 'tokens_per_s' must be a number >= 0 (0: no limit)")
-    return Tenant(tid, own, limit, float(rate), tuple(hashes))
-
-
-def _public(entry: Any, where: str) -> PublicPrefix:
-    if isinstance(entry, str):
-        entry = {"text": entry}
-    if not isinstance(entry, dict) or set(entry) - {"text", "sha256", "chars"}:
-        raise TenantsError(f"{where}: a text, or an object with 'text' or 'sha256' (+ 'chars')")
-    text = entry.get("text")
-    if text is not None:
-        if not isinstance(text, str) or not text or len(entry) > 1:
-            raise TenantsError(f"{where}: 'text' must be a non-empty string, alone")
-        return PublicPrefix(_sha(text), text, len(text))
-    digest, chars = entry.get("sha256"), entry.get("chars")
-    if not isinstance(digest, str) or not _HEX.fullmatch(digest.removeprefix("sha256:")):
-        raise TenantsError(f"{where}: 'sha256' must be 64 lowercase hex digits")
-    if chars is not None and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
-        raise TenantsError(f"{where}: 'chars' must be a whole number >= 1")
-    return PublicPrefix(digest.removeprefix("sha256:"), None, chars)
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def load_secret(given: str | None, replicas: bool) -> bytes:
@@ -254,7 +138,7 @@ class Tenants:
         if text is None:
             raise TenantsError("no tenants file")
         self.file = parse(text, str(source) if source is not None else TENANTS_ENV)
-        self._prefixes(self.file)
+        self.public = PublicPrefixes(self.file.public, encoder)
 
     # ------------------------------------------------------------ the file
 
@@ -290,12 +174,12 @@ class Tenants:
             return False
         try:
             loaded = parse(self._read(self.source), str(self.source))
-            self._prefixes(loaded)
+            public = PublicPrefixes(loaded.public, self.encoder)
         except (TenantsError, ValueError, TypeError) as exc:
             self.reload_errors += 1
             log.error("tenants file not reloaded, keeping the tenants loaded before: %s", exc)
             return False
-        self.file = loaded
+        self.file, self.public = loaded, public
         self.reloads += 1
         log.warning(
             "tenants reloaded from %s: %d tenants, %d public prefixes",
@@ -358,7 +242,7 @@ class Tenants:
         }
         if isinstance(extra, str) and extra:
             fields["extra_key"] = f"{salt}:{extra}"
-        shared = self.public_tokens(route, body)
+        shared = self.public.tokens(route, body)
         if shared:
             fields["shared_prefix_tokens"] = shared
         present = any(f in body for f in NAMESPACE_FIELDS)
@@ -373,121 +257,6 @@ class Tenants:
         assert end.endswith(b"}")
         added = msgspec.json.encode(fields)[1:-1]
         return end[:-1] + (b"," if len(body) > len(fields) else b"") + added + b"}"
-
-    # ------------------------------------------------------------ public prefixes
-
-    def _prefixes(self, loaded: TenantsFile) -> None:
-        """Index the public prefixes: a chat's system message by its SHA-256; a text
-        prompt's start by its length, then SHA-256; their token counts as far as known."""
-        chats: dict[str, PublicPrefix] = {}
-        texts: dict[int, dict[str, PublicPrefix]] = {}
-        ids: list[tuple[tuple[int, ...], int]] = []
-        if loaded.public and self.encoder is None:
-            raise TenantsError(
-                "public_prefixes need the router's tokenizer (--tokenizer-path, or workers "
-                "whose /get_model_info names a local one)"
-            )
-        for p in loaded.public:
-            chats[p.sha256] = p
-            if p.chars is not None:
-                texts.setdefault(p.chars, {})[p.sha256] = p
-        self._chat_index = chats
-        self._text_index = sorted(texts.items(), reverse=True)  # longest first
-        self._chat_tokens: dict[str, int] = {}
-        self._text_tokens: dict[str, int] = {}
-        for p in loaded.public:
-            if p.text is not None:
-                self._chat_tokens[p.sha256] = self._count_chat(p.text)
-                self._text_tokens[p.sha256] = n = self._count_text(p.text)
-                assert self.encoder is not None
-                ids.append((tuple(self.encoder.encode(p.text)[:n]), n))
-        self._id_prefixes = sorted(ids, key=lambda t: -t[1])
-
-    def public_tokens(self, route: str, body: Mapping[str, Any]) -> int:
-        """`shared_prefix_tokens` for this body: the public prefix it begins with, in the
-        engine's tokens (0: none)."""
-        if not self._chat_index:
-            return 0
-        if route == CHAT:
-            return self._chat_public(body)
-        prompt = body.get("prompt") if route == COMPLETIONS else body.get("text")
-        if route == GENERATE and prompt is None:
-            prompt = body.get("input_ids")
-        if isinstance(prompt, str):
-            return self._text_public(prompt)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return self._ids_public(prompt)
-        return 0  # batches: no public prefix (each prompt would need its own)
-
-    def _chat_public(self, body: Mapping[str, Any]) -> int:
-        messages = body.get("messages")
-        if body.get("tools") or not isinstance(messages, list) or not messages:
-            return 0  # tools: templates render them into the system block
-        first = messages[0]
-        if not isinstance(first, dict) or first.get("role") != "system":
-            return 0
-        content = first.get("content")
-        if not isinstance(content, str) or not content:
-            return 0  # parts: a template may render them otherwise than the string
-        digest = _sha(content)
-        if digest not in self._chat_index:
-            return 0
-        n = self._chat_tokens.get(digest)
-        if n is None:  # given by hash: counted the first time it is seen
-            n = self._chat_tokens[digest] = self._count_chat(content)
-        return n
-
-    def _text_public(self, prompt: str) -> int:
-        for chars, by_hash in self._text_index:
-            if len(prompt) < chars:
-                continue
-            p = by_hash.get(_sha(prompt[:chars]))
-            if p is not None:
-                n = self._text_tokens.get(p.sha256)
-                if n is None:
-                    n = self._text_tokens[p.sha256] = self._count_text(prompt[:chars])
-                return n
-        return 0
-
-    def _ids_public(self, ids: list[Any]) -> int:
-        for prefix, n in self._id_prefixes:
-            if n and len(ids) >= n and tuple(ids[:n]) == prefix:
-                return n
-        return 0
-
-    def _count_chat(self, content: str) -> int:
-        """Tokens of a system message as the chat template renders it, to the end of that
-        message (0 when the template does not render it as a prefix of a longer chat)."""
-        encoder = self.encoder
-        assert encoder is not None
-        system = {"role": "system", "content": content}
-        try:
-            alone = encoder.renderer.render([system], False, None)
-            longer = encoder.renderer.render([system, {"role": "user", "content": "?"}], True, None)
-        except (ValueError, TypeError) as exc:
-            log.warning("a public system message cannot be rendered: %s", exc)
-            return 0
-        if not longer.startswith(alone):
-            log.warning("the chat template does not render a system message as a prefix")
-            return 0
-        return len(encoder.encode(alone, add_special_tokens=False))
-
-    def _count_text(self, text: str) -> int:
-        """Tokens of a text prompt's public start: as far as its ids stay the same whatever
-        follows it (the last piece may merge with the next text's)."""
-        encoder = self.encoder
-        assert encoder is not None
-        base = encoder.encode(text)
-        n = len(base)
-        for probe in _PROBES:
-            more = encoder.encode(text + probe)
-            same = 0
-            for a, b in zip(base, more, strict=False):
-                if a != b:
-                    break
-                same += 1
-            n = min(n, same)
-        return n
 
     # ------------------------------------------------------------ limits
 
@@ -623,41 +392,3 @@ def from_args(
         )
     except TenantsError as exc:
         raise SystemExit(f"--tenants: {exc}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m router.tenants hash-key` (the key on stdin, or prompted for) prints its
-    stored form; `new-key` a fresh key and its stored form; `new-secret` a random secret."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m router.tenants", description=__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("hash-key", help="read a key from stdin, print 'sha256:<hex>' for the file")
-    sub.add_parser("new-key", help="print a new random key and its stored form")
-    sub.add_parser("new-secret", help="print a random --tenant-secret")
-    try:
-        args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    if args.command == "hash-key":
-        if sys.stdin.isatty():
-            import getpass
-
-            key = getpass.getpass("API key: ")
-        else:
-            key = sys.stdin.readline().rstrip("\r\n")
-        if not key:
-            print("no key given", file=sys.stderr)
-            return 2
-        print(hash_key(key))
-    elif args.command == "new-key":
-        key = "sk-" + secrets.token_urlsafe(32)
-        print(f"key:    {key}\nstored: {hash_key(key)}")
-    else:
-        print(secrets.token_hex(32))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
