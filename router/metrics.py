@@ -84,6 +84,70 @@ ACCURACY_GAUGE = (
 )
 
 
+MAX_GROUP_LABELS = 64  # tenants (or adapters) labelled by name; the rest count as "other"
+
+
+class GroupMetrics:
+    """Figures per tenant (--tenants) and per LoRA adapter: requests, prompt and cached
+    tokens (the hit ratio), time to first token, and tenants' refusals. Only requests with a
+    tenant or an adapter are counted here (the route metrics count them all). Label values
+    are bounded: the first MAX_GROUP_LABELS tenants and adapters seen by name, the rest as
+    "other" (tenants come from the operator's file, adapter names from clients)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        labels = ["tenant", "adapter"]
+        self.requests = Counter(
+            "memserve_router_group_requests",
+            "Inference requests with a tenant or an adapter",
+            labels,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "memserve_router_group_prompt_tokens",
+            "Prompt tokens of answered requests with a tenant or an adapter",
+            labels,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "memserve_router_group_cached_tokens",
+            "Of those, the cached tokens the workers reported",
+            labels,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "memserve_router_group_time_to_first_token_seconds",
+            "Streamed requests with a tenant or an adapter: arrival to the first token",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.refusals = Counter(
+            "memserve_router_tenant_refusals",
+            "Requests refused at a tenant's limit (429), by reason",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self._seen: dict[str, set[str]] = {"tenant": set(), "adapter": set()}
+
+    def labels(self, tenant: str | None, adapter: str | None) -> tuple[str, str] | None:
+        """The (tenant, adapter) label values of a request; None: neither (not counted)."""
+        if tenant is None and adapter is None:
+            return None
+        return self._bounded("tenant", tenant), self._bounded("adapter", adapter)
+
+    def _bounded(self, kind: str, value: str | None) -> str:
+        if value is None:
+            return "none"
+        value = value or "operator"  # the --api-key holder's tenant has no id
+        seen = self._seen[kind]
+        if value in seen:
+            return value
+        if len(seen) < MAX_GROUP_LABELS:
+            seen.add(value)
+            return value
+        return "other"
+
+
 class RouterMetrics:
     """sglang-router's `sgl_router_*` metrics plus the trees' prediction quality."""
 
@@ -132,6 +196,7 @@ class RouterMetrics:
         self.pd_errors = Counter(
             "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
+        self.groups = GroupMetrics(r)
         self.write_backs = Counter(
             "memserve_router_pd_write_backs",
             "PD-Caching-3 requests by the write-back gate's decision: asked, explored (asked "

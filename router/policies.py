@@ -55,6 +55,12 @@ class RouteRequest:
     # the cache namespace its body names (cache_salt, extra_key, an adapter): what the trees
     # predict for it is keyed in it, as the worker keys its cache (shared.namespaces)
     namespace: CacheNamespace | None = None
+    tenant: str | None = None  # its API key's tenant (router.tenants; "" the operator's)
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter it names (None: the base model)."""
+        return self.namespace.lora_name if self.namespace is not None else None
 
     def tree_key(self, tokens: Sequence[int], page: int) -> Sequence[int]:
         """`tokens` (this prompt's, or its prefix plus an answer) as the trees key them:
@@ -341,7 +347,7 @@ class PromptTree(Policy):
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tree_key(request.tokens or (), self.trees.page_size)
         states = [w.state for w in workers]
-        adapter = request.namespace.lora_name if request.namespace is not None else None
+        adapter = request.adapter
         before = None
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]

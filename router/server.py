@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router.admission import Admission, Limits
+from router.admission import Admission, Limits, Refused
 from router.forward.dispatch import Call, Colocated, Dispatcher, Sender, Strategy
 from router.forward.feedback import Learner
 from router.forward.relay import RetryConfig
@@ -339,8 +339,12 @@ class Router:
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
             if tenants is not None:
-                tenant = tenants.enter(headers.get("authorization"))  # 401, or 429 at its limit
-                raw = tenants.namespace(tenant, route, body, raw)  # its salt, public prefix
+                try:  # 401, or 429 at its limits
+                    tenant = tenants.enter(headers.get("authorization"))
+                    raw = tenants.namespace(tenant, route, body, raw)  # its salt, public prefix
+                except Refused as refused:
+                    self._refused_tenant(headers.get("authorization"), refused)
+                    raise
             check_model(body, self.model_ids)
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
@@ -357,6 +361,11 @@ class Router:
                     # encode it before routing (only its new pieces; the cache has the rest).
                     full_tokens(prompt, encoder)
                 prompt.session = session_key(headers, body)
+                if tenant is not None:
+                    prompt.tenant = tenant.id
+                group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
+                if group is not None:
+                    self.metrics.groups.requests.labels(*group).inc()
                 try:
                     call = Call(client, route, body, raw, prompt, started)
                     return await self.dispatcher.dispatch(call)
@@ -366,6 +375,14 @@ class Router:
             self._active -= 1
             if tenants is not None and tenant is not None:
                 tenants.exit(tenant)
+
+    def _refused_tenant(self, authorization: str | None, refused: Refused) -> None:
+        tenants = self.config.tenants
+        tenant = tenants.identify(authorization) if tenants is not None else None
+        if tenant is not None:
+            label = self.metrics.groups.labels(tenant.id, None)
+            assert label is not None
+            self.metrics.groups.refusals.labels(label[0], refused.reason).inc()
 
     def authorized(self, path: str, authorization: str) -> bool:
         """The API key, when one is set, on every route but the open ones; with --tenants,

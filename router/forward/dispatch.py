@@ -123,9 +123,14 @@ class Sender:
         """`then`, after observing the request's time to first token (a streamed answer's
         first bytes are its first token)."""
         ttft = self.metrics.ttft_for(call.route)
+        group = self.metrics.groups.labels(call.prompt.tenant, call.prompt.adapter)
+        by_group = None if group is None else self.metrics.groups.ttft.labels(*group)
 
         def first_byte() -> None:
-            ttft.observe(time.perf_counter() - call.arrived)
+            seconds = time.perf_counter() - call.arrived
+            ttft.observe(seconds)
+            if by_group is not None:
+                by_group.observe(seconds)
             then()
 
         return first_byte

@@ -137,9 +137,15 @@ class Learner:
                 self.metrics.errors.labels(route, "mid_stream").inc()
             else:
                 self.metrics.pd_errors.labels(s.side).inc()
-        if answer.error is not None or answer.status != 200 or not self.uses_tokens:
+        if answer.error is not None or answer.status != 200:
             return
-        self.learn_prefix(prompt, answer, served, holders)
+        group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
+        reported = next((s.reported for s in served if s.reported is not None), None)
+        if group is not None and reported is not None:
+            self.metrics.groups.prompt_tokens.labels(*group).inc(prompt.num_tokens)
+            self.metrics.groups.cached_tokens.labels(*group).inc(reported)
+        if self.uses_tokens:
+            self.learn_prefix(prompt, answer, served, holders)
 
     def learn_prefix(
         self,

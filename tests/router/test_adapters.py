@@ -15,7 +15,7 @@ from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
 from router.trees import PromptTrees
 from router.workers import Worker
 from shared.namespaces import CacheNamespace
-from tests.http_client import call
+from tests.http_client import call, metric
 from tests.procs import running
 
 LOAD_S = 0.05
@@ -127,6 +127,12 @@ def test_requests_for_two_adapters_keep_to_two_workers(cluster: list[str]) -> No
         status, answer = call(router + "/v1/completions", body)
         assert status == 200, answer
     assert sum(_loads(w) for w in workers) - before <= 2
+    status, text = call(router + "/metrics")
+    assert status == 200
+    for adapter in ("alpha", "beta"):
+        labels = f'{{adapter="{adapter}",tenant="none"}}'
+        assert metric(text, "memserve_router_group_requests_total" + labels) == 6
+        assert metric(text, "memserve_router_group_prompt_tokens_total" + labels) > 0
 
 
 def test_an_unknown_adapter_is_the_workers_400(cluster: list[str]) -> None:

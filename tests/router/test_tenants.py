@@ -406,6 +406,17 @@ def test_tokens_per_s_is_a_429_with_retry_after(router: Server) -> None:
         info = json.loads(resp.read())["tenants"]
     assert info["tenants"] == 4 and info["refusals"]["d"] >= 1
     assert SECRET not in json.dumps(info) and minted("a") not in json.dumps(info)
+    req = urllib.request.Request(
+        router.url + "/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    refused = 'memserve_router_tenant_refusals_total{reason="tenant_tokens_per_s",tenant="d"}'
+    assert any(line.startswith(refused) for line in text.splitlines()), text[-2000:]
+    # per tenant: its requests, and the tokens that make its hit ratio (no key, no salt)
+    assert 'memserve_router_group_requests_total{adapter="none",tenant="a"}' in text
+    assert 'memserve_router_group_cached_tokens_total{adapter="none",tenant="a"}' in text
+    assert minted("a") not in text and KEYS["a"] not in text
 
 
 def test_max_in_flight_is_a_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:
