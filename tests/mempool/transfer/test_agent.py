@@ -296,7 +296,8 @@ def test_pull_that_fails_mid_read_frees_what_it_allocated() -> None:
     base = free_counts(puller)
 
     async def main() -> None:
-        async with agents(holder, puller) as (_, tp):
+        # (a connection slow to open on a loaded machine must not fail it before the read)
+        async with agents(holder, puller, timeout_s=15.0) as (_, tp):
             holder.insert(tokens, src_blocks(holder, 16))
 
             async def broken(peer: PeerInfo, segments: Sequence[Segment]) -> int:
