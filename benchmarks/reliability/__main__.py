@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.harness import REPO_ROOT, progress_bar, step
-from benchmarks.reliability import bad_inputs, faults, http_limits, pd_faults, pressure
+from benchmarks.reliability import bad_inputs, faults, http_limits, pd_faults, pressure, tenants
 from benchmarks.reliability.cluster import Cluster, cluster
 from benchmarks.reliability.faults import Settings
 from benchmarks.reliability.http_limits import LimitResult
@@ -19,7 +19,12 @@ from benchmarks.reliability.report import FaultResult, InputResult, counts, publ
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "reliability"
 Scenario = Callable[[Cluster, Settings], FaultResult]
-ALL: list[Scenario] = [*faults.SCENARIOS, *pd_faults.SCENARIOS, *pressure.SCENARIOS]
+ALL: list[Scenario] = [
+    *faults.SCENARIOS,
+    *pd_faults.SCENARIOS,
+    *pressure.SCENARIOS,
+    *tenants.SCENARIOS,
+]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

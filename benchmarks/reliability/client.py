@@ -87,6 +87,7 @@ def post(
     raw: bytes | None = None,
     method: str = "POST",
     on_event: Callable[[int], None] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Seen:
     """One request; a stream (text/event-stream) is read to its end, `on_event(n)` called
     after the n-th data event (a scenario injects its fault there)."""
@@ -96,7 +97,9 @@ def post(
     seen = Seen()
     conn = http.client.HTTPConnection(target.host, target.port, timeout=bound_s)
     try:
-        conn.request(method, target.path, payload, {"Content-Type": "application/json"})
+        conn.request(
+            method, target.path, payload, {"Content-Type": "application/json", **(headers or {})}
+        )
         resp = conn.getresponse()
         seen.status = resp.status
         if resp.getheader("Content-Type", "").startswith("text/event-stream"):

@@ -28,6 +28,7 @@ SCENARIOS = {
     "prefill killed after the hand-off",
     *RETRACTION_ROWS,
     "overloaded cluster",
+    "tenants kept apart",
 }
 
 

@@ -1,0 +1,146 @@
+"""Tenants kept apart: the attacks on a shared prefix cache that timing audits found at API
+providers (Gu et al., ICML 2025), sent through the router with `--tenants`.
+
+One sim worker behind a router with two tenants (A may choose its own salts, B may not) and
+a public system prompt. Each row sends real requests and reads the cached tokens the worker
+reported: B's identical prompt must never hit A's cache on any inference route, a salt
+copied from A must not either, and a public prefix must be shared while the private text
+after it is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.reliability.client import Seen, post
+from benchmarks.reliability.cluster import Cluster
+from benchmarks.reliability.faults import BOUND_S, Settings, finish
+from benchmarks.reliability.report import FaultResult
+from router.tenants import hash_key
+
+SECRET = "reliability-tenant-secret"
+KEYS = {"a": "sk-reliability-a", "b": "sk-reliability-b"}
+PUBLIC = (
+    "You are the shared assistant of the Example gateway. Answer questions about orders, "
+    "invoices and parcels in short sentences and never invent an order number. "
+) * 4
+PAGE = 16  # the worker's default page
+
+
+def tenants_file(path: Path) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"id": "a", "keys": [hash_key(KEYS["a"])], "own_salt": True},
+                    {"id": "b", "keys": [hash_key(KEYS["b"])]},
+                ],
+                "public_prefixes": [PUBLIC],
+            }
+        )
+    )
+    return path
+
+
+def minted(tenant: str) -> str:
+    """The salt the router mints for `tenant` (what a client who learned it would send)."""
+    return hmac.new(SECRET.encode(), b"tenant:" + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+def bodies(text: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The same prompt on every inference route, in both prompt forms where there are two."""
+    sampling = {"sampling_params": {"max_new_tokens": 2}}
+    return {
+        "/generate text": ("/generate", {"text": text, **sampling}),
+        "/v1/completions text": ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+        "/v1/chat/completions": (
+            "/v1/chat/completions",
+            # (as the system message: the template's default one would start every chat
+            # without one, cached once per tenant)
+            {"messages": [{"role": "system", "content": text}], "max_tokens": 2},
+        ),
+    }
+
+
+def cached(seen: Seen) -> int | None:
+    body = seen.body
+    if seen.status != 200 or not isinstance(body, dict):
+        return None
+    if "meta_info" in body:
+        return int(body["meta_info"]["cached_tokens"])
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
+    """Another tenant's identical prompt, a copied salt, and a public prefix, on every
+    route: what each tenant's requests report cached."""
+    result = FaultResult(
+        "tenants kept apart",
+        "tenant B sends tenant A's prompts on every route, then with A's salt copied; both "
+        "send a public system prompt with private text after it",
+        bound_s=BOUND_S,
+        expected="B's copies report 0 cached tokens; A's own repeats hit; the public "
+        "prompt hits across tenants, the private text after it does not",
+        healed=True,
+        healed_how="nothing to heal",
+    )
+    (worker,) = c.workers(1, time_scale=0)
+    c.logs.mkdir(parents=True, exist_ok=True)
+    path = tenants_file(c.logs / "tenants.json")
+    router = c.colocated_router([worker], "--tenants", str(path), "--tenant-secret", SECRET)
+    failures: list[str] = []
+
+    def send(key: str, route: str, body: dict[str, Any]) -> int | None:
+        seen = post(router.url + route, body, BOUND_S, headers={"Authorization": f"Bearer {key}"})
+        result.requests += 1
+        result.answered += seen.ok
+        result.clear_errors += seen.clear_error
+        result.slowest_s = max(result.slowest_s, seen.seconds)
+        return cached(seen)
+
+    def check(what: str, got: int | None, ok: Callable[[int], bool]) -> None:
+        if got is None or not ok(got):
+            failures.append(f"{what}: {got}")
+
+    for name in bodies(""):
+        route, body = bodies(f"{uuid.uuid4().hex} {PUBLIC[:300]} {s.requests}")[name]
+        check(f"{name}: B first", send(KEYS["b"], route, body), lambda n: n == 0)
+        check(f"{name}: A, B's prompt", send(KEYS["a"], route, body), lambda n: n == 0)
+        check(f"{name}: A again", send(KEYS["a"], route, body), lambda n: n >= PAGE)
+        route, body = bodies(f"{uuid.uuid4().hex} {PUBLIC[:300]}")[name]
+        send(KEYS["a"], route, body)  # A's prompt, then B with A's salt copied
+        copied = {**body, "cache_salt": minted("a")}
+        check(f"{name}: B with A's salt", send(KEYS["b"], route, copied), lambda n: n == 0)
+    own = dict(bodies(f"{uuid.uuid4().hex} private of A")["/generate text"][1], cache_salt="x")
+    send(KEYS["a"], "/generate", own)
+    check("A's own salt, again", send(KEYS["a"], "/generate", own), lambda n: n >= PAGE)
+    chat = "/v1/chat/completions"
+
+    def with_public(private: str) -> dict[str, Any]:
+        system = {"role": "system", "content": PUBLIC}
+        return {"messages": [system, {"role": "user", "content": private}], "max_tokens": 2}
+
+    a_full = with_public(f"{uuid.uuid4().hex} A's order 1234 of 56 parcels")
+    send(KEYS["a"], chat, a_full)
+    repeat = send(KEYS["a"], chat, a_full) or 0
+    shared = send(KEYS["b"], chat, with_public(f"{uuid.uuid4().hex} B's question"))
+    check("public prompt, B after A", shared, lambda n: PAGE <= n < repeat)
+    b_copy = send(KEYS["b"], chat, a_full)  # A's private text after the public prompt
+    check("A's private text, B", b_copy, lambda n: n == (shared or 0))
+    result.client_saw = (
+        f"{result.answered}/{result.requests} answered; cached tokens of B's copies 0 on "
+        f"every route; public prompt {shared} cached for B (A's whole repeat {repeat})"
+        if not failures
+        else "; ".join(failures[:4])
+    )
+    result.expectation_met = not failures and result.answered == result.requests
+    return finish(result, [worker])
+
+
+SCENARIOS: list[Callable[[Cluster, Settings], FaultResult]] = [tenants_isolated]
