@@ -38,9 +38,7 @@ def body(
         sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": 0}
         if ignore_eos:
             sampling["ignore_eos"] = True
-        return _encode(
-            {"text": prompt, "sampling_params": sampling, "stream": stream, **adapter}
-        )
+        return _encode({"text": prompt, "sampling_params": sampling, "stream": stream, **adapter})
     out: dict[str, Any] = {} if model is None else {"model": model}
     out.update(adapter)
     out["messages" if path == CHAT else "prompt"] = prompt

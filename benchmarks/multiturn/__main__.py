@@ -90,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = next((k for k, asked in presets.items() if asked), None)
     for error, wrong in (
         (
-            "--capacity, --hot-prefix, --pd, --sweep and --lora are presets of their own: "
-            "pick one",
+            "--capacity, --hot-prefix, --pd, --sweep and --lora are presets of their own: pick one",
             sum(presets.values()) > 1,
         ),
         (f"--trace {args.trace}: no such file", args.trace and not args.trace.exists()),

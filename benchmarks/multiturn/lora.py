@@ -114,4 +114,5 @@ class LoraPrefix:
             "top4_adapters_share": sum(counts[:4]) / len(chosen),
             "mean_prompt_tokens": prompt_tokens / len(requests),
         }
-        return Workload("lora", "LoRA adapters of Zipf popularity, prefixes per adapter", requests, params)
+        title = "LoRA adapters of Zipf popularity, prefixes per adapter"
+        return Workload("lora", title, requests, params)

@@ -37,7 +37,7 @@ from benchmarks.multiturn.working_set import Sizing, hot_set_tokens
 from benchmarks.multiturn.workloads import OPENAI, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER
 from benchmarks.report.seeds import ratio, spread, spread_text
-from benchmarks.report.table import markdown_table, rounded
+from benchmarks.report.table import markdown_table
 from localrun.cluster import ClusterSpec
 
 LORA = "lora"
@@ -178,6 +178,8 @@ def make_plan(
         OPENAI,
         labels,
     )
+    sized = "as the run the rates came from sized it; " if earlier else ""
+    per_seed = ", ".join(f"{s}: {v:,}" for s, v in hot.items())
     setup = {
         key: {
             "hot_set_tokens_per_seed": {str(s): v for s, v in hot.items()},
@@ -193,8 +195,7 @@ def make_plan(
                 f"{MAX_LOADED_LORAS} in a batch (a load: 52 ms of modelled time, "
                 f"{0.052 * preset.time_scale * 1e3:.0f} ms of wall time at this scale); "
                 f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
-                f"{hot_set:,} tokens ({'as the run the rates came from sized it; ' if earlier else ''}"
-                f"median of seeds {', '.join(f'{s}: {v:,}' for s, v in hot.items())}); offered "
+                f"{hot_set:,} tokens ({sized}median of seeds {per_seed}); offered "
                 f"at {preset.load:.0%} of the sustained rate."
             ),
         }
@@ -251,6 +252,23 @@ def per_seed_text(values: dict[int, float], digits: int = 2) -> str | None:
     return f"{shown} -> {statistics.median(values.values()):.{digits}f}"
 
 
+def over_seeds(mine: dict[int, Run], of: Callable[[Run], Any]) -> dict[int, float]:
+    """seed -> `of(run)`, where it is a finite number."""
+    return {seed: value for seed, run in mine.items() if finite(value := of(run))}
+
+
+def versus(mine: dict[int, Run], theirs: dict[int, Run], key: str) -> dict[int, float]:
+    """seed -> mine's `key` over theirs in that seed (the same requests)."""
+    return over_seeds(
+        mine, lambda run: ratio(run.get(key), (theirs.get(run["seed"]) or {}).get(key))
+    )
+
+
+def mid(values: dict[int, float], digits: int = 3) -> str | None:
+    """Median [min..max] of per-seed values."""
+    return spread_text(spread(values.values()), digits)
+
+
 def system_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per system of `config`: TTFT, hit, adapter loads per request, and its ratios to
     cache_aware's per seed with their median; and the same as figures for results.json."""
@@ -261,43 +279,27 @@ def system_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]],
         mine = runs_of(runs, config, system)
         if not mine:
             continue
-
-        def over_seeds(of: Callable[[Run], Any]) -> dict[int, float]:
-            return {s: v for s, r in mine.items() if finite(v := of(r))}
-
-        def vs_cache_aware(key: str) -> dict[int, float]:
-            out = {}
-            for seed, run in mine.items():
-                value = ratio(run.get(key), (baseline.get(seed) or {}).get(key))
-                if finite(value):
-                    out[seed] = value
-            return out
-
-        figure = {
+        figure: dict[str, Any] = {
             "system": system,
             "seeds": sorted(mine),
-            "ttft_mean_s": over_seeds(lambda r: r.get("ttft_mean_s")),
-            "ttft_p99_s": over_seeds(lambda r: r.get("ttft_p99_s")),
-            "hit_ratio": over_seeds(lambda r: r.get("reuse_ratio")),
-            "lora_loads_per_request": over_seeds(loads_per_request),
-            "lora_evictions_per_request": over_seeds(evictions_per_request),
-            "mean_vs_cache_aware": vs_cache_aware("ttft_mean_s"),
-            "p99_vs_cache_aware": vs_cache_aware("ttft_p99_s"),
-            "hit_vs_cache_aware": vs_cache_aware("reuse_ratio"),
+            "ttft_mean_s": over_seeds(mine, lambda r: r.get("ttft_mean_s")),
+            "ttft_p99_s": over_seeds(mine, lambda r: r.get("ttft_p99_s")),
+            "hit_ratio": over_seeds(mine, lambda r: r.get("reuse_ratio")),
+            "lora_loads_per_request": over_seeds(mine, loads_per_request),
+            "lora_evictions_per_request": over_seeds(mine, evictions_per_request),
+            "mean_vs_cache_aware": versus(mine, baseline, "ttft_mean_s"),
+            "p99_vs_cache_aware": versus(mine, baseline, "ttft_p99_s"),
+            "hit_vs_cache_aware": versus(mine, baseline, "reuse_ratio"),
         }
         figures.append(figure)
-
-        def mid(key: str, digits: int = 3) -> str | None:
-            return spread_text(spread(figure[key].values()), digits)
-
         hits = spread(figure["hit_ratio"].values())
         rows.append(
             {
                 "system": system,
-                "TTFT mean s": mid("ttft_mean_s"),
-                "p99 s": mid("ttft_p99_s"),
+                "TTFT mean s": mid(figure["ttft_mean_s"]),
+                "p99 s": mid(figure["ttft_p99_s"]),
                 "hit": pct(hits["median"]) if hits else None,
-                "adapter loads / request": mid("lora_loads_per_request", 3),
+                "adapter loads / request": mid(figure["lora_loads_per_request"]),
                 "mean / cache_aware (per seed -> median)": per_seed_text(
                     figure["mean_vs_cache_aware"]
                 ),
