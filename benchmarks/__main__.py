@@ -47,6 +47,12 @@ SUITES = {
         "multiturn_sweep",
         ("--sweep",),
     ),
+    "lora": Suite(
+        "multiturn",
+        "20 LoRA adapters of Zipf popularity on 4 workers holding 4 each",
+        "multiturn_lora",
+        ("--lora",),
+    ),
     "overload": Suite("overload", "goodput from 50% to 150% of the sustained rate", "overload"),
     "router-overhead": Suite(
         "router_overhead", "decision time, added latency, max requests/s", "router_overhead"

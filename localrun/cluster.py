@@ -238,7 +238,7 @@ class Cluster:
     def worker_counters(self) -> list[dict[str, float]]:
         """Per worker: requests, prompt and cached tokens, evictions, retractions and aborts
         so far (its Prometheus counters), and what it sent to other PD instances
-        (`pd_counters`)."""
+        (`pd_counters`), and its LoRA adapters' loads and evictions (`lora_counters`)."""
         names = {
             "sglang:num_requests_total": "requests",
             "sglang:prompt_tokens_total": "prompt_tokens",
@@ -251,7 +251,7 @@ class Cluster:
         for w, info in zip(self.workers, self.server_info(), strict=True):
             metrics = scrape(w.url + "/metrics")
             counters = {short: metrics.get(name, 0.0) for name, short in names.items()}
-            out.append({**counters, **pd_counters(info)})
+            out.append({**counters, **pd_counters(info), **lora_counters(info)})
         return out
 
     def tier_counters(self) -> dict[str, float]:
@@ -333,6 +333,18 @@ def pd_counters(info: dict[str, Any]) -> dict[str, float]:
         "pd_pages_sent": pages,
         "pd_bytes_sent": pages * page_bytes,
         "written_back": float(pd.get("written_back") or 0),
+    }
+
+
+def lora_counters(info: dict[str, Any]) -> dict[str, float]:
+    """A worker's LoRA adapter loads and evictions so far (not the ones at start), from
+    /get_server_info's `lora` ({} for a worker that serves no adapter)."""
+    lora = info.get("lora") or {}
+    if not isinstance(lora, dict) or not lora.get("adapters"):
+        return {}
+    return {
+        "lora_loads": float(lora.get("loads") or 0),
+        "lora_evictions": float(lora.get("evictions") or 0),
     }
 
 

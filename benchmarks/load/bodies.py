@@ -25,18 +25,22 @@ def body(
     ignore_eos: bool = False,
     usage: bool = False,
     user: str | None = None,
+    lora_path: str | None = None,
 ) -> bytes:
     """A greedy (`temperature` 0) request to `path`: `prompt` is the chat's messages for
     CHAT, the text for COMPLETIONS and GENERATE. `ignore_eos` makes every answer
     `max_tokens` long; `usage` asks an OpenAI stream for its usage chunk; `user` names the
     session (our `session` policy sticks by it); `model` names the served model (smg
-    refuses requests that name none)."""
+    refuses requests that name none); `lora_path` names a LoRA adapter, as SGLang takes it on
+    every route."""
+    adapter = {} if lora_path is None else {"lora_path": lora_path}
     if path == GENERATE:
         sampling: dict[str, Any] = {"max_new_tokens": max_tokens, "temperature": 0}
         if ignore_eos:
             sampling["ignore_eos"] = True
-        return _encode({"text": prompt, "sampling_params": sampling, "stream": stream})
+        return _encode({"text": prompt, "sampling_params": sampling, "stream": stream, **adapter})
     out: dict[str, Any] = {} if model is None else {"model": model}
+    out.update(adapter)
     out["messages" if path == CHAT else "prompt"] = prompt
     out.update(max_tokens=max_tokens, temperature=0)
     if ignore_eos:

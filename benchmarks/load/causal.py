@@ -64,6 +64,7 @@ def request_body(
         ignore_eos=True,
         usage=True,
         user=user,
+        lora_path=request.lora,
     )
 
 

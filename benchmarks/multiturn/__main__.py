@@ -36,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--hot-prefix", "Zipf-popular shared prefixes at 85%% of the sustained rate"),
         ("--pd", "PD with several prefills, at 80%% of the sustained rate"),
         ("--sweep", "one factor at a time around a hot-prefix cell"),
+        ("--lora", "20 LoRA adapters of Zipf popularity on 4 workers holding 4 each"),
     ):
         page = "hot-prefix" if flag == "--sweep" else flag[2:]
         add(flag, action="store_true", help=f"the preset of {what} (docs/benchmarks/{page}.md)")
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--calibration-from",
         type=Path,
         metavar="DIR",
-        help="--hot-prefix/--pd/--sweep: each config's sustained rate and KV sizing from "
+        help="--hot-prefix/--pd/--sweep/--lora: each config's sustained rate and KV sizing from "
         "DIR/results.json instead of measured (to split the seeds over invocations)",
     )
     add("--seeds", type=int, nargs="+", help="these workload seeds instead of the preset's")
@@ -84,11 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         paired_cli.HOT_PREFIX: args.hot_prefix,
         paired_cli.PD: args.pd,
         paired_cli.SWEEP: args.sweep,
+        paired_cli.LORA: args.lora,
     }
     kind = next((k for k, asked in presets.items() if asked), None)
     for error, wrong in (
         (
-            "--capacity, --hot-prefix, --pd and --sweep are presets of their own: pick one",
+            "--capacity, --hot-prefix, --pd, --sweep and --lora are presets of their own: pick one",
             sum(presets.values()) > 1,
         ),
         (f"--trace {args.trace}: no such file", args.trace and not args.trace.exists()),
@@ -107,7 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.sweep and (args.trace or args.workloads),
         ),
         (
-            "--calibration-from belongs to --hot-prefix, --pd and --sweep runs",
+            "--lora runs its own LoRA workload: no --trace or --workloads",
+            args.lora and (args.trace or args.workloads),
+        ),
+        (
+            "--calibration-from belongs to --hot-prefix, --pd, --sweep and --lora runs",
             args.calibration_from and (args.report_only or kind in (None, paired_cli.CAPACITY)),
         ),
         ("--merge belongs to --report-only", args.merge and not args.report_only),

@@ -128,6 +128,7 @@ def scaled_cost_args(time_scale: float) -> list[str]:
         "--transfer-secs-per-token": cost.transfer_s_per_token,
         "--host-load-secs-per-token": cost.host_load_s_per_token,
         "--busy-secs-per-request": cost.busy_s_per_request,
+        "--lora-load-secs": cost.lora_load_s,
     }
     return [x for flag, value in terms.items() for x in (flag, f"{value * time_scale:.6g}")]
 

@@ -1,8 +1,9 @@
-"""The paired presets on the command line: `--capacity`, `--hot-prefix`, `--pd` and
-`--sweep`, run or reported again.
+"""The paired presets on the command line: `--capacity`, `--hot-prefix`, `--pd`, `--sweep`
+and `--lora`, run or reported again.
 
 Kept apart from `__main__` so that the main module only parses and dispatches; a preset's
-own module says what it runs (`capacity`, `hot_prefix_preset`, `pd_preset`, `sweep_preset`),
+own module says what it runs (`capacity`, `hot_prefix_preset`, `pd_preset`, `sweep_preset`,
+`lora_preset`),
 this one how its runs are planned, executed and written: every one through `paired_report`.
 """
 
@@ -18,6 +19,7 @@ from benchmarks.multiturn import (
     capacity,
     capacity_report,
     hot_prefix_preset,
+    lora_preset,
     pd_preset,
     sweep_preset,
     sweep_report,
@@ -64,10 +66,19 @@ SWEEP = Kind(
     sweep_report.extra,
 )
 
+LORA = Kind(
+    lora_preset.LORA,
+    Path("benchmarks/results/multiturn_lora"),
+    "LoRA adapters of Zipf popularity: 20 adapters on 4 workers holding 4 each",
+    lora_preset.NOTES,
+    lora_preset.targets_for,
+    extra=lora_preset.extra,
+)
+
 
 def kind_of(preset: str) -> Kind | None:
     """The paired preset a results.json's `preset` names, if any."""
-    for kind in (CAPACITY, HOT_PREFIX, PD, SWEEP):
+    for kind in (CAPACITY, HOT_PREFIX, PD, SWEEP, LORA):
         if preset in (kind.name, f"{kind.name}-quick"):
             return kind
     return None
@@ -96,6 +107,10 @@ def make_plan(
         sweep = (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
         sweep = sweep_preset.narrowed(sweep, args.seeds, args.cells)
         plan = sweep_preset.make_plan(sweep, vocab, encoder, features, systems, on_seed, known)
+    elif kind is LORA:
+        lora = (lora_preset.quick_preset if args.quick else lora_preset.full_preset)()
+        lora = lora_preset.narrowed(lora, args.seeds)
+        plan = lora_preset.make_plan(lora, vocab, features, systems, on_seed, known)
     elif kind is HOT_PREFIX:
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
             args.trace

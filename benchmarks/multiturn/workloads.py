@@ -44,6 +44,7 @@ class Request:
     prompt: str | None = None  # completion: the whole prompt
     prompt_ids: list[int] | None = None  # completion: its exact token ids
     warmup: bool = False  # sent through the system under test, left out of the figures
+    lora: str | None = None  # the LoRA adapter it names (sent as `lora_path`), None: the base
 
 
 @dataclass

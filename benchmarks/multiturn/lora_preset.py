@@ -1,0 +1,359 @@
+"""`--lora`: 20 LoRA adapters of Zipf popularity on 4 sim workers that hold at most 4 each,
+each adapter's prompts sharing its own prefix, near what the cluster sustains.
+
+The workload (`lora.LoraPrefix`) names an adapter per request (`lora_path`, passed through
+unchanged by every router here); each adapter's requests share its system prompt and one
+of its few documents. The workers serve the adapters as SGLang does (`--lora-paths`,
+`--max-loaded-loras 4 --max-loras-per-batch 4`; a load costs the sim's 10 ms plus 84 MB at
+2 GB/s, 52 ms, times the time scale), so a router must place the adapter and the prefix
+together: 16 slots for 20 adapters. Each worker's device KV is half the hot set, as in
+`--hot-prefix`. The rate is 85 % of what sglang-router's round_robin sustains on the same
+workers (`sustained`), measured first on a calibration seed.
+
+Systems: ours prompt_tree (the adapter priced per worker: `router/adapters.py`), the same
+router with `--lora-load-secs 0` (adapter-blind: what the feature adds), sglang-router
+cache_aware (adapter-blind, prefix-aware) and round_robin. Each run's adapter loads are the
+workers' `/get_server_info` `lora.loads` after it less before it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import finite
+from benchmarks.multiturn.capacity import Features
+from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.lora import LoraPrefix
+from benchmarks.multiturn.paired import Config, Member, PairedPlan, earlier_sizing, selected
+from benchmarks.multiturn.paired_report import Extra, Run, Target, label, runs_of
+from benchmarks.multiturn.sustained import Search
+from benchmarks.multiturn.targets import pct
+from benchmarks.multiturn.text import Vocab
+from benchmarks.multiturn.working_set import Sizing, hot_set_tokens
+from benchmarks.multiturn.workloads import OPENAI, Workload
+from benchmarks.peers import OURS, SGLANG_ROUTER
+from benchmarks.report.seeds import ratio, spread, spread_text
+from benchmarks.report.table import markdown_table
+from localrun.cluster import ClusterSpec
+
+LORA = "lora"
+LORA_QUICK = "lora-quick"
+INSTANCES = 4
+MAX_LOADED_LORAS = 4  # per worker, and --max-loras-per-batch
+LOAD = 0.85
+KV_SHARE = 0.5  # a worker's device KV, as a share of the hot set
+CALIBRATION_SEED = 101
+SHAPE = "4 colocated"
+TARGET_P99 = 0.7  # issue 38: ours' p99 TTFT at most 0.7x cache_aware's
+
+PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
+ADAPTER_BLIND = RouterSpec(OURS, "prompt_tree", args=("--lora-load-secs", "0"), tag="lora-load 0")
+CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
+ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
+SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, CACHE_AWARE, ROUND_ROBIN)
+
+
+@dataclass(frozen=True)
+class LoraPreset:
+    name: str
+    workload: LoraPrefix  # at a nominal rate; the seed and rate are set per run
+    calibration: LoraPrefix
+    seeds: tuple[int, ...]
+    systems: tuple[RouterSpec, ...]
+    time_scale: float
+    search: Search = field(default_factory=Search)
+    load: float = LOAD
+
+
+def full_preset() -> LoraPreset:
+    """About 12 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 12
+    runs (4 systems x 3 seeds) of 240 requests of 1.5-4.5K-token prompts."""
+    workload = LoraPrefix(requests=240)
+    return LoraPreset(
+        LORA,
+        workload,
+        replace(workload, seed=CALIBRATION_SEED, requests=120),
+        seeds=(1, 2, 3),
+        systems=SYSTEMS,
+        time_scale=4.0,
+        search=Search(max_steps=5),
+    )
+
+
+def quick_preset() -> LoraPreset:
+    """Under a minute: fewer, shorter prompts, ours against cache_aware, one seed, a
+    two-step calibration."""
+    workload = LoraPrefix(
+        adapters=8,
+        documents=2,
+        system_min_tokens=200,
+        system_max_tokens=400,
+        document_min_tokens=400,
+        document_max_tokens=800,
+        question_max_tokens=60,
+        answer_tokens=8,
+        requests=40,
+    )
+    return LoraPreset(
+        LORA_QUICK,
+        workload,
+        replace(workload, seed=CALIBRATION_SEED, requests=30),
+        seeds=(1,),
+        systems=(PROMPT_TREE, CACHE_AWARE),
+        time_scale=4.0,
+        search=Search(max_steps=2, factor=1.6),
+    )
+
+
+def narrowed(preset: LoraPreset, seeds: Sequence[int] | None) -> LoraPreset:
+    return replace(preset, seeds=tuple(seeds)) if seeds else preset
+
+
+def worker_args(builder: LoraPrefix) -> tuple[str, ...]:
+    """The workers' LoRA flags: every adapter registered (paths are names: the sim loads no
+    weights), at most MAX_LOADED_LORAS loaded and as many in one batch."""
+    paths = [f"{name}=/adapters/{name}" for name in builder.adapter_names]
+    limit = str(MAX_LOADED_LORAS)
+    return ("--lora-paths", *paths, "--max-loaded-loras", limit, "--max-loras-per-batch", limit)
+
+
+def make_plan(
+    preset: LoraPreset,
+    vocab: Vocab,
+    features: Features,
+    systems: set[str] | None = None,
+    on_seed: Callable[[], None] = lambda: None,
+    known: dict[str, dict[str, Any]] | None = None,
+) -> PairedPlan:
+    """Every seed's workload built, the KV sized from their hot sets (or as `known`, an
+    earlier run's setup, sized it); one config. ValueError when nothing is left to run."""
+    built: dict[int, Workload] = {}
+    for seed in preset.seeds:
+        built[seed] = replace(preset.workload, seed=seed).build(vocab)
+        on_seed()
+    name = built[preset.seeds[0]].name
+    hot = {seed: hot_set_tokens(w) for seed, w in built.items()}
+    earlier = earlier_sizing(known, name, "hot_set_tokens")
+    hot_set = earlier or int(statistics.median(hot.values()))
+    sizing = Sizing(hot_set, 1 / (KV_SHARE * INSTANCES), INSTANCES)
+    largest = max(
+        len(r.prompt_ids or []) + r.max_tokens for w in built.values() for r in w.requests
+    )
+    sizing.check_fits(largest)
+    kv = sizing.instance_tokens
+    specs = tuple(s for s in preset.systems if selected(systems, s.name, None))
+    if not specs:
+        raise ValueError("nothing to run: no system of the preset has those names")
+    adapters = preset.workload.adapters
+    cluster = ClusterSpec(
+        "lora-c4",
+        colocated=INSTANCES,
+        label=SHAPE,
+        time_scale=preset.time_scale,
+        max_total_tokens=kv,
+        mempool_pull=features.pulls,
+        kv_events=features.kv_events,
+        worker_args=worker_args(preset.workload),
+    )
+    key = f"{name}, {SHAPE}, {adapters} adapters"
+    labels = {
+        "shape": SHAPE,
+        "instance_kv_tokens": kv,
+        "hot_set_tokens": hot_set,
+        "adapters": adapters,
+        "max_loaded_loras": MAX_LOADED_LORAS,
+    }
+    config = Config(
+        key,
+        name,
+        {seed: replace(preset.workload, seed=seed) for seed in preset.seeds},
+        preset.calibration,
+        (Member(cluster, specs),),
+        ROUND_ROBIN,
+        preset.load,
+        OPENAI,
+        labels,
+    )
+    sized = "as the run the rates came from sized it; " if earlier else ""
+    per_seed = ", ".join(f"{s}: {v:,}" for s, v in hot.items())
+    setup = {
+        key: {
+            "hot_set_tokens_per_seed": {str(s): v for s, v in hot.items()},
+            "hot_set_tokens": hot_set,
+            "instance_kv_tokens": kv,
+            "largest_request_tokens": largest,
+            "time_scale": preset.time_scale,
+            "adapters": adapters,
+            "max_loaded_loras": MAX_LOADED_LORAS,
+            "text": (
+                f"{SHAPE} sim workers, time scale {preset.time_scale:g}, {adapters} LoRA "
+                f"adapters registered on each, at most {MAX_LOADED_LORAS} loaded and "
+                f"{MAX_LOADED_LORAS} in a batch (a load: 52 ms of modelled time, "
+                f"{0.052 * preset.time_scale * 1e3:.0f} ms of wall time at this scale); "
+                f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
+                f"{hot_set:,} tokens ({sized}median of seeds {per_seed}); offered "
+                f"at {preset.load:.0%} of the sustained rate."
+            ),
+        }
+    }
+    return PairedPlan(preset.name, [config], preset.search, features.missing(), setup)
+
+
+def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
+    """Issue 38's: ours prompt_tree's p99 TTFT at most 0.7x sglang-router cache_aware's."""
+    return [
+        Target(
+            "p99_vs_cache_aware",
+            f"p99 TTFT / {CACHE_AWARE.name}'s",
+            PROMPT_TREE.name,
+            "ttft_p99_s",
+            "<=",
+            TARGET_P99,
+            CACHE_AWARE.name,
+        )
+    ]
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def lora_loads(run: Run) -> float | None:
+    """Adapter loads the workers made during the run (not the ones at their start)."""
+    workers = run.get("per_worker") or []
+    if not any("lora_loads" in w for w in workers):
+        return None
+    return sum(float(w.get("lora_loads") or 0.0) for w in workers)
+
+
+def loads_per_request(run: Run) -> float | None:
+    return ratio(lora_loads(run), run.get("requests"))
+
+
+def evictions_per_request(run: Run) -> float | None:
+    workers = run.get("per_worker") or []
+    if not any("lora_evictions" in w for w in workers):
+        return None
+    evicted = sum(float(w.get("lora_evictions") or 0.0) for w in workers)
+    return ratio(evicted, run.get("requests"))
+
+
+def per_seed_text(values: dict[int, float], digits: int = 2) -> str | None:
+    """`a / b / c -> median` over the seeds (the seeds in order)."""
+    if not values:
+        return None
+    seeds = sorted(values)
+    shown = " / ".join(f"{values[s]:.{digits}f}" for s in seeds)
+    if len(seeds) == 1:
+        return shown
+    return f"{shown} -> {statistics.median(values.values()):.{digits}f}"
+
+
+def over_seeds(mine: dict[int, Run], of: Callable[[Run], Any]) -> dict[int, float]:
+    """seed -> `of(run)`, where it is a finite number."""
+    return {seed: value for seed, run in mine.items() if finite(value := of(run))}
+
+
+def versus(mine: dict[int, Run], theirs: dict[int, Run], key: str) -> dict[int, float]:
+    """seed -> mine's `key` over theirs in that seed (the same requests)."""
+    return over_seeds(
+        mine, lambda run: ratio(run.get(key), (theirs.get(run["seed"]) or {}).get(key))
+    )
+
+
+def mid(values: dict[int, float], digits: int = 3) -> str | None:
+    """Median [min..max] of per-seed values."""
+    return spread_text(spread(values.values()), digits)
+
+
+def system_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Per system of `config`: TTFT, hit, adapter loads per request, and its ratios to
+    cache_aware's per seed with their median; and the same as figures for results.json."""
+    systems = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
+    baseline = runs_of(runs, config, CACHE_AWARE.name)
+    rows, figures = [], []
+    for system in systems:
+        mine = runs_of(runs, config, system)
+        if not mine:
+            continue
+        figure: dict[str, Any] = {
+            "system": system,
+            "seeds": sorted(mine),
+            "ttft_mean_s": over_seeds(mine, lambda r: r.get("ttft_mean_s")),
+            "ttft_p99_s": over_seeds(mine, lambda r: r.get("ttft_p99_s")),
+            "hit_ratio": over_seeds(mine, lambda r: r.get("reuse_ratio")),
+            "lora_loads_per_request": over_seeds(mine, loads_per_request),
+            "lora_evictions_per_request": over_seeds(mine, evictions_per_request),
+            "mean_vs_cache_aware": versus(mine, baseline, "ttft_mean_s"),
+            "p99_vs_cache_aware": versus(mine, baseline, "ttft_p99_s"),
+            "hit_vs_cache_aware": versus(mine, baseline, "reuse_ratio"),
+        }
+        figures.append(figure)
+        hits = spread(figure["hit_ratio"].values())
+        rows.append(
+            {
+                "system": system,
+                "TTFT mean s": mid(figure["ttft_mean_s"]),
+                "p99 s": mid(figure["ttft_p99_s"]),
+                "hit": pct(hits["median"]) if hits else None,
+                "adapter loads / request": mid(figure["lora_loads_per_request"]),
+                "mean / cache_aware (per seed -> median)": per_seed_text(
+                    figure["mean_vs_cache_aware"]
+                ),
+                "p99 / cache_aware (per seed -> median)": per_seed_text(
+                    figure["p99_vs_cache_aware"]
+                ),
+                "hit / cache_aware": per_seed_text(figure["hit_vs_cache_aware"]),
+            }
+        )
+    return rows, figures
+
+
+def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
+    """Per system: the issue's figures (mean and p99 TTFT, hit, adapter loads per request)
+    and the ratios to cache_aware in every seed."""
+    runs = figures["runs"]
+    lines: list[str] = []
+    tables: dict[str, Any] = {}
+    configs = list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
+    for config in configs:
+        rows, per_system = system_rows(runs, config)
+        tables[config] = per_system
+        lines += [
+            f"## Adapters and latency: {config}",
+            "",
+            "Medians [min..max] over the seeds; ratios to sglang-router cache_aware's taken "
+            "within each seed (the same requests on the same workers), listed seed by seed, "
+            "then their median. Adapter loads: the workers' `lora.loads` after the run less "
+            "before it, over the requests.",
+            "",
+            markdown_table(rows),
+            "",
+        ]
+    return Extra("lora", lines, tables, [])
+
+
+NOTES = (
+    "Preset --lora: 20 LoRA adapters of Zipf(1) popularity on 4 colocated sim workers "
+    "(`--lora-paths`, `--max-loaded-loras 4 --max-loras-per-batch 4`, the least recently "
+    "used adapter evicted); each request names its adapter by `lora_path` (every router here "
+    "passes it to the worker unchanged); prompts are the adapter's system prompt (0.5-1.5K "
+    "tokens), one of its 3 documents (1-3K) and a unique question (20-200), completions; "
+    "independent requests, open-loop Poisson arrivals. Every system gets the same requests "
+    "on the same workers, caches flushed and a fresh router before each run, system order "
+    "rotated per seed. The adapters a worker holds carry over from the run before (a flush "
+    "empties the KV cache, not the adapter slots); our router reads them at its start.",
+    "Adapter loads: the sim charges each load 10 ms plus 84 MB (rank 16 on every linear "
+    "layer of Llama-3.1-8B) at 2 GB/s (local NVMe), 52 ms, to the step that prefills the "
+    "request that needed it, times the time scale; our router prices it the same "
+    "(`--lora-load-secs 0.052` times the time scale, as its other cost terms), and `ours "
+    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind).",
+    "Sustained rate: before the runs, sglang-router round_robin serves a calibration "
+    "workload (another seed) at rising rates; the measured runs offer 85% of the rate it "
+    "sustained. Device KV per worker: half the hot set (prompt pages that two or more "
+    "requests share, the seeds' median). Workers run --enable-mempool-pull (an adapter's "
+    "pages are never pulled: they carry its namespace) and publish KV events to our router.",
+)
