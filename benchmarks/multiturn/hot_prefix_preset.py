@@ -20,7 +20,6 @@ requests on the same workers.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,9 +30,9 @@ from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.paired import (
     Config,
+    HotSetKV,
     Member,
     PairedPlan,
-    earlier_sizing,
     selected,
     system_label,
 )
@@ -41,7 +40,6 @@ from benchmarks.multiturn.paired_report import FLOOR, Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import OpenLoopTrace
-from benchmarks.multiturn.working_set import Sizing, hot_set_tokens
 from benchmarks.multiturn.workloads import OPENAI, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
 from localrun.cluster import ClusterSpec
@@ -157,18 +155,8 @@ def make_plan(
     for seed in preset.seeds:
         built[seed] = preset.workload(seed).build(vocab)
         on_seed()
-    name = built[preset.seeds[0]].name
-    hot = {seed: hot_set_tokens(w) for seed, w in built.items()}
-    earlier = earlier_sizing(known, name, "hot_set_tokens")
-    hot_set = earlier or int(statistics.median(hot.values()))
-    # Sizing's instance KV is working set / (multiple x instances): this multiple gives a
-    # worker KV_SHARE of the hot set.
-    sizing = Sizing(hot_set, 1 / (KV_SHARE * INSTANCES), INSTANCES)
-    largest = max(
-        len(r.prompt_ids or []) + r.max_tokens for w in built.values() for r in w.requests
-    )
-    sizing.check_fits(largest)
-    kv = sizing.instance_tokens
+    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     configs = []
     for shape in preset.shapes:
         caching = "caching-1" if shape == PD_2P2D else None
@@ -214,17 +202,17 @@ def make_plan(
         raise ValueError("nothing to run: no system of the preset has those names")
     setup = {
         c.key: {
-            "hot_set_tokens_per_seed": {str(s): v for s, v in hot.items()},
+            "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
             "hot_set_tokens": hot_set,
             "instance_kv_tokens": kv,
-            "largest_request_tokens": largest,
+            "largest_request_tokens": sized.largest,
             "time_scale": preset.time_scale,
             "text": (
                 f"{c.members[0].spec.label} sim workers, time scale {preset.time_scale:g}; "
                 f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
                 f"{hot_set:,} tokens (prompt pages two or more requests share; "
-                f"{'as the run the rates came from sized it; ' if earlier else ''}median of "
-                f"seeds {', '.join(f'{s}: {v:,}' for s, v in hot.items())}); offered at "
+                f"{'as the run the rates came from sized it; ' if sized.earlier else ''}median "
+                f"of seeds {sized.seeds_text()}); offered at "
                 f"{preset.load:.0%} of the sustained rate."
             ),
         }

@@ -28,12 +28,11 @@ from benchmarks.harness import finite
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.lora import LoraPrefix
-from benchmarks.multiturn.paired import Config, Member, PairedPlan, earlier_sizing, selected
+from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
 from benchmarks.multiturn.paired_report import Extra, Run, Target, label, runs_of
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.targets import pct
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.working_set import Sizing, hot_set_tokens
 from benchmarks.multiturn.workloads import OPENAI, Workload
 from benchmarks.peers import OURS, SGLANG_ROUTER
 from benchmarks.report.seeds import ratio, spread, spread_text
@@ -135,16 +134,8 @@ def make_plan(
     for seed in preset.seeds:
         built[seed] = replace(preset.workload, seed=seed).build(vocab)
         on_seed()
-    name = built[preset.seeds[0]].name
-    hot = {seed: hot_set_tokens(w) for seed, w in built.items()}
-    earlier = earlier_sizing(known, name, "hot_set_tokens")
-    hot_set = earlier or int(statistics.median(hot.values()))
-    sizing = Sizing(hot_set, 1 / (KV_SHARE * INSTANCES), INSTANCES)
-    largest = max(
-        len(r.prompt_ids or []) + r.max_tokens for w in built.values() for r in w.requests
-    )
-    sizing.check_fits(largest)
-    kv = sizing.instance_tokens
+    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     specs = tuple(s for s in preset.systems if selected(systems, s.name, None))
     if not specs:
         raise ValueError("nothing to run: no system of the preset has those names")
@@ -178,14 +169,13 @@ def make_plan(
         OPENAI,
         labels,
     )
-    sized = "as the run the rates came from sized it; " if earlier else ""
-    per_seed = ", ".join(f"{s}: {v:,}" for s, v in hot.items())
+    earlier = "as the run the rates came from sized it; " if sized.earlier else ""
     setup = {
         key: {
-            "hot_set_tokens_per_seed": {str(s): v for s, v in hot.items()},
+            "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
             "hot_set_tokens": hot_set,
             "instance_kv_tokens": kv,
-            "largest_request_tokens": largest,
+            "largest_request_tokens": sized.largest,
             "time_scale": preset.time_scale,
             "adapters": adapters,
             "max_loaded_loras": MAX_LOADED_LORAS,
@@ -195,7 +185,7 @@ def make_plan(
                 f"{MAX_LOADED_LORAS} in a batch (a load: 52 ms of modelled time, "
                 f"{0.052 * preset.time_scale * 1e3:.0f} ms of wall time at this scale); "
                 f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
-                f"{hot_set:,} tokens ({sized}median of seeds {per_seed}); offered "
+                f"{hot_set:,} tokens ({earlier}median of seeds {sized.seeds_text()}); offered "
                 f"at {preset.load:.0%} of the sustained rate."
             ),
         }

@@ -13,6 +13,7 @@ systems are taken within a seed and summarized over the seeds (`paired_report`).
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.runner import Context, execute, run_one
 from benchmarks.multiturn.sustained import Calibration, Search, at_rate, calibrate
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.working_set import estimate
+from benchmarks.multiturn.working_set import Sizing, estimate, hot_set_tokens
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS
 from localrun.cluster import Cluster, ClusterSpec
@@ -244,6 +245,44 @@ def earlier_sizing(
         if key.split(", ")[0] == workload and isinstance(value, int) and value > 0:
             return value
     return None
+
+
+@dataclass(frozen=True)
+class HotSetKV:
+    """Each worker's device KV as a share of the seeds' hot set (prompt pages two or more
+    requests share): how the hot-prefix and LoRA presets size their workers."""
+
+    name: str  # the workload's
+    per_seed: dict[int, int]  # each seed's hot set, tokens
+    hot_set: int  # the median of those, or an earlier run's
+    earlier: bool  # sized as the run the rates came from sized it
+    largest: int  # the largest request's prompt and answer, tokens
+    kv: int  # a worker's device KV, tokens
+
+    @classmethod
+    def of(
+        cls,
+        built: dict[int, Workload],
+        known: dict[str, dict[str, Any]] | None,
+        share: float,
+        instances: int,
+    ) -> HotSetKV:
+        """`share` of the hot set a worker; ValueError when a request does not fit one."""
+        name = next(iter(built.values())).name
+        per_seed = {seed: hot_set_tokens(w) for seed, w in built.items()}
+        earlier = earlier_sizing(known, name, "hot_set_tokens")
+        hot_set = earlier or int(statistics.median(per_seed.values()))
+        # Sizing's instance KV is working set / (multiple x instances): this multiple gives
+        # a worker `share` of the hot set.
+        sizing = Sizing(hot_set, 1 / (share * instances), instances)
+        largest = max(
+            len(r.prompt_ids or []) + r.max_tokens for w in built.values() for r in w.requests
+        )
+        sizing.check_fits(largest)
+        return cls(name, per_seed, hot_set, earlier is not None, largest, sizing.instance_tokens)
+
+    def seeds_text(self) -> str:
+        return ", ".join(f"{s}: {v:,}" for s, v in self.per_seed.items())
 
 
 def known_from(source: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
