@@ -140,10 +140,11 @@ class Learner:
         if answer.error is not None or answer.status != 200:
             return
         group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
-        reported = next((s.reported for s in served if s.reported is not None), None)
-        if group is not None and reported is not None:
-            self.metrics.groups.prompt_tokens.labels(*group).inc(prompt.num_tokens)
-            self.metrics.groups.cached_tokens.labels(*group).inc(reported)
+        if group is not None:  # a tenant's or an adapter's: its hit ratio
+            reported = next((s.reported for s in served if s.reported is not None), None)
+            if reported is not None:
+                self.metrics.groups.prompt_tokens.labels(*group).inc(prompt.num_tokens)
+                self.metrics.groups.cached_tokens.labels(*group).inc(reported)
         if self.uses_tokens:
             self.learn_prefix(prompt, answer, served, holders)
 
