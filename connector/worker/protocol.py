@@ -14,7 +14,7 @@ from typing import Any
 
 from connector.worker.sequence import SamplingParams
 from shared import namespaces
-from shared.namespaces import namespace_fields
+from shared.namespaces import NamespaceFields, namespace_fields
 from shared.tokenizer import ChatTemplateError, PromptEncoder
 
 # SGLang sampling parameters this worker accepts but does not apply (kept for compatibility).
@@ -119,11 +119,10 @@ def memserve_options(extras: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def cache_fields(extras: dict[str, Any]) -> tuple[str, str | None, int, str | None]:
-    """The cache namespace fields of a request, checked: (extra_key or "", cache_salt,
-    shared_prefix_tokens, the adapter's name from `lora_path`)."""
+def cache_fields(extras: dict[str, Any]) -> NamespaceFields:
+    """The cache namespace fields of a request, checked (BadRequest says which is wrong)."""
     try:
-        return tuple(namespace_fields(extras))  # type: ignore[return-value]
+        return namespace_fields(extras)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
 

@@ -148,14 +148,14 @@ class Scheduler:
     def namespace(self, extras: dict[str, Any]) -> tuple[CacheNamespace | None, Any]:
         """The request's cache namespace and adapter; BadRequest for an adapter that is not
         loaded (SGLang's message) or a namespace on pages too small to key it safely."""
-        extra_key, salt, shared, name = cache_fields(extras)
+        fields = cache_fields(extras)
         ref = None
-        if name is not None:
+        if fields.adapter is not None:
             try:
-                ref = self.lora.resolve(name)
+                ref = self.lora.resolve(fields.adapter)
             except LoRAError as exc:
                 raise BadRequest(str(exc)) from None
-        if not extra_key and salt is None and ref is None:
+        if not fields.extra_key and fields.cache_salt is None and ref is None:
             return None, None
         if self.page < MIN_NAMESPACE_PAGE:
             raise BadRequest(
@@ -164,11 +164,11 @@ class Scheduler:
                 "is too short a key to keep cache namespaces apart"
             )
         ns = CacheNamespace(
-            extra_key=extra_key,
+            extra_key=fields.extra_key,
             lora_id=ref.lora_id if ref is not None else "",
             lora_name=ref.lora_name if ref is not None else None,
-            cache_salt=salt,
-            shared_prefix_tokens=shared,
+            cache_salt=fields.cache_salt,
+            shared_prefix_tokens=fields.shared_prefix_tokens,
         )
         return ns, ref
 
