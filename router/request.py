@@ -94,9 +94,8 @@ def cache_namespace(body: Mapping[str, Any]) -> CacheNamespace | None:
         raise RequestError(400, str(exc)) from None
     if not fields.any:
         return None
-    adapter = fields.adapter or ""
-    return CacheNamespace(
-        fields.extra_key, adapter, adapter or None, fields.cache_salt, fields.shared_prefix_tokens
+    return CacheNamespace.named(
+        fields.extra_key, fields.adapter, fields.cache_salt, fields.shared_prefix_tokens
     )
 
 

@@ -47,6 +47,14 @@ class CacheNamespace:
     cache_salt: str | None = None
     shared_prefix_tokens: int = 0
 
+    @classmethod
+    def named(
+        cls, extra_key: str, adapter: str | None, cache_salt: str | None, shared: int
+    ) -> CacheNamespace:
+        """A namespace keyed by its adapter's name, as a router keys it (it does not know a
+        worker's per-load adapter ids; its trees only need to tell namespaces apart)."""
+        return cls(extra_key, adapter or "", adapter or None, cache_salt, shared)
+
     @property
     def keyed(self) -> bool:
         """Whether the namespace part (extra_key + adapter) is set at all."""

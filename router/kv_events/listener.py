@@ -105,14 +105,10 @@ class _Pages:
         keyed = next((m for m in metas if m is not None), None)
         if keyed is None:
             return None
-        first = next((i for i, m in enumerate(metas) if m is not None and m.cache_salt), None)
-        adapter = keyed.lora_name or ""
-        return CacheNamespace(
-            keyed.extra_key or "",
-            adapter,
-            adapter or None,
-            None if first is None else metas[first].cache_salt,  # type: ignore[union-attr]
-            0 if first is None else first * self.page_tokens,
+        salted = ((i, m.cache_salt) for i, m in enumerate(metas) if m is not None and m.cache_salt)
+        first, salt = next(salted, (0, None))
+        return CacheNamespace.named(
+            keyed.extra_key or "", keyed.lora_name, salt, first * self.page_tokens
         )
 
 
