@@ -25,6 +25,7 @@ from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
 from router.management import Management
+from router.models import build_models, load_models
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
 from router.policies import POLICIES, CostModel, Thresholds, make_policy, policy_name
@@ -131,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="model directory with tokenizer.json (default: ask the workers' /get_model_info)",
+    )
+    a(
+        "--models",
+        default=None,
+        metavar="FILE",
+        help="several models behind this router: a TOML (or JSON) file of [[model]] tables "
+        "(name, tokenizer_path, policy, cache/balance thresholds, worker_urls); the first is "
+        "the default one (router.models)",
     )
     a(
         "--kv-events-bind",
@@ -282,10 +291,11 @@ def pd_workers(args: argparse.Namespace) -> tuple[list[tuple[str, int | None]], 
     return prefills, list(args.decode)
 
 
-def tokenizer_dir(args: argparse.Namespace, urls: list[str]) -> Path | None:
-    """--tokenizer-path, else the first worker's tokenizer_path if it is on this machine."""
-    if args.tokenizer_path is not None:
-        return Path(args.tokenizer_path)
+def tokenizer_dir(given: Path | str | None, urls: list[str]) -> Path | None:
+    """`given` (--tokenizer-path, a model's tokenizer_path), else the first worker's
+    tokenizer_path if it is on this machine."""
+    if given is not None:
+        return Path(given)
     for url in urls:
         try:
             with urllib.request.urlopen(url + "/get_model_info", timeout=10) as resp:
@@ -397,6 +407,8 @@ def check_args(args: argparse.Namespace) -> str:
     cost_model(args)
     processes(args)
     check_tenants(args)
+    if args.models:
+        load_models(args.models)
     return name
 
 
@@ -449,6 +461,13 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
             registry.add(url, WorkerType.DECODE)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    specs = load_models(args.models) if args.models else []
+    for spec in specs:
+        for url in spec.worker_urls:
+            try:
+                registry.add(url).model_id = spec.name
+            except ValueError as exc:
+                raise SystemExit(f"--models: {exc}") from None
     replica = replica_config(args)
     shared = replica is not None or siblings is not None
     trees = (ReplicatedTrees if shared else PromptTrees)(
@@ -473,7 +492,11 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
         policy = pd.prefill_policy
-    encoder = load_encoder(tokenizer_dir(args, list(registry.workers)))
+    if specs:  # the default model's tokenizer, from the file, else as without --models
+        given = specs[0].tokenizer_path or args.tokenizer_path
+        encoder = load_encoder(tokenizer_dir(given, [*specs[0].worker_urls, *urls]))
+    else:
+        encoder = load_encoder(tokenizer_dir(args.tokenizer_path, list(registry.workers)))
     if encoder is None and policy.uses_tokens:
         raise SystemExit(
             f"--policy {name} routes on tokens: give --tokenizer-path (a model "
@@ -510,7 +533,19 @@ def build_router(args: argparse.Namespace, urls: list[str]) -> Router:
         replica=replica,
         siblings=siblings,
     )
-    return Router(config, registry, trees, policy, encoder, pd)
+    models = None
+    if specs:
+        models = build_models(
+            specs,
+            lambda m: make_policy(m.policy or name, trees, m.thresholds(thresholds), cost, pulls),
+            lambda m: (
+                encoder
+                if m is specs[0]
+                else load_encoder(tokenizer_dir(m.tokenizer_path, m.worker_urls))
+            ),
+            policy.uses_tokens,
+        )
+    return Router(config, registry, trees, policy, encoder, pd, models)
 
 
 def replica_config(args: argparse.Namespace) -> ReplicaConfig | None:
@@ -628,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{host}:{port} is already in use")
     cluster = None
     urls = list(args.worker_urls)
-    if not urls and not args.prefill and not args.decode:
+    if not urls and not args.prefill and not args.decode and not args.models:
         spec = ClusterSpec(
             "local",
             colocated=args.local_workers,

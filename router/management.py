@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import aiohttp
+import msgspec
 
 from router.forward.reply import Whole
 from router.http_server import HttpRequest, Routes, json_reply
@@ -39,6 +40,7 @@ class Management:
         r.add("*", "/flush_cache", self.flush_cache)
         r.add("GET", "/get_loads", self.loads)
         r.add("POST", "/workers", self.add_worker)
+        r.add("POST", "/add_worker", self.add_worker)
         r.add("GET", "/workers", self.list_workers)
         r.add("GET", "/workers/{url:.+}", self.get_worker)
         r.add("DELETE", "/workers/{url:.+}", self.delete_worker)
@@ -59,19 +61,55 @@ class Management:
         return Whole.error(503, f"no healthy {' or '.join(missing)} worker")
 
     async def models(self, request: HttpRequest) -> Whole:
-        return await self.first_worker_get(request)
+        """OpenAI's model list: with --models every served model, each with the adapters its
+        workers list (SGLang's cards, `parent` the model); else the workers' own list."""
+        models = self.router.models
+        if models is None:
+            return await self.first_worker_get(request)
+        cards = await asyncio.gather(*(self._model_cards(m.name) for m in models.served))
+        return json_reply({"object": "list", "data": [c for each in cards for c in each]})
+
+    async def _model_cards(self, name: str) -> list[dict[str, Any]]:
+        """A model's card and its adapters' as its available workers list them (the model's
+        name alone when none answers)."""
+        workers = self.router.registry.available(model=name)
+        replies = await asyncio.gather(*(self._get(w, "/v1/models") for w in workers))
+        cards: dict[str, dict[str, Any]] = {
+            name: {"id": name, "object": "model", "owned_by": "memserve-router", "parent": None}
+        }
+        for reply in replies:
+            listed = None if reply is None or reply.status != 200 else _cards(reply.body)
+            for card in listed or ():
+                if card.get("parent") is None:  # the base model: named as the router names it
+                    cards[name] = {**card, "id": name}
+                elif isinstance(card.get("id"), str):
+                    cards.setdefault(card["id"], {**card, "parent": name})
+        return list(cards.values())
 
     async def first_worker_get(self, request: HttpRequest) -> Whole:
-        for worker in self.router.registry.available():
-            try:
-                async with self.router.http().get(
-                    worker.url + request.path, timeout=aiohttp.ClientTimeout(total=10)
-                ) as resp:
-                    kind = {"content-type": "application/json"}
-                    return Whole(resp.status, await resp.read(), kind)
-            except (aiohttp.ClientError, TimeoutError):
-                continue
-        return Whole.error(503, "no healthy worker")
+        """The first available worker's answer to a GET (/get_model_info: with --models,
+        `?model=NAME` picks the model, the default one without)."""
+        model = None
+        if self.router.models is not None:
+            name = parse_qs(request.query).get("model", [None])[0]
+            model = self.router.models.resolve(name).name
+        for worker in self.router.registry.available(model=model):
+            reply = await self._get(worker, request.path)
+            if reply is not None:
+                return reply
+        return Whole.error(
+            503, "no healthy worker" if model is None else f"no healthy worker of {model}"
+        )
+
+    async def _get(self, worker: Worker, path: str) -> Whole | None:
+        """A worker's answer to a GET of `path` (None: it did not answer)."""
+        try:
+            async with self.router.http().get(
+                worker.url + path, timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
+                return Whole(resp.status, await resp.read(), {"content-type": "application/json"})
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     def _worker_json(self, w: Worker) -> dict[str, Any]:
         return {
@@ -117,9 +155,13 @@ class Management:
                 "workers": [self._worker_json(w) for w in self.router.registry.workers.values()],
                 "process": self._process_info(),
                 "tenants": None if (t := self.router.config.tenants) is None else t.info(),
+                "models": None if (m := self.router.models) is None else m.info(self._urls_of),
                 **self._replica_info(),
             }
         )
+
+    def _urls_of(self, model: str) -> list[str]:
+        return [w.url for w in self.router.registry.workers.values() if w.model_id == model]
 
     def _admission_info(self) -> dict[str, Any]:
         a = self.router.admission
@@ -191,17 +233,24 @@ class Management:
         )
 
     async def add_worker(self, request: HttpRequest) -> Whole:
-        body = parse_json_object(await request.read())
+        """POST /workers with smg's JSON (`url`, `worker_type`, `bootstrap_port`,
+        `model_id`), or sglang-router's POST /add_worker?url=...(&model_id=...)."""
+        if request.path == "/add_worker":
+            body: dict[str, Any] = {k: v[0] for k, v in parse_qs(request.query).items()}
+        else:
+            body = parse_json_object(await request.read())
         url = body.get("url")
         if not isinstance(url, str):
             raise RequestError(400, "'url' must be a string like http://host:port")
         kind = body.get("worker_type", "colocated")
+        model_id = self._model_id(body.get("model_id"))
         try:
             worker_type = WorkerType("colocated" if kind == "regular" else kind)
             worker = self.router.registry.add(url, worker_type, body.get("bootstrap_port"))
         except ValueError as exc:
             status = 409 if "already" in str(exc) else 400
             raise RequestError(status, str(exc)) from None
+        worker.model_id = model_id
         if self.router.replicator is not None:
             self.router.replicator.worker_added(worker)
         if self.router.siblings is not None:
@@ -209,6 +258,18 @@ class Management:
         await self.router.registry.check(worker)
         await self.router.learn_model(worker)
         return json_reply(self._worker_json(worker))
+
+    def _model_id(self, model_id: Any) -> str | None:
+        """A new worker's `model_id` (None: learned from it); with --models, one of them."""
+        if model_id is None:
+            return None
+        if not isinstance(model_id, str) or not model_id:
+            raise RequestError(400, "'model_id' must be a model's name")
+        models = self.router.models
+        if models is not None and model_id not in models.by_name:
+            served = sorted(models.by_name)
+            raise RequestError(400, f"model_id {model_id!r} is not in --models; served: {served}")
+        return model_id
 
     async def list_workers(self, request: HttpRequest) -> Whole:
         return json_reply(
@@ -243,3 +304,12 @@ class Management:
         return Whole(
             200, self.router.metrics.exposition(), {"content-type": "text/plain; version=0.0.4"}
         )
+
+
+def _cards(body: bytes) -> list[dict[str, Any]] | None:
+    """The cards of a worker's /v1/models answer (None: not such an answer)."""
+    try:
+        data = msgspec.json.decode(body).get("data")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else None

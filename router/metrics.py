@@ -87,7 +87,36 @@ ACCURACY_GAUGE = (
 MAX_GROUP_LABELS = 64  # tenants (or adapters) labelled by name; the rest count as "other"
 
 
-class GroupMetrics:
+class _Figures:
+    """Requests, prompt and cached tokens of the answered ones (the hit ratio) and time to
+    first token, of a kind of requests (`what`), by `labels`."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, what: str, labels: list[str]) -> None:
+        self.requests = Counter(
+            f"{prefix}_requests", f"Inference requests {what}", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            f"{prefix}_prompt_tokens",
+            f"Prompt tokens of answered requests {what}",
+            labels,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            f"{prefix}_cached_tokens",
+            "Of those, the cached tokens the workers reported",
+            labels,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{prefix}_time_to_first_token_seconds",
+            f"Streamed requests {what}: arrival to the first token",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+
+
+class GroupMetrics(_Figures):
     """Figures per tenant (--tenants) and per LoRA adapter: requests, prompt and cached
     tokens (the hit ratio), time to first token, and tenants' refusals. Only requests with a
     tenant or an adapter are counted here (the route metrics count them all). Label values
@@ -95,31 +124,8 @@ class GroupMetrics:
     "other" (tenants come from the operator's file, adapter names from clients)."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        labels = ["tenant", "adapter"]
-        self.requests = Counter(
-            "memserve_router_group_requests",
-            "Inference requests with a tenant or an adapter",
-            labels,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "memserve_router_group_prompt_tokens",
-            "Prompt tokens of answered requests with a tenant or an adapter",
-            labels,
-            registry=r,
-        )
-        self.cached_tokens = Counter(
-            "memserve_router_group_cached_tokens",
-            "Of those, the cached tokens the workers reported",
-            labels,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "memserve_router_group_time_to_first_token_seconds",
-            "Streamed requests with a tenant or an adapter: arrival to the first token",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+        super().__init__(
+            r, "memserve_router_group", "with a tenant or an adapter", ["tenant", "adapter"]
         )
         self.refusals = Counter(
             "memserve_router_tenant_refusals",
@@ -146,6 +152,21 @@ class GroupMetrics:
             seen.add(value)
             return value
         return "other"
+
+
+class ModelMetrics(_Figures):
+    """Figures per model (--models, router.models): requests, the hit ratio, time to first
+    token, and refusals (429) by reason. Counted only when the router serves several models;
+    their names come from the operator's file, so the labels are bounded."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        super().__init__(r, "memserve_router_model", "per model (--models)", ["model"])
+        self.refusals = Counter(
+            "memserve_router_model_refusals",
+            "Requests for a model refused with 429 before reaching a worker, by reason",
+            ["model", "reason"],
+            registry=r,
+        )
 
 
 class RouterMetrics:
@@ -197,6 +218,7 @@ class RouterMetrics:
             "sgl_router_pd_errors", "PD requests that failed, by side", ["side"], registry=r
         )
         self.groups = GroupMetrics(r)
+        self.models = ModelMetrics(r)
         self.write_backs = Counter(
             "memserve_router_pd_write_backs",
             "PD-Caching-3 requests by the write-back gate's decision: asked, explored (asked "

@@ -12,6 +12,15 @@ _URL_PARAM: Schema = {
     "schema": {"type": "string"},
 }
 
+_QUERY_ADD_WORKER: Schema = {
+    "summary": "Add a worker (sglang-router's form: its URL and model in the query)",
+    "parameters": [
+        {"name": name, "in": "query", "required": name == "url", "schema": {"type": "string"}}
+        for name in ("url", "model_id")
+    ],
+    "responses": {"200": {"description": "the worker as registered"}, **ERRORS},
+}
+
 _ADD_WORKER: Schema = {
     "summary": "Add a worker",
     "requestBody": {
@@ -28,6 +37,8 @@ _ADD_WORKER: Schema = {
                             "enum": ["regular", "colocated", "prefill", "decode"],
                         },
                         "bootstrap_port": {"type": "integer", "nullable": True},
+                        # the model it serves (--models: one of them); learned when absent
+                        "model_id": {"type": "string", "nullable": True},
                     },
                 }
             }
@@ -58,6 +69,7 @@ def router_document(version: str) -> Schema:
         },
         "/workers": {"get": get("The workers"), "post": _ADD_WORKER},
         "/workers/{url}": one_worker,
+        "/add_worker": {"post": _QUERY_ADD_WORKER},
         "/openapi.json": {"get": get("This document")},
     }
     return document("memserve-router", version, paths)

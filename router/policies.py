@@ -30,6 +30,7 @@ from router.speed import Work
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerType
 from shared.namespaces import CacheNamespace
+from shared.token_cache import CachedEncoder
 
 
 @dataclass(slots=True)
@@ -56,6 +57,10 @@ class RouteRequest:
     # predict for it is keyed in it, as the worker keys its cache (shared.namespaces)
     namespace: CacheNamespace | None = None
     tenant: str | None = None  # its API key's tenant (router.tenants; "" the operator's)
+    # router.models: the model whose workers may serve it (None: any, when the router serves
+    # one), and that model's encoder where it is not the router's default one
+    model: str | None = None
+    encoder: CachedEncoder | None = None
 
     @property
     def adapter(self) -> str | None:

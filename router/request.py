@@ -81,21 +81,23 @@ def check_model(body: Mapping[str, Any], served: set[str]) -> None:
 _NS_FIELDS = ("cache_salt", "extra_key", "lora_path", "shared_prefix_tokens")
 
 
-def cache_namespace(body: Mapping[str, Any]) -> CacheNamespace | None:
+def cache_namespace(body: Mapping[str, Any], model_key: str = "") -> CacheNamespace | None:
     """The cache namespace the body names (`cache_salt`, `extra_key`, an adapter, and where
-    a salt starts: `shared_prefix_tokens`), keyed as the workers key it; None for none. 400
-    for a malformed field, as the worker would answer."""
+    a salt starts: `shared_prefix_tokens`), keyed as the workers key it, and in the router's
+    trees under `model_key` (router.models: every model but the default one); None for
+    none. 400 for a malformed field, as the worker would answer."""
     model = body.get("model")
     if not (isinstance(model, str) and ":" in model) and not any(f in body for f in _NS_FIELDS):
-        return None  # (most requests: no namespace, and no parse)
+        # (most requests: no namespace, and no parse)
+        return CacheNamespace(model=model_key) if model_key else None
     try:
         fields = namespace_fields(body)
     except ValueError as exc:
         raise RequestError(400, str(exc)) from None
-    if not fields.any:
+    if not fields.any and not model_key:
         return None
     return CacheNamespace.named(
-        fields.extra_key, fields.adapter, fields.cache_salt, fields.shared_prefix_tokens
+        fields.extra_key, fields.adapter, fields.cache_salt, fields.shared_prefix_tokens, model_key
     )
 
 
@@ -110,11 +112,13 @@ def route_request(
     body: Mapping[str, Any],
     encoder: CachedEncoder | None,
     want_text: bool = True,
+    model_key: str = "",
 ) -> RouteRequest:
     """The prompt of `body` for the policies: uint32 token ids (when `encoder` is given),
     the raw text (a chat's joined only when `want_text`: cache_aware's character tree), and
-    a chat's normalized messages. Malformed prompts are 400 whatever the policy."""
-    namespace = cache_namespace(body)
+    a chat's normalized messages, keyed under `model_key` (router.models). Malformed
+    prompts are 400 whatever the policy."""
+    namespace = cache_namespace(body, model_key)
     if route == CHAT:
         request = _chat(body, encoder, want_text)
     elif route == COMPLETIONS:
@@ -132,7 +136,9 @@ def route_request(
 
 def namespace_tag(namespace: CacheNamespace) -> str:
     """A short name of a namespace for text trees (the salt and keys, hashed)."""
-    parts = (namespace.extra_key, namespace.lora_id, namespace.cache_salt or "")
+    parts: tuple[str, ...] = (namespace.extra_key, namespace.lora_id, namespace.cache_salt or "")
+    if namespace.model:
+        parts += (namespace.model,)
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 

@@ -32,6 +32,7 @@ from router.kv_events import (
     unfollowable_reason,
 )
 from router.metrics import RouterMetrics
+from router.models import Models, ServedModel
 from router.openapi import router_document
 from router.pd import PDSettings, PrefillDecode
 from router.policies import CostModel, Policy
@@ -95,11 +96,15 @@ class Router:
         policy: Policy,
         encoder: CachedEncoder | None,
         pd: PDSettings | None = None,
+        models: Models | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
         self.trees = trees
+        self.models = models  # --models: several models, each its workers (router.models)
         policies = [policy] if pd is None else [pd.prefill_policy, pd.decode_policy]
+        if models is not None and pd is None:
+            policies += [m.policy for m in models.served]
         self.policy = policies[0]
         self.uses_tokens = any(p.uses_tokens for p in policies)
         self.uses_text = any(p.uses_text for p in policies)
@@ -151,6 +156,8 @@ class Router:
             else contextlib.nullcontext
         )
         self.kv_applier = KVEventApplier(trees, registry, quiet)
+        if models is not None:  # a worker's events are keyed as its model's requests are
+            self.kv_applier.model_key = lambda w: models.key_of(w.model_id)
         if config.kv_events_endpoint or config.kv_events_subscribe:
             self.metrics.kv_events = self.kv_event_counts
         self.kv_listener: KVEventListener | None = None
@@ -254,8 +261,18 @@ class Router:
         try:
             async with self.http().get(worker.url + "/v1/models", timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
-            worker.model_id = body["data"][0]["id"]
-            self.model_ids.add(body["data"][0]["id"])
+            learned = body["data"][0]["id"]
+            self.model_ids.add(learned)
+            if self.models is None or worker.model_id is None:
+                worker.model_id = learned
+            elif worker.model_id != learned:  # given (--models, POST /workers): kept
+                log.warning("%s serves %r, given as %r", worker.url, learned, worker.model_id)
+            if self.models is not None and worker.model_id not in self.models.by_name:
+                log.warning(
+                    "%s serves %r, not in --models: no request goes there",
+                    worker.url,
+                    worker.model_id,
+                )
         except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError):
             log.warning("could not learn the model of %s", worker.url)
         try:
@@ -335,6 +352,7 @@ class Router:
         self._active += 1
         self.requests_received += 1
         tenants, tenant = self.config.tenants, None
+        served: ServedModel | None = None
         try:
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
@@ -345,32 +363,44 @@ class Router:
                 except Refused as refused:
                     self._refused_tenant(headers.get("authorization"), refused)
                     raise
-            check_model(body, self.model_ids)
+            if self.models is None:
+                check_model(body, self.model_ids)
+            else:  # 404 for a model not served
+                served = self.models.resolve(body.get("model"))
+                self.metrics.models.requests.labels(served.name).inc()
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
             async with self.admission.slot():
-                encoder = self.encoder if self.uses_tokens else None
-                prompt = route_request(route, body, encoder, self.uses_text)
+                key, policy = ("", None) if served is None else (served.key, served.policy)
+                encoder = self.encoder if served is None else served.encoder
+                encoder = encoder if self.uses_tokens else None
+                prompt = route_request(route, body, encoder, self.uses_text, key)
                 if prompt.rest and encoder is not None and (busy := encoder.encoding(prompt.rest)):
                     # Its new text is being encoded for another request, on a thread (as
                     # one encode blocking the loop, it would be known by now): wait for it.
                     await asyncio.wait(busy)
-                    prompt = route_request(route, body, encoder, self.uses_text)
+                    prompt = route_request(route, body, encoder, self.uses_text, key)
                 if self.replicator is not None and prompt.rest:
                     # Text this replica never encoded may be on a path another one recorded:
                     # encode it before routing (only its new pieces; the cache has the rest).
                     full_tokens(prompt, encoder)
                 prompt.session = session_key(headers, body)
+                if served is not None:
+                    prompt.model, prompt.encoder = served.name, encoder
                 if tenant is not None:
                     prompt.tenant = tenant.id
                 group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
                 if group is not None:
                     self.metrics.groups.requests.labels(*group).inc()
                 try:
-                    call = Call(client, route, body, raw, prompt, started)
+                    call = Call(client, route, body, raw, prompt, started, policy)
                     return await self.dispatcher.dispatch(call)
                 finally:
                     duration.observe(time.perf_counter() - started)
+        except Refused as refused:
+            if served is not None:
+                self.metrics.models.refusals.labels(served.name, refused.reason).inc()
+            raise
         finally:
             self._active -= 1
             if tenants is not None and tenant is not None:

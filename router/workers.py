@@ -363,12 +363,15 @@ class WorkerRegistry:
         for callback in self._on_load:
             callback()
 
-    def available(self, type: WorkerType | None = None) -> list[Worker]:
-        """Workers a request may go to: healthy, breaker not open, of the wanted type."""
+    def available(self, type: WorkerType | None = None, model: str | None = None) -> list[Worker]:
+        """Workers a request may go to: healthy, breaker not open, of the wanted type and,
+        when one is named, serving `model` (router.models)."""
         now = time.monotonic()
         out = []
         for w in self.workers.values():
             if type is not None and w.type is not type:
+                continue
+            if model is not None and w.model_id != model:
                 continue
             if not w.healthy:
                 continue

@@ -46,19 +46,27 @@ class CacheNamespace:
     lora_name: str | None = None  # reported in KV events; not part of the key
     cache_salt: str | None = None
     shared_prefix_tokens: int = 0
+    # A router serving several models keys every model but its default one apart (its trees
+    # hold every model's paths; no prefix may match across models). Workers never set it.
+    model: str = ""
 
     @classmethod
     def named(
-        cls, extra_key: str, adapter: str | None, cache_salt: str | None, shared: int
+        cls,
+        extra_key: str,
+        adapter: str | None,
+        cache_salt: str | None,
+        shared: int,
+        model: str = "",
     ) -> CacheNamespace:
         """A namespace keyed by its adapter's name, as a router keys it (it does not know a
         worker's per-load adapter ids; its trees only need to tell namespaces apart)."""
-        return cls(extra_key, adapter or "", adapter or None, cache_salt, shared)
+        return cls(extra_key, adapter or "", adapter or None, cache_salt, shared, model)
 
     @property
     def keyed(self) -> bool:
-        """Whether the namespace part (extra_key + adapter) is set at all."""
-        return bool(self.extra_key or self.lora_id)
+        """Whether the namespace part (extra_key + adapter, a router's model) is set at all."""
+        return bool(self.extra_key or self.lora_id or self.model)
 
     def salt_page(self, page: int) -> int | None:
         """Index of the first salted page (the public prefix rounded down to pages)."""
@@ -78,9 +86,8 @@ class CacheNamespace:
         """Page index -> what its derived key is seeded with."""
         tags: dict[int, list[bytes]] = {}
         if self.keyed:
-            tags.setdefault(0, []).append(
-                _field(b"ns", self.extra_key) + _field(b"lora", self.lora_id)
-            )
+            tag = _field(b"ns", self.extra_key) + _field(b"lora", self.lora_id)
+            tags.setdefault(0, []).append(tag + _field(b"model", self.model) if self.model else tag)
         salt = self.salt_page(page)
         if salt is not None:
             tags.setdefault(salt, []).append(_field(b"salt", self.cache_salt or ""))

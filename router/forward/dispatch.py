@@ -44,6 +44,7 @@ class Call:
     raw: bytes
     prompt: RouteRequest
     arrived: float = 0.0  # time.perf_counter() when the router received it
+    policy: Policy | None = None  # its model's, when it is not the strategy's (router.models)
 
     @property
     def streamed(self) -> bool:
@@ -125,12 +126,16 @@ class Sender:
         ttft = self.metrics.ttft_for(call.route)
         group = self.metrics.groups.labels(call.prompt.tenant, call.prompt.adapter)
         by_group = None if group is None else self.metrics.groups.ttft.labels(*group)
+        model = call.prompt.model
+        by_model = None if model is None else self.metrics.models.ttft.labels(model)
 
         def first_byte() -> None:
             seconds = time.perf_counter() - call.arrived
             ttft.observe(seconds)
             if by_group is not None:
                 by_group.observe(seconds)
+            if by_model is not None:
+                by_model.observe(seconds)
             then()
 
         return first_byte
@@ -212,11 +217,11 @@ class Colocated(Strategy):
         return (WorkerType.COLOCATED,)
 
     async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
-        available = self.registry.available(call.prompt.type)
+        available = self.registry.available(call.prompt.type, call.prompt.model)
         workers = [w for w in available if w.url not in tried] or available
         if not workers:
             return None
-        decision = self.policy.select(call.prompt, workers)
+        decision = (call.policy or self.policy).select(call.prompt, workers)
         outcome = Outcome()
         payload = with_prefix_holders(call.body, call.raw, decision)
         response = await self.sender.relay(call, payload, decision, outcome, WorkerType.COLOCATED)

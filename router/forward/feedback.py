@@ -79,12 +79,18 @@ class Learner:
         self._waiting: deque[tuple[float, LearnArgs]] = deque()  # (due, what to learn from)
         self._timer: asyncio.TimerHandle | None = None
 
+    def encoder_of(self, prompt: RouteRequest) -> CachedEncoder | None:
+        """The encoder of the prompt's model (router.models), else the router's."""
+        return self.encoder if prompt.encoder is None else prompt.encoder
+
     def record_soon(self, tree: WorkerType, worker: Worker, prompt: RouteRequest) -> None:
         """Optimistic, at the send: `worker` is about to hold the prompt (its new text
         encoded first, right after the send, off the request's path)."""
         if prompt.tokens is not None and self.uses_tokens:
             record = functools.partial(self._record_sent, tree, worker.url, prompt)
-            asyncio.get_running_loop().call_soon(when_encoded, prompt, self.encoder, record)
+            asyncio.get_running_loop().call_soon(
+                when_encoded, prompt, self.encoder_of(prompt), record
+            )
 
     def _record_sent(
         self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
@@ -140,11 +146,16 @@ class Learner:
         if answer.error is not None or answer.status != 200:
             return
         group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
-        if group is not None:  # a tenant's or an adapter's: its hit ratio
+        if group is not None or prompt.model is not None:  # a tenant's, adapter's, model's
             reported = next((s.reported for s in served if s.reported is not None), None)
             if reported is not None:
-                self.metrics.groups.prompt_tokens.labels(*group).inc(prompt.num_tokens)
-                self.metrics.groups.cached_tokens.labels(*group).inc(reported)
+                for figures, labels in (
+                    (self.metrics.groups, group),
+                    (self.metrics.models, None if prompt.model is None else (prompt.model,)),
+                ):
+                    if labels is not None:  # their hit ratio
+                        figures.prompt_tokens.labels(*labels).inc(prompt.num_tokens)
+                        figures.cached_tokens.labels(*labels).inc(reported)
         if self.uses_tokens:
             self.learn_prefix(prompt, answer, served, holders)
 
@@ -162,7 +173,7 @@ class Learner:
             again = self.learn_prefix
             prompt.encoding.add_done_callback(lambda _: again(prompt, answer, served, holders))
             return
-        tokens = full_tokens(prompt, self.encoder)
+        tokens = full_tokens(prompt, self.encoder_of(prompt))
         if not tokens:
             return
         page = self.trees.page_size
@@ -210,7 +221,7 @@ class Learner:
         request's path): the client sends the answer back verbatim as the assistant message,
         so the next turn only has its new user message left to tokenize.
         """
-        chat, enc = prompt.chat, self.encoder
+        chat, enc = prompt.chat, self.encoder_of(prompt)
         if self.idle() and chat is not None and enc is not None and answer.output_text:
             with contextlib.suppress(ValueError):
                 enc.prime([*chat, {"role": "assistant", "content": answer.output_text}])

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from router.trees import PromptTrees, Tier
-from router.workers import WorkerRegistry, WorkerType, normalize_url
+from router.workers import Worker, WorkerRegistry, WorkerType, normalize_url
 from shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -50,6 +50,7 @@ class _Pages:
     meta: dict[int, BlockStoredMetadata] = field(default_factory=dict)
     on_device: int = 0  # pages its device tier holds
     page_tokens: int = 0  # tokens a page (its events' block size)
+    model: str = ""  # the tree namespace of the worker's model (router.models; "": default)
 
     def held_in(self, block_hash: int, tier: Tier) -> None:
         held = self.tiers.setdefault(block_hash, set())
@@ -91,7 +92,7 @@ class _Pages:
             current = self.parent[current]
         chain.reverse()
         tokens = [t for h in chain for t in self.tokens[h]]
-        if self.meta:
+        if self.meta or self.model:
             namespace = self._namespace(chain)
             if namespace is not None:
                 for start, ids in namespace.derived(tokens, self.page_tokens):
@@ -104,11 +105,11 @@ class _Pages:
         metas = [self.meta.get(h) for h in chain]
         keyed = next((m for m in metas if m is not None), None)
         if keyed is None:
-            return None
+            return CacheNamespace(model=self.model) if self.model else None
         salted = ((i, m.cache_salt) for i, m in enumerate(metas) if m is not None and m.cache_salt)
         first, salt = next(salted, (0, None))
         return CacheNamespace.named(
-            keyed.extra_key or "", keyed.lora_name, salt, first * self.page_tokens
+            keyed.extra_key or "", keyed.lora_name, salt, first * self.page_tokens, self.model
         )
 
 
@@ -130,6 +131,8 @@ class KVEventApplier:
         self.registry = registry
         self.quiet = quiet
         self.pages: dict[str, _Pages] = {}
+        # the tree namespace of a worker's model (router.models: set when it serves several)
+        self.model_key: Callable[[Worker], str] = lambda _: ""
         self.batches = 0
         self.unknown_topics = 0
 
@@ -154,6 +157,7 @@ class KVEventApplier:
             return
         self.batches += 1
         pages = self.pages.setdefault(url, _Pages())
+        pages.model = self.model_key(worker)
         with self.quiet():
             self._apply(url, worker.type, pages, batch)
         if worker.kv_capacity and pages.page_tokens:  # what a copy sent there would evict

@@ -65,7 +65,7 @@ class PrefillDecode(Strategy):
         """One prefill by the prefill tree, one decode by the decode tree."""
         sides = []
         for kind in (WorkerType.PREFILL, WorkerType.DECODE):
-            live = self.registry.available(kind)
+            live = self.registry.available(kind, prompt.model)
             sides.append([w for w in live if w.url not in tried] or live)
         if not sides[0] or not sides[1]:
             return None
@@ -168,7 +168,7 @@ class PrefillDecode(Strategy):
         trees = self.sender.trees
         page = trees.page_size
         view = trees.match(WorkerType.DECODE, prompt.tree_key(tokens, page))
-        for decode in self.registry.available(WorkerType.DECODE):
+        for decode in self.registry.available(WorkerType.DECODE, prompt.model):
             held = reusable(view.held.get(decode.url, 0), n, page)
             if decode.agent is not None and held > decision.predicted_cached:
                 holders.append((decode, held))
