@@ -64,8 +64,9 @@ class _ModelsFile(msgspec.Struct, forbid_unknown_fields=True):
     model: list[ModelSpec]
 
 
-def parse_models(text: str, name: str) -> list[ModelSpec]:
-    """The models a file's text names, checked; ValueError saying what is wrong and where."""
+def parse_models(text: str, name: str, check_paths: bool = True) -> list[ModelSpec]:
+    """The models a file's text names, checked (their tokenizer directories too, unless not
+    `check_paths`: an example read elsewhere); ValueError saying what is wrong and where."""
     try:
         data: Any = json.loads(text) if text.lstrip().startswith("{") else tomllib.loads(text)
         models = msgspec.convert(data, _ModelsFile).model
@@ -91,10 +92,8 @@ def parse_models(text: str, name: str) -> list[ModelSpec]:
             urls = [normalize_url(url) for url in m.worker_urls]
         except ValueError as exc:
             raise ValueError(f"{where} ({m.name}): {exc}") from None
-        if (
-            m.tokenizer_path is not None
-            and not (Path(m.tokenizer_path) / "tokenizer.json").exists()
-        ):
+        tokenizer = Path(m.tokenizer_path or ".") / "tokenizer.json"
+        if check_paths and m.tokenizer_path is not None and not tokenizer.exists():
             raise ValueError(f"{where} ({m.name}): no tokenizer.json in {m.tokenizer_path}")
         for url in urls:
             if url in seen:
