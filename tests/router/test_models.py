@@ -10,9 +10,6 @@ models file is a clear startup error.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import urllib.parse
 import uuid
@@ -27,7 +24,7 @@ from router.models import Models, ServedModel, parse_models
 from router.policies import RoundRobin
 from router.request import RequestError, route_request
 from tests.http_client import call
-from tests.procs import ROOT, TEST_ENV, Server, running
+from tests.procs import Server, run_module, running
 from tests.tokenizer_families import DEEPSEEK, tokenizer_dir
 
 PAGE = 16
@@ -225,14 +222,7 @@ def test_a_bad_models_file_says_what_is_wrong(text: str, says: str) -> None:
 def test_a_bad_models_file_is_a_clear_startup_error(tmp_path: Path) -> None:
     path = tmp_path / "models.toml"
     path.write_text("[[model]]\nname = 'a'\npolicy = 'nope'\n")
-    run = subprocess.run(
-        [sys.executable, "-m", "router", "--models", str(path)],
-        cwd=ROOT,
-        env={**os.environ, **TEST_ENV},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_module("router", ["--models", str(path)])
     assert run.returncode != 0
     assert run.stderr.strip().startswith(f"--models {path}: model[0] (a): unknown policy 'nope'"), (
         run.stderr

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from router.request import CHAT, COMPLETIONS, GENERATE, RequestError
 from router.tenants import Tenants, TenantsError, hash_key, parse
 from router.tenants.__main__ import main
 from shared.tokenizer import ChatTokenizer
-from tests.procs import ROOT, TEST_ENV, Server, running
+from tests.procs import ROOT, Server, run_module, running
 
 PAGE = 16
 SECRET = "test-tenant-secret-0b7d"
@@ -553,22 +552,7 @@ def test_a_bad_tenants_file_is_a_clear_startup_error(tmp_path: Path, content: st
     path = tmp_path / "tenants.json"
     if content is not None:
         path.write_text(content)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router",
-            "--worker-urls",
-            "http://127.0.0.1:9",
-            "--tenants",
-            str(path),
-        ],
-        cwd=ROOT,
-        env={**os.environ, **TEST_ENV},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_module("router", ["--worker-urls", "http://127.0.0.1:9", "--tenants", str(path)])
     assert run.returncode != 0
     assert run.stderr.strip().startswith("--tenants:"), run.stderr
     assert "Traceback" not in run.stderr and "sk-in-clear" not in run.stderr
