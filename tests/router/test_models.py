@@ -20,9 +20,13 @@ from typing import Any
 
 import pytest
 
+from router.kv_events.listener import KVEventApplier
 from router.models import Models, ServedModel, parse_models
 from router.policies import RoundRobin
 from router.request import RequestError, route_request
+from router.trees import PromptTrees
+from router.workers import BreakerConfig, WorkerRegistry, WorkerType
+from shared.kv_events import BlockRemoved, BlockStored, BlockStoredMetadata, KVEventBatch
 from tests.http_client import call
 from tests.procs import Server, run_module, running
 from tests.tokenizer_families import DEEPSEEK, tokenizer_dir
@@ -250,3 +254,40 @@ def test_a_request_names_its_model_by_base_and_each_model_keys_its_own_paths() -
     adapter = {"input_ids": ids, "model": "beta:x"}
     keyed = route_request("/generate", adapter, None, model_key=BETA).tree_key(ids, PAGE)
     assert list(keyed[:PAGE]) != list(beta[:PAGE])  # an adapter of it: apart again
+
+
+def test_a_workers_kv_events_are_keyed_by_its_model() -> None:
+    """A worker of a model other than the default one publishes bare token ids; the trees
+    hold them under that model's key (as its requests are keyed), never under the default
+    model's, and a salted page under the model and the salt together."""
+    registry = WorkerRegistry(BreakerConfig())
+    worker = registry.add("http://127.0.0.1:9301")
+    worker.model_id = BETA
+    models = Models(
+        [ServedModel(ALPHA, RoundRobin(), None), ServedModel(BETA, RoundRobin(), None, BETA)]
+    )
+    trees = PromptTrees(page_size=PAGE)
+    applier = KVEventApplier(trees, registry)
+    applier.model_key = lambda w: models.key_of(w.model_id)
+    ids = list(range(500, 500 + 4 * PAGE))
+    salted = BlockStoredMetadata(cache_salt="s", extra_key=None, lora_name=None)
+    applier.apply(
+        worker.url,
+        KVEventBatch(
+            0.0,
+            [
+                BlockStored([1, 2], None, ids[: 2 * PAGE], PAGE, None),
+                BlockStored([3, 4], 2, ids[2 * PAGE :], PAGE, None, None, salted),
+            ],
+        ),
+    )
+    C = WorkerType.COLOCATED
+    body: dict[str, Any] = {"input_ids": ids}
+    beta = route_request("/generate", body, None, model_key=BETA).tree_key(ids, PAGE)
+    assert trees.match(C, beta).held == {worker.url: 2 * PAGE}  # its unsalted pages
+    assert trees.match(C, ids).held == {}  # nothing under the default model
+    body = {**body, "cache_salt": "s", "shared_prefix_tokens": 2 * PAGE}
+    both = route_request("/generate", body, None, model_key=BETA).tree_key(ids, PAGE)
+    assert trees.match(C, both).held == {worker.url: 4 * PAGE}
+    applier.apply(worker.url, KVEventBatch(0.0, [BlockRemoved([4])]))
+    assert trees.match(C, both).held == {worker.url: 3 * PAGE}
