@@ -254,8 +254,10 @@ class Siblings:
 
     def worker_added(self, worker: Worker) -> None:
         """Added through this process's API: the siblings add it too."""
-        port = worker.bootstrap_port
-        self.outbox.emit(ADD_WORKER, url=worker.url, type=worker.type.value, bootstrap_port=port)
+        port, model = worker.bootstrap_port, worker.model_id
+        self.outbox.emit(
+            ADD_WORKER, url=worker.url, type=worker.type.value, bootstrap_port=port, model_id=model
+        )
 
     def worker_removed(self, url: str) -> None:
         self.outbox.emit(REMOVE_WORKER, url=url)
@@ -333,6 +335,7 @@ class Siblings:
             worker = self.registry.add(op.url, WorkerType(op.type), op.bootstrap_port)
         except ValueError:  # already there, or malformed
             return
+        worker.model_id = op.model_id
         self._spawn(self.on_worker_added(worker))
 
     def _on_unknown(self, message: Control) -> None:

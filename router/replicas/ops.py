@@ -49,6 +49,7 @@ class Op(msgspec.Struct, omit_defaults=True):
     keep: int = 0  # drop: tokens kept
     tier: str | None = None  # Tier value; drop with None: every tier
     bootstrap_port: int | None = None  # add_worker
+    model_id: str | None = None  # add_worker: the model it was given (router.models)
     loads: dict[str, list[int]] | None = None  # load: URL -> [requests, prompt tokens]
 
 
@@ -65,6 +66,7 @@ class WorkerEntry(msgspec.Struct, array_like=True):
     url: str
     type: str
     bootstrap_port: int | None = None
+    model_id: str | None = None
 
 
 class Snapshot(msgspec.Struct):

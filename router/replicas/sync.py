@@ -262,17 +262,22 @@ class Replicator:
 
     def worker_added(self, worker: Worker) -> None:
         """Added through this replica's API: the others add it too."""
-        port = worker.bootstrap_port
-        self.outbox.emit(ADD_WORKER, url=worker.url, type=worker.type.value, bootstrap_port=port)
+        port, model = worker.bootstrap_port, worker.model_id
+        self.outbox.emit(
+            ADD_WORKER, url=worker.url, type=worker.type.value, bootstrap_port=port, model_id=model
+        )
 
     def worker_removed(self, url: str) -> None:
         self.outbox.emit(REMOVE_WORKER, url=url)
 
-    def _add_worker(self, url: str, type: str, bootstrap_port: int | None) -> None:
+    def _add_worker(
+        self, url: str, type: str, bootstrap_port: int | None, model_id: str | None
+    ) -> None:
         try:
             worker = self.registry.add(url, WorkerType(type), bootstrap_port)
         except ValueError:  # already there (its own config, or added twice), or malformed
             return
+        worker.model_id = model_id
         log.info("replica: worker %s added by another replica", worker.url)
         if self.on_worker_added is not None:
             self._spawn(self.on_worker_added(worker))
@@ -382,7 +387,7 @@ class Replicator:
 
     def _load_snapshot(self, snap: Snapshot) -> None:
         for w in snap.workers:
-            self._add_worker(w.url, w.type, w.bootstrap_port)
+            self._add_worker(w.url, w.type, w.bootstrap_port, w.model_id)
         n = self.trees.load(snap.entries)
         self.cursor = snap.stream_id
         age = time.time() - snap.created
@@ -409,7 +414,7 @@ class Replicator:
     def apply(self, op: Op) -> None:
         """One of another replica's operations, applied here without re-publishing."""
         if op.op == ADD_WORKER:
-            self._add_worker(op.url, op.type, op.bootstrap_port)
+            self._add_worker(op.url, op.type, op.bootstrap_port, op.model_id)
         elif op.op == REMOVE_WORKER:
             self._remove_worker(op.url)
         elif op.op == LOAD:
@@ -484,7 +489,7 @@ class Replicator:
             taken,
             await self.trees.snapshot_async(),
             [
-                WorkerEntry(w.url, w.type.value, w.bootstrap_port)
+                WorkerEntry(w.url, w.type.value, w.bootstrap_port, w.model_id)
                 for w in self.registry.workers.values()
             ],
         )

@@ -271,16 +271,12 @@ def test_a_workers_kv_events_are_keyed_by_its_model() -> None:
     applier.model_key = lambda w: models.key_of(w.model_id)
     ids = list(range(500, 500 + 4 * PAGE))
     salted = BlockStoredMetadata(cache_salt="s", extra_key=None, lora_name=None)
-    applier.apply(
-        worker.url,
-        KVEventBatch(
-            0.0,
-            [
-                BlockStored([1, 2], None, ids[: 2 * PAGE], PAGE, None),
-                BlockStored([3, 4], 2, ids[2 * PAGE :], PAGE, None, None, salted),
-            ],
-        ),
-    )
+    stored = [  # as the worker publishes them: two plain pages, then two salted ones
+        BlockStored([1, 2], None, ids[: 2 * PAGE], PAGE, None),
+        BlockStored([3, 4], 2, ids[2 * PAGE :], PAGE, None, None, salted),
+    ]
+    for event in stored:
+        applier.apply(worker.url, KVEventBatch(0.0, [event]))
     C = WorkerType.COLOCATED
     body: dict[str, Any] = {"input_ids": ids}
     beta = route_request("/generate", body, None, model_key=BETA).tree_key(ids, PAGE)
