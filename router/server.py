@@ -233,8 +233,13 @@ class Router:
             task.cancel()
         await self.registry.stop()
         await self.upstream.close()
-        if self.encoder is not None:
-            self.encoder.close()
+        served = self.models.served if self.models is not None else []
+        for encoder in [
+            self.encoder,
+            *(m.encoder for m in served if m.encoder is not self.encoder),
+        ]:
+            if encoder is not None:
+                encoder.close()
         if self.session is not None:
             await self.session.close()
 
