@@ -16,6 +16,8 @@ past the deadline is longer than it may wait in the queue (it would time out any
 smallest expected wait minus the deadline, rounded up (at least 1 s); a full queue's or a
 queue wait's also counts the requests queued ahead, at the rate the workers finish
 requests, so that refused clients do not all come back while the queue is still full.
+With tenants (router.tenants.fair), the queue is ordered by each tenant's computed tokens
+per unit of its share rather than first in, first out.
 The router admits a request once its body is read and before it is tokenized or sent to a
 worker: from
 admission to the worker's in-flight count nothing waits, so a burst cannot all pass on the
@@ -29,8 +31,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from router.wait_gate import TooLate, WaitGate
+
+if TYPE_CHECKING:
+    from router.tenants.fair import FairQueue
 
 # why a request waited in the queue, and why one was refused (metric labels)
 HOLD_REASONS = ("expected_wait", "concurrency", "rate_limit", "queued_ahead")
@@ -114,6 +120,7 @@ class Admission:
             if limits.rate_per_s > 0
             else None
         )
+        self.fair: FairQueue | None = None  # with tenants: the queue's order by tenant
         self.gate: WaitGate | None = None
         if limits.max_expected_wait_s > 0:
             if smallest_wait is None:
@@ -123,15 +130,16 @@ class Admission:
         self.holds = dict.fromkeys(HOLD_REASONS, 0)
         self.refusals = dict.fromkeys(REFUSAL_REASONS, 0)
 
-    def slot(self) -> _Slot:
+    def slot(self, tenant: str | None = None) -> _Slot:
         """Hold one admitted request's place while the block runs (`async with`); Refused
-        when it cannot go in within the queue's limits."""
-        return _Slot(self)
+        when it cannot go in within the queue's limits. `tenant`: whose request (its place
+        in a fair queue)."""
+        return _Slot(self, tenant)
 
-    async def _enter(self) -> None:
+    async def _enter(self, tenant: str | None) -> None:
         reason = self._hold_reason()
         if reason is not None:
-            await self._queue(reason)
+            await self._queue(reason, tenant)
         elif self._bucket is not None or self._slots is not None:
             await self._wait_turn()  # free at once: nothing waits
 
@@ -162,7 +170,7 @@ class Admission:
             return "rate_limit"
         return None
 
-    async def _queue(self, reason: str) -> None:
+    async def _queue(self, reason: str, tenant: str | None) -> None:
         """Wait in the queue for the gate, a token and a slot, or raise Refused."""
         limits = self.limits
         excess = self.excess()
@@ -173,8 +181,13 @@ class Admission:
         self.holds[reason] += 1
         self.queued += 1
         give_up_at = asyncio.get_running_loop().time() + limits.queue_timeout_s
+        fair = self.fair if tenant is not None else None
+        head = False
         try:
             async with asyncio.timeout_at(give_up_at):
+                if fair is not None and tenant is not None:
+                    await fair.turn(tenant)
+                    head = True
                 if self.gate is not None:
                     await self.gate.admit(give_up_at)
                 await self._wait_turn()
@@ -184,6 +197,8 @@ class Admission:
             raise self._refuse("queue_timeout", self.excess()) from None
         finally:
             self.queued -= 1
+            if head and fair is not None:
+                fair.next()
 
     def _refuse(self, reason: str, excess_s: float) -> Refused:
         """Count a refusal; its Retry-After comes from the wait past the deadline and, for a
@@ -218,13 +233,14 @@ class Admission:
 class _Slot:
     """`Admission.slot()`'s context: a class, not a generator (every request enters one)."""
 
-    __slots__ = ("_admission",)
+    __slots__ = ("_admission", "_tenant")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, tenant: str | None) -> None:
         self._admission = admission
+        self._tenant = tenant
 
     async def __aenter__(self) -> None:
-        await self._admission._enter()
+        await self._admission._enter(self._tenant)
 
     async def __aexit__(self, *exc: object) -> None:
         self._admission._exit()

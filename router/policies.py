@@ -20,7 +20,7 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,8 @@ class RouteRequest:
     # one), and that model's encoder where it is not the router's default one
     model: str | None = None
     encoder: CachedEncoder | None = None
+    # charges its tenant the tokens it computes (fair admission, router.tenants.fair)
+    charge: Callable[[float], None] | None = None
 
     @property
     def adapter(self) -> str | None:

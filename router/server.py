@@ -48,6 +48,8 @@ from router.request import (
 )
 from router.siblings import SiblingConfig, Siblings
 from router.tenants import Tenants
+from router.tenants.fair import FairQueue
+from router.tenants.tree_share import TreeShares
 from router.trees import PromptTrees
 from router.workers import Agent, Worker, WorkerRegistry
 from shared.token_cache import CachedEncoder
@@ -122,6 +124,12 @@ class Router:
             self._smallest_wait,
             self._drain_rate,
         )
+        if config.tenants is not None:  # each tenant's share of the trees and of the queue
+            keys = config.tenants
+            trees.shares = TreeShares(
+                trees.page_size, lambda tenant: keys.tree_pages(tenant, trees.max_pages)
+            )
+            self.admission.fair = FairQueue(keys.share)
         if self.admission.gate is not None:
             registry.when_load_changes(self.admission.load_changed)
         self.metrics.admission = self.admission
@@ -375,7 +383,7 @@ class Router:
                 self.metrics.models.requests.labels(served.name).inc()
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
-            async with self.admission.slot():
+            async with self.admission.slot(None if tenant is None else tenant.id):
                 key, policy = ("", None) if served is None else (served.key, served.policy)
                 encoder = self.encoder if served is None else served.encoder
                 encoder = encoder if self.uses_tokens else None
@@ -394,6 +402,8 @@ class Router:
                     prompt.model, prompt.encoder = served.name, encoder
                 if tenant is not None:
                     prompt.tenant = tenant.id
+                    if self.admission.fair is not None:
+                        prompt.charge = self.admission.fair.charger(tenant.id)
                 group = self.metrics.groups.labels(prompt.tenant, prompt.adapter)
                 if group is not None:
                     self.metrics.groups.requests.labels(*group).inc()

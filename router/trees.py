@@ -28,6 +28,7 @@ from enum import Enum
 from typing import cast
 
 from mempool.radix import RadixTree
+from router.tenants.tree_share import TreeShares
 from router.workers import WorkerType
 
 _HOME = "home"
@@ -100,6 +101,8 @@ class PromptTrees:
         self.clock = clock
         self.trees = {t: RadixTree(page_size, slots_per_page=0, clock=clock) for t in WorkerType}
         self.stats = TreeStats()
+        # with tenants: each tenant's pages, bounded by its share (router.tenants.tree_share)
+        self.shares: TreeShares | None = None
 
     def match(self, type: WorkerType, tokens: Sequence[int]) -> PrefixView:
         """Per worker, the page-aligned prefix of `tokens` it is believed to hold now."""
@@ -125,13 +128,22 @@ class PromptTrees:
         return PrefixView(held, device, home)
 
     def record(
-        self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier = Tier.DEVICE
+        self,
+        type: WorkerType,
+        url: str,
+        tokens: Sequence[int],
+        tier: Tier = Tier.DEVICE,
+        tenant: str | None = None,
     ) -> None:
-        """`url` holds (or is about to hold) the whole pages of `tokens` in `tier`."""
+        """`url` holds (or is about to hold) the whole pages of `tokens` in `tier`;
+        `tenant`: whose request's prompt they are (counted against its share)."""
         if len(tokens) < self.page_size:
             return
         tree = self.trees[type]
-        tree.insert(tokens, holder=_key(url, tier))
+        if tenant is None or self.shares is None:
+            tree.insert(tokens, holder=_key(url, tier))
+        else:
+            self.shares.insert(type, tree, tenant, tokens, _key(url, tier))
         if tree.num_pages > self.max_pages:
             tree.evict(tree.num_pages - self.max_pages * 9 // 10)
 
@@ -183,6 +195,8 @@ class PromptTrees:
     def clear(self) -> None:
         for tree in self.trees.values():
             tree.reset()
+        if self.shares is not None:
+            self.shares.clear()
 
     def size(self, type: WorkerType) -> int:
         return self.trees[type].num_pages

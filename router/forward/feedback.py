@@ -96,7 +96,8 @@ class Learner:
         self, tree: WorkerType, url: str, prompt: RouteRequest, tokens: array[int] | None
     ) -> None:
         if tokens:
-            self.trees.record(tree, url, prompt.tree_key(tokens, self.trees.page_size))
+            key = prompt.tree_key(tokens, self.trees.page_size)
+            self.trees.record(tree, url, key, tenant=prompt.tenant)
             if prompt.recorded is None:
                 prompt.recorded = []
             prompt.recorded.append((tree, url, time.monotonic()))
@@ -156,6 +157,11 @@ class Learner:
                     if labels is not None:  # their hit ratio
                         figures.prompt_tokens.labels(*labels).inc(prompt.num_tokens)
                         figures.cached_tokens.labels(*labels).inc(reported)
+        if prompt.charge is not None:  # fair admission: charged as predicted, corrected
+            for s in served:
+                if s.reported is not None:
+                    prompt.charge(s.predicted - s.reported)
+                    break
         if self.uses_tokens:
             self.learn_prefix(prompt, answer, served, holders)
 
@@ -189,7 +195,7 @@ class Learner:
         next_key = prompt.tree_key(prefix, page)
         for tree, worker in holders:
             if (tree, worker.url) not in unchanged:
-                self.trees.record(tree, worker.url, next_key)
+                self.trees.record(tree, worker.url, next_key, tenant=prompt.tenant)
 
     def _recorded_as_is(
         self, prompt: RouteRequest, served: Sequence[Served], tokens: int, prefix: int

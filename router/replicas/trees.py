@@ -67,9 +67,14 @@ class ReplicatedTrees(PromptTrees):
     # ----------------------------------------------------------------- published changes
 
     def record(
-        self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier = Tier.DEVICE
+        self,
+        type: WorkerType,
+        url: str,
+        tokens: Sequence[int],
+        tier: Tier = Tier.DEVICE,
+        tenant: str | None = None,
     ) -> None:
-        super().record(type, url, tokens, tier)
+        super().record(type, url, tokens, tier, tenant)
         if len(tokens) >= self.page_size:
             tokens = pack_tokens(self._pages(tokens))
             self._emit(RECORD, type=type.value, url=url, tokens=tokens, tier=tier.value)

@@ -20,6 +20,11 @@ text prompt that begins with one, gets `shared_prefix_tokens`: the prefix's toke
 engine encodes the prompt (a chat's system message as its template renders it, to the end
 of that message), so the engine caches those pages once for everyone and salts the rest.
 
+Shares per tenant: `max_tree_pages`, the pages of each of the router's prompt trees its
+requests' paths may hold (router.tenants.tree_share: a tenant over it loses its own oldest
+paths, never another's), and `share`, its weight in fair admission by computed tokens when
+requests wait in the router's queue (router.tenants.fair).
+
 Limits per tenant: `max_in_flight` (its requests inside the router at once) and
 `tokens_per_s` (prompt and most output tokens a second, a bucket holding a second's worth),
 both 429 with Retry-After when exceeded, and split evenly among the router's processes.
@@ -354,6 +359,24 @@ class Tenants:
             self.in_flight[tenant.id] = n
         else:
             self.in_flight.pop(tenant.id, None)
+
+    # ------------------------------------------------------------ shares
+
+    def tree_pages(self, tenant_id: str, max_pages: int) -> int:
+        """Pages of each prompt tree the tenant's namespaces may hold (its max_tree_pages,
+        else the file's tree_pages_per_tenant, else `max_pages` split evenly); 0, no bound,
+        for the operator."""
+        if tenant_id == OPERATOR:
+            return 0
+        tenant = self.file.tenants.get(tenant_id)
+        if tenant is not None and tenant.max_tree_pages:
+            return tenant.max_tree_pages
+        return self.file.tree_pages_per_tenant or max(max_pages // len(self.file.tenants), 1)
+
+    def share(self, tenant_id: str) -> float:
+        """The tenant's weight in fair admission (1.0 for the operator, or one removed)."""
+        tenant = self.file.tenants.get(tenant_id)
+        return tenant.share if tenant is not None else 1.0
 
     def info(self) -> dict[str, Any]:
         """Counts for /get_server_info (no keys, no salts)."""

@@ -12,7 +12,16 @@ from typing import Any
 
 _KEY = re.compile(r"sha256:([0-9a-f]{64})")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TENANT_FIELDS = {"id", "keys", "own_salt", "max_in_flight", "tokens_per_s"}
+_TENANT_FIELDS = {
+    "id",
+    "keys",
+    "own_salt",
+    "max_in_flight",
+    "tokens_per_s",
+    "max_tree_pages",
+    "share",
+}
+_TOP_FIELDS = {"tenants", "public_prefixes", "tree_pages_per_tenant"}
 
 
 class TenantsError(ValueError):
@@ -31,6 +40,9 @@ class Tenant:
     max_in_flight: int = 0  # requests in flight at once, this router (0: unlimited)
     tokens_per_s: float = 0.0  # prompt + most output tokens a second, this router (0: none)
     key_hashes: tuple[bytes, ...] = ()
+    # pages of each prompt tree its namespaces may hold (None: the file's default)
+    max_tree_pages: int | None = None
+    share: float = 1.0  # its weight in fair admission by computed tokens (router.tenants.fair)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +61,8 @@ class TenantsFile:
     tenants: dict[str, Tenant]
     by_key: dict[bytes, Tenant]
     public: list[PublicPrefix] = field(default_factory=list)
+    # a tenant's tree pages when it gives no max_tree_pages (0: --max-tree-size split evenly)
+    tree_pages_per_tenant: int = 0
 
 
 def parse(text: str, name: str = "tenants file") -> TenantsFile:
@@ -61,7 +75,7 @@ def parse(text: str, name: str = "tenants file") -> TenantsFile:
         raise TenantsError(f"{name}: not valid JSON or TOML: {exc}") from None
     if not isinstance(data, dict):
         raise TenantsError(f"{name}: must be an object (JSON) or a table (TOML)")
-    unknown = set(data) - {"tenants", "public_prefixes"}
+    unknown = set(data) - _TOP_FIELDS
     if unknown:
         raise TenantsError(f"{name}: unknown top-level keys {sorted(unknown)}")
     entries = data.get("tenants")
@@ -85,7 +99,19 @@ def parse(text: str, name: str = "tenants file") -> TenantsFile:
     if not isinstance(public, list):
         raise TenantsError(f"{name}: 'public_prefixes' must be a list")
     prefixes = [_public(p, f"{name}: public_prefixes[{i}]") for i, p in enumerate(public)]
-    return TenantsFile(tenants, by_key, prefixes)
+    default_pages = _pages(data.get("tree_pages_per_tenant", 0), f"{name}: 'tree_pages_per_tenant'")
+    return TenantsFile(tenants, by_key, prefixes, default_pages or 0)
+
+
+def _pages(value: Any, where: str, least: int = 0) -> int | None:
+    """A number of tree pages: a whole number >= `least` (None stays None: not given)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise TenantsError(
+            f"{where} must be a whole number of tree pages >= {least}, got {value!r:.40}"
+        )
+    return value
 
 
 def _tenant(entry: Any, where: str) -> Tenant:
@@ -121,7 +147,13 @@ def _tenant(entry: Any, where: str) -> Tenant:
     rate = entry.get("tokens_per_s", 0)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1e18:
         raise TenantsError(f"{where}: 'tokens_per_s' must be a number >= 0 (0: no limit)")
-    return Tenant(tid, own, limit, float(rate), tuple(hashes))
+    pages = _pages(entry.get("max_tree_pages"), f"{where}: 'max_tree_pages'", 1)
+    share = entry.get("share", 1.0)
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1e9:
+        raise TenantsError(
+            f"{where}: 'share' must be a number > 0 (a relative weight), got {share!r:.40}"
+        )
+    return Tenant(tid, own, limit, float(rate), tuple(hashes), pages, float(share))
 
 
 def _public(entry: Any, where: str) -> PublicPrefix:

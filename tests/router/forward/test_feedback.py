@@ -26,10 +26,15 @@ class CountingTrees(PromptTrees):
         self.records = 0
 
     def record(
-        self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier = Tier.DEVICE
+        self,
+        type: WorkerType,
+        url: str,
+        tokens: Sequence[int],
+        tier: Tier = Tier.DEVICE,
+        tenant: str | None = None,
     ) -> None:
         self.records += 1
-        super().record(type, url, tokens, tier)
+        super().record(type, url, tokens, tier, tenant)
 
 
 def learn(
