@@ -137,13 +137,23 @@ class Admission:
         return _Slot(self, tenant)
 
     async def _enter(self, tenant: str | None) -> None:
-        reason = self._hold_reason()
-        if reason is not None:
-            await self._queue(reason, tenant)
-        elif self._bucket is not None or self._slots is not None:
-            await self._wait_turn()  # free at once: nothing waits
+        fair = self.fair if tenant is not None else None
+        if fair is not None and tenant is not None:
+            fair.arrive(tenant)
+        try:
+            reason = self._hold_reason()
+            if reason is not None:
+                await self._queue(reason, tenant)
+            elif self._bucket is not None or self._slots is not None:
+                await self._wait_turn()  # free at once: nothing waits
+        except BaseException:
+            if fair is not None and tenant is not None:
+                fair.leave(tenant)
+            raise
 
-    def _exit(self) -> None:
+    def _exit(self, tenant: str | None) -> None:
+        if self.fair is not None and tenant is not None:
+            self.fair.leave(tenant)
         if self._slots is not None:
             self._slots.release()
         # it ended (or failed before reaching a worker): whoever is held looks again
@@ -243,4 +253,4 @@ class _Slot:
         await self._admission._enter(self._tenant)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._admission._exit()
+        self._admission._exit(self._tenant)
