@@ -25,11 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from mempool.radix import RadixTree
-from router.tenants.tree_share import TreeShares
 from router.workers import WorkerType
+
+if TYPE_CHECKING:
+    from router.tenants.tree_share import TreeShares
 
 _HOME = "home"
 

@@ -137,6 +137,12 @@ own_salt = true
         ('{"tenants": [{"id": "", "keys": ["KEY"]}]}', "'id'"),
         ('{"tenants": [{"id": "a", "keys": ["KEY"]}], "public_prefixes": [{"sha256": "x"}]}', "64"),
         ('{"tenants": [{"id": "a", "keys": ["KEY"]}], "extra": 1}', "unknown top-level"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"], "share": -1}]}', "must be a number > 0"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"], "share": 0}]}', "must be a number > 0"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"], "share": "2"}]}', "'share' must be a number"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"], "max_tree_pages": 2.5}]}', "whole number"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"], "max_tree_pages": 0}]}', "pages >= 1"),
+        ('{"tenants": [{"id": "a", "keys": ["KEY"]}], "tree_pages_per_tenant": -3}', "pages >= 0"),
     ],
 )
 def test_a_bad_file_says_what_is_wrong(doc: str, needle: str) -> None:
@@ -213,6 +219,30 @@ def test_reload_on_change_keeps_the_old_file_when_the_new_one_is_bad(tmp_path: P
     now[0] = 3.0
     t.maybe_reload()
     assert t.identify("Bearer ka2") is not None and t.reload_errors == 1
+
+
+def test_shares_load_with_defaults_and_a_bad_one_is_not_reloaded(tmp_path: Path) -> None:
+    now = [0.0]
+    t = units(tmp_path, clock=lambda: now[0])
+    assert (t.tree_pages("a", 1000), t.tree_pages("", 1000)) == (500, 0)  # split; the operator
+    assert t.share("a") == 1.0
+    path = tmp_path / "tenants.json"
+    doc = {
+        "tenants": [
+            {"id": "a", "keys": [hash_key("ka")], "share": 3, "max_tree_pages": 64},
+            {"id": "c", "keys": [hash_key("kc")]},
+        ],
+        "tree_pages_per_tenant": 200,
+    }
+    path.write_text(json.dumps(doc))
+    now[0] = 1.5
+    t.maybe_reload()
+    assert (t.share("a"), t.tree_pages("a", 1000), t.tree_pages("c", 1000)) == (3.0, 64, 200)
+    doc["tenants"][0]["share"] = -1  # type: ignore[index]
+    path.write_text(json.dumps(doc))
+    now[0] = 3.0
+    t.maybe_reload()
+    assert t.reload_errors == 1 and t.share("a") == 3.0  # the loaded shares stay
 
 
 # ----------------------------------------------------------------- end to end
@@ -546,6 +576,7 @@ def test_processes_mint_one_salt_and_pass_sighup_on(worker: Server, tmp_path: Pa
         '{"tenants": [{"id": "a", "keys": ["sk-in-clear"]}]}',
         "[tenants.a\nkeys = 1",
         None,
+        f'{{"tenants": [{{"id": "a", "keys": ["{hash_key("k")}"], "share": -0.5}}]}}',
     ],
 )
 def test_a_bad_tenants_file_is_a_clear_startup_error(tmp_path: Path, content: str | None) -> None:
