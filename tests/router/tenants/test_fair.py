@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.reliability.tenant_shares import computed_split, within_share
 from router.admission import Admission, Limits
 from router.tenants import hash_key
 from router.tenants.fair import FairQueue
 from tests.procs import Server, running
-from tests.router.test_tenants import post
+from tests.router.tenants.test_tree_share import sender
 
 SHARES = {"a": 2.0, "b": 1.0}
 
@@ -147,35 +147,7 @@ def router(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_saturated_tenants_get_their_share_of_computed_tokens(router: Server) -> None:
     """B floods with twice A's clients; at saturation each tenant's computed tokens are
     within 10% of its share (A 2/3, B 1/3). First in, first out would give B two thirds."""
-    computed = dict.fromkeys(KEYS, 0)
-    stop = threading.Event()
-    lock = threading.Lock()
-    counter = iter(range(1_000_000))
-
-    def client(tenant: str) -> None:
-        while not stop.is_set():
-            n = next(counter)
-            body = {
-                "input_ids": [(n * 7919 + i * 104729) % 30000 + 100 for i in range(128)],
-                "sampling_params": {"max_new_tokens": 1},
-            }
-            status, answer, _ = post(router.url + "/generate", body, KEYS[tenant])
-            assert status == 200, answer
-            meta = answer["meta_info"]
-            with lock:
-                if stop.is_set():  # the queue draining: no longer saturated
-                    return
-                computed[tenant] += meta["prompt_tokens"] - meta["cached_tokens"]
-                if sum(computed.values()) >= 90 * 128:
-                    stop.set()
-
-    threads = [threading.Thread(target=client, args=("a",)) for _ in range(5)]
-    threads += [threading.Thread(target=client, args=("b",)) for _ in range(10)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    total = sum(computed.values())
-    for tenant, share in SHARES.items():
-        expected = share / sum(SHARES.values())
-        assert abs(computed[tenant] / total - expected) <= 0.1 * expected, computed
+    clients = {"a": (KEYS["a"], 5), "b": (KEYS["b"], 10)}
+    computed = computed_split(sender(router.url), clients, 90 * 128)
+    assert within_share(computed, SHARES), computed
+    assert not within_share({"a": computed["b"], "b": computed["a"]}, SHARES)  # (it can fail)

@@ -3,23 +3,26 @@ loses its own oldest paths, never another's, and plain requests are not counted.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router.tenants import hash_key
+from benchmarks.reliability.tenant_shares import (
+    FLOODER_PAGES,
+    MAX_TREE,
+    Generate,
+    flood_tenants,
+    hit_ratio,
+)
 from router.tenants.tree_share import TreeShares
 from router.trees import PromptTrees
 from router.workers import WorkerType
 from tests.procs import Server, running
-from tests.router.test_tenants import ids, post
+from tests.router.test_tenants import post
 
 PAGE = 4
 C = WorkerType.COLOCATED
@@ -99,8 +102,6 @@ def test_a_path_already_gone_is_not_counted_again() -> None:
 # ----------------------------------------------------------------- end to end
 
 KEYS = {"a": "sk-share-a", "b": "sk-share-b", "c": "sk-share-c"}
-FLOODS = 30  # B's fresh-salt requests between two of A's rounds
-MAX_TREE = 96  # pages per tree: A's paths, C's and B's share fit; B's flood does not
 
 
 @pytest.fixture(scope="module")
@@ -113,51 +114,14 @@ def workers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield [w0, w1]
 
 
-@contextlib.contextmanager
-def router(workers: list[Server], tmp: Path, b_pages: int) -> Iterator[Server]:
-    tenants = [
-        {"id": "a", "keys": [hash_key(KEYS["a"])], "max_tree_pages": 64},
-        {"id": "b", "keys": [hash_key(KEYS["b"])], "own_salt": True, "max_tree_pages": b_pages},
-        {"id": "c", "keys": [hash_key(KEYS["c"])], "max_tree_pages": 16},
-    ]
-    path = tmp / "tenants.json"
-    path.write_text(json.dumps({"tenants": tenants}))
-    args = ["--worker-urls", *(w.url for w in workers), "--max-tree-size", str(MAX_TREE)]
-    args += ["--tenants", str(path), "--tenant-secret", "s", "--policy", "prompt_tree"]
-    with running("router", args, tmp) as server:
-        yield server
+def sender(url: str) -> Generate:
+    def generate(key: str, tokens: list[int], out: int, **fields: Any) -> dict[str, Any]:
+        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": out}, **fields}
+        status, answer, _ = post(url + "/generate", body, key)
+        assert status == 200, answer
+        return dict(answer["meta_info"])
 
-
-def generate(url: str, key: str, tokens: list[int], out: int = 2, **extra: Any) -> Any:
-    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": out}, **extra}
-    status, answer, _ = post(url + "/generate", body, key)
-    assert status == 200, answer
-    return answer["meta_info"]
-
-
-def a_hit_ratio(url: str, seed: int, flood: bool) -> float:
-    """A's hit ratio over three rounds of its four documents, placed on the second worker
-    (the first one busy with C's long request meanwhile), with or without B sending a fresh
-    salt on each of FLOODS requests before each round. A request the trees know nothing
-    about goes to the first worker (both idle): without its path, A's document misses."""
-    docs = [ids(seed * 10 + i, 112) for i in range(4)]
-    busy = threading.Thread(target=generate, args=(url, KEYS["c"], ids(seed * 10 + 9), 60))
-    busy.start()
-    time.sleep(0.2)
-    for doc in docs:
-        generate(url, KEYS["a"], doc)
-    busy.join()
-    prompt = cached = 0
-    for r in range(3):
-        if flood:
-            for i in range(FLOODS):
-                salt = f"fresh-{seed}-{r}-{i}"
-                generate(url, KEYS["b"], ids(seed * 1000 + r * 100 + i), 1, cache_salt=salt)
-        for doc in docs:
-            meta = generate(url, KEYS["a"], doc)
-            prompt += meta["prompt_tokens"]
-            cached += meta["cached_tokens"]
-    return cached / prompt
+    return generate
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["share", "no-share"])
@@ -168,9 +132,13 @@ def test_a_fresh_salt_flood_does_not_lower_another_tenants_hit_ratio(
     stays within 2 points of A's without it. Without the share (B's bound larger than the
     trees) the same flood evicts A's paths from the trees and A's hit ratio falls: the test
     can fail."""
-    with router(workers, tmp_path, 16 if shared else 100 * MAX_TREE) as r:
-        quiet = a_hit_ratio(r.url, 1 if shared else 3, flood=False)
-        flooded = a_hit_ratio(r.url, 2 if shared else 4, flood=True)
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(flood_tenants(KEYS, FLOODER_PAGES if shared else 100 * MAX_TREE)))
+    args = ["--worker-urls", *(w.url for w in workers), "--max-tree-size", str(MAX_TREE)]
+    args += ["--tenants", str(path), "--tenant-secret", "s", "--policy", "prompt_tree"]
+    with running("router", args, tmp_path) as r:
+        quiet = hit_ratio(sender(r.url), KEYS, 1 if shared else 3, flood=False)
+        flooded = hit_ratio(sender(r.url), KEYS, 2 if shared else 4, flood=True)
     assert quiet > 0.8, quiet
     if shared:
         assert flooded >= quiet - 0.02, (quiet, flooded)
