@@ -5,7 +5,9 @@ One sim worker behind a router with two tenants (A may choose its own salts, B m
 a public system prompt. Each row sends real requests and reads the cached tokens the worker
 reported: B's identical prompt must never hit A's cache on any inference route, a salt
 copied from A must not either, and a public prefix must be shared while the private text
-after it is not.
+after it is not. Two more rows: a tenant sending a fresh salt on every request must not lower
+another tenant's hit ratio (its share of the router's prompt trees), and tenants flooding a
+saturated router get their configured shares of the computed tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,10 +25,22 @@ from benchmarks.reliability.client import Seen, post
 from benchmarks.reliability.cluster import Cluster
 from benchmarks.reliability.faults import BOUND_S, Settings, finish
 from benchmarks.reliability.report import FaultResult
+from benchmarks.reliability.tenant_shares import (
+    FLOODER_PAGES,
+    FLOODS,
+    MAX_TREE,
+    Generate,
+    computed_split,
+    flood_tenants,
+    hit_ratio,
+    within_share,
+)
 from router.tenants import hash_key
 
 SECRET = "reliability-tenant-secret"
 KEYS = {"a": "sk-reliability-a", "b": "sk-reliability-b"}
+SHARE_KEYS = {"a": "sk-share-a", "b": "sk-share-b", "c": "sk-share-c"}
+_COUNTING = threading.Lock()
 PUBLIC = (
     "You are the shared assistant of the Example gateway. Answer questions about orders, "
     "invoices and parcels in short sentences and never invent an order number. "
@@ -77,6 +92,30 @@ def cached(seen: Seen) -> int | None:
     return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+def counted(result: FaultResult, url: str, body: dict[str, Any], key: str) -> Seen:
+    """One request with a tenant's key, counted in the row."""
+    seen = post(url, body, BOUND_S, headers={"Authorization": f"Bearer {key}"})
+    with _COUNTING:  # (the fairness row's clients are threads)
+        result.requests += 1
+        result.answered += seen.ok
+        result.clear_errors += seen.clear_error
+        result.slowest_s = max(result.slowest_s, seen.seconds)
+    return seen
+
+
+def generator(result: FaultResult, url: str) -> Generate:
+    """tenant_shares' /generate, counted in the row; an answer without meta_info raises."""
+
+    def generate(key: str, tokens: list[int], out: int, **fields: Any) -> dict[str, Any]:
+        body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": out}, **fields}
+        seen = counted(result, url + "/generate", body, key)
+        if seen.status != 200 or not isinstance(seen.body, dict):
+            raise RuntimeError(f"/generate answered {seen.status}: {str(seen.body)[:200]}")
+        return dict(seen.body["meta_info"])
+
+    return generate
+
+
 def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
     """Another tenant's identical prompt, a copied salt, and a public prefix, on every
     route: what each tenant's requests report cached."""
@@ -97,12 +136,7 @@ def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
     failures: list[str] = []
 
     def send(key: str, route: str, body: dict[str, Any]) -> int | None:
-        seen = post(router.url + route, body, BOUND_S, headers={"Authorization": f"Bearer {key}"})
-        result.requests += 1
-        result.answered += seen.ok
-        result.clear_errors += seen.clear_error
-        result.slowest_s = max(result.slowest_s, seen.seconds)
-        return cached(seen)
+        return cached(counted(result, router.url + route, body, key))
 
     def check(what: str, got: int | None, ok: Callable[[int], bool]) -> None:
         if got is None or not ok(got):
@@ -143,4 +177,73 @@ def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
     return finish(result, [worker])
 
 
-SCENARIOS: list[Callable[[Cluster, Settings], FaultResult]] = [tenants_isolated]
+def tenant_fresh_salts(c: Cluster, s: Settings) -> FaultResult:
+    """A tenant sending a fresh salt on every request, against another tenant's hit ratio
+    (its paths in the router's prompt trees, bounded by the flooder's max_tree_pages)."""
+    result = FaultResult(
+        "a tenant's fresh salt on every request",
+        f"tenant B (own salts) sends a new cache_salt on each of {FLOODS} requests before "
+        "each of tenant A's rounds, through a router whose prompt trees hold "
+        f"{MAX_TREE} pages",
+        bound_s=BOUND_S,
+        expected="A's hit ratio within 2 points of its hit ratio without the flood: B over "
+        f"its share ({FLOODER_PAGES} pages) loses its own paths, never A's",
+        healed=True,
+        healed_how="nothing to heal",
+    )
+    workers = c.workers(2, "--max-total-tokens", "65536", time_scale=2)
+    path = c.logs / "tenant-shares.json"
+    path.write_text(json.dumps(flood_tenants(SHARE_KEYS, FLOODER_PAGES)))
+    args = ["--tenants", str(path), "--tenant-secret", SECRET, "--max-tree-size", str(MAX_TREE)]
+    router = c.colocated_router(workers, *args)
+    generate = generator(result, router.url)
+    quiet = hit_ratio(generate, SHARE_KEYS, 1, flood=False)
+    flooded = hit_ratio(generate, SHARE_KEYS, 2, flood=True)
+    result.measured = {"hit_ratio_quiet": quiet, "hit_ratio_flooded": flooded}
+    result.client_saw = (
+        f"{result.answered}/{result.requests} answered; A's hit ratio {quiet:.3f} without "
+        f"B's flood, {flooded:.3f} with it"
+    )
+    result.expectation_met = flooded >= quiet - 0.02 and result.answered == result.requests
+    return finish(result, workers)
+
+
+def tenant_fair_admission(c: Cluster, s: Settings) -> FaultResult:
+    """Two tenants flooding a router that admits one request at a time: the computed tokens
+    each gets, against its configured share."""
+    shares = {"a": 2.0, "b": 1.0}
+    result = FaultResult(
+        "tenants' fair share at saturation",
+        "tenants A (share 2) and B (share 1, twice A's clients) flood a router admitting "
+        "one request at a time (--max-concurrent-requests 1)",
+        bound_s=BOUND_S,
+        expected="each tenant's computed prompt tokens within 10% of its share (A 2/3, "
+        "B 1/3); first come, first served would give B two thirds",
+        healed=True,
+        healed_how="nothing to heal",
+    )
+    workers = c.workers(1, time_scale=2)
+    tenants = [
+        {"id": t, "keys": [hash_key(SHARE_KEYS[t])], "share": shares[t]} for t in sorted(shares)
+    ]
+    path = c.logs / "tenant-fair.json"
+    path.write_text(json.dumps({"tenants": tenants}))
+    args = ["--tenants", str(path), "--tenant-secret", SECRET, "--max-concurrent-requests", "1"]
+    router = c.colocated_router(workers, *args)
+    clients = {"a": (SHARE_KEYS["a"], 5), "b": (SHARE_KEYS["b"], 10)}
+    computed = computed_split(generator(result, router.url), clients, 90 * 128)
+    total = sum(computed.values()) or 1
+    result.measured = {f"computed_{t}": float(n) for t, n in computed.items()}
+    result.client_saw = (
+        f"{result.answered}/{result.requests} answered; computed tokens "
+        + ", ".join(f"{t} {n} ({n / total:.1%})" for t, n in sorted(computed.items()))
+    )
+    result.expectation_met = within_share(computed, shares) and result.answered == result.requests
+    return finish(result, workers)
+
+
+SCENARIOS: list[Callable[[Cluster, Settings], FaultResult]] = [
+    tenants_isolated,
+    tenant_fresh_salts,
+    tenant_fair_admission,
+]
