@@ -148,6 +148,10 @@ class PromptTrees:
             self.shares.insert(type, tree, tenant, tokens, _key(url, tier))
         if tree.num_pages > self.max_pages:
             tree.evict(tree.num_pages - self.max_pages * 9 // 10)
+        self.recorded(type, url, tokens, tier)
+
+    def recorded(self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier) -> None:
+        """After each record of whole pages: nothing here (replicas publish it)."""
 
     def feedback(
         self, type: WorkerType, url: str, tokens: Sequence[int], predicted: int, reported: int

@@ -8,15 +8,17 @@ tenant's key and returns its answer's `meta_info` (the caller counts what it wan
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
-import time
-from collections.abc import Mapping
+import urllib.request
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from router.tenants import hash_key
 
 FLOODS = 30  # the fresh-salt tenant's requests before each of the victim's rounds
-MAX_TREE = 96  # the router's pages per tree: the victim's paths and the shares fit
+MAX_TREE = 128  # the router's pages per tree: the victim's paths and the shares fit
 FLOODER_PAGES = 16  # the flooding tenant's max_tree_pages
 
 
@@ -31,37 +33,34 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def flood_tenants(keys: Mapping[str, str], flooder_pages: int) -> dict[str, Any]:
-    """The tenants file: victim `a`, flooder `b` (may choose its salts), `c` who keeps the
-    first worker busy while `a` places its documents."""
+    """The tenants file: victim `a` and flooder `b` (who may choose its salts)."""
     return {
         "tenants": [
-            {"id": "a", "keys": [hash_key(keys["a"])], "max_tree_pages": 64},
+            {"id": "a", "keys": [hash_key(keys["a"])], "max_tree_pages": 96},
             {
                 "id": "b",
                 "keys": [hash_key(keys["b"])],
                 "own_salt": True,
                 "max_tree_pages": flooder_pages,
             },
-            {"id": "c", "keys": [hash_key(keys["c"])], "max_tree_pages": 16},
         ]
     }
 
 
-def hit_ratio(generate: Generate, keys: Mapping[str, str], seed: int, flood: bool) -> float:
-    """`a`'s hit ratio over three rounds of its four documents, placed on the router's
-    second worker (the first busy with `c`'s long request meanwhile), with or without `b`
-    sending a fresh salt on each of FLOODS requests before each round. A request the trees
-    know nothing about goes to the first worker (both idle): without its path in the trees,
-    `a`'s document misses."""
-    docs = [ids(seed * 10 + i, 112) for i in range(4)]
-    busy = threading.Thread(target=generate, args=(keys["c"], ids(seed * 10 + 9, 96), 60))
-    busy.start()
-    time.sleep(0.2)
-    for doc in docs:
-        generate(keys["a"], doc, 2)
-    busy.join()
+def hit_ratio(
+    url: str, generate: Generate, keys: Mapping[str, str], seed: int, flood: bool
+) -> float:
+    """`a`'s hit ratio over two rounds of its eight documents, with or without `b` sending a
+    fresh salt on each of FLOODS requests before each round. The documents are placed while
+    the earlier ones are still being answered, so they spread over the router's workers by
+    load; later, one at a time, a document the trees know nothing about goes wherever the
+    router would send any request, and misses where it is not."""
+    docs = [ids(seed * 10 + i, 112) for i in range(8)]
+    with contextlib.ExitStack() as placing:
+        for doc in docs:
+            placing.enter_context(busy(url, keys["a"], doc, 30))
     prompt = cached = 0
-    for r in range(3):
+    for r in range(2):
         if flood:
             for i in range(FLOODS):
                 salt = f"fresh-{seed}-{r}-{i}"
@@ -71,6 +70,19 @@ def hit_ratio(generate: Generate, keys: Mapping[str, str], seed: int, flood: boo
             prompt += meta["prompt_tokens"]
             cached += meta["cached_tokens"]
     return cached / prompt
+
+
+@contextlib.contextmanager
+def busy(url: str, key: str, tokens: list[int], out: int) -> Iterator[None]:
+    """A streamed /generate in flight while the block runs (from its first token on: the
+    router has placed it and counts it in the worker's load), then read to its end."""
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": out}, "stream": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+    request = urllib.request.Request(url + "/generate", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        stream.readline()  # the first event
+        yield
+        stream.read()
 
 
 def computed_split(

@@ -39,7 +39,7 @@ from router.tenants import hash_key
 
 SECRET = "reliability-tenant-secret"
 KEYS = {"a": "sk-reliability-a", "b": "sk-reliability-b"}
-SHARE_KEYS = {"a": "sk-share-a", "b": "sk-share-b", "c": "sk-share-c"}
+SHARE_KEYS = {"a": "sk-share-a", "b": "sk-share-b"}
 _COUNTING = threading.Lock()
 PUBLIC = (
     "You are the shared assistant of the Example gateway. Answer questions about orders, "
@@ -197,8 +197,8 @@ def tenant_fresh_salts(c: Cluster, s: Settings) -> FaultResult:
     args = ["--tenants", str(path), "--tenant-secret", SECRET, "--max-tree-size", str(MAX_TREE)]
     router = c.colocated_router(workers, *args)
     generate = generator(result, router.url)
-    quiet = hit_ratio(generate, SHARE_KEYS, 1, flood=False)
-    flooded = hit_ratio(generate, SHARE_KEYS, 2, flood=True)
+    quiet = hit_ratio(router.url, generate, SHARE_KEYS, 1, flood=False)
+    flooded = hit_ratio(router.url, generate, SHARE_KEYS, 2, flood=True)
     result.measured = {"hit_ratio_quiet": quiet, "hit_ratio_flooded": flooded}
     result.client_saw = (
         f"{result.answered}/{result.requests} answered; A's hit ratio {quiet:.3f} without "

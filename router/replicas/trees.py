@@ -66,18 +66,9 @@ class ReplicatedTrees(PromptTrees):
 
     # ----------------------------------------------------------------- published changes
 
-    def record(
-        self,
-        type: WorkerType,
-        url: str,
-        tokens: Sequence[int],
-        tier: Tier = Tier.DEVICE,
-        tenant: str | None = None,
-    ) -> None:
-        super().record(type, url, tokens, tier, tenant)
-        if len(tokens) >= self.page_size:
-            tokens = pack_tokens(self._pages(tokens))
-            self._emit(RECORD, type=type.value, url=url, tokens=tokens, tier=tier.value)
+    def recorded(self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier) -> None:
+        tokens = pack_tokens(self._pages(tokens))
+        self._emit(RECORD, type=type.value, url=url, tokens=tokens, tier=tier.value)
 
     def drop(
         self,

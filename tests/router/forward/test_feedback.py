@@ -25,16 +25,8 @@ class CountingTrees(PromptTrees):
         super().__init__(page_size=16)
         self.records = 0
 
-    def record(
-        self,
-        type: WorkerType,
-        url: str,
-        tokens: Sequence[int],
-        tier: Tier = Tier.DEVICE,
-        tenant: str | None = None,
-    ) -> None:
+    def recorded(self, type: WorkerType, url: str, tokens: Sequence[int], tier: Tier) -> None:
         self.records += 1
-        super().record(type, url, tokens, tier, tenant)
 
 
 def learn(

@@ -101,7 +101,7 @@ def test_a_path_already_gone_is_not_counted_again() -> None:
 
 # ----------------------------------------------------------------- end to end
 
-KEYS = {"a": "sk-share-a", "b": "sk-share-b", "c": "sk-share-c"}
+KEYS = {"a": "sk-share-a", "b": "sk-share-b"}
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +137,10 @@ def test_a_fresh_salt_flood_does_not_lower_another_tenants_hit_ratio(
     args = ["--worker-urls", *(w.url for w in workers), "--max-tree-size", str(MAX_TREE)]
     args += ["--tenants", str(path), "--tenant-secret", "s", "--policy", "prompt_tree"]
     with running("router", args, tmp_path) as r:
-        quiet = hit_ratio(sender(r.url), KEYS, 1 if shared else 3, flood=False)
-        flooded = hit_ratio(sender(r.url), KEYS, 2 if shared else 4, flood=True)
+        quiet = hit_ratio(r.url, sender(r.url), KEYS, 1 if shared else 3, flood=False)
+        flooded = hit_ratio(r.url, sender(r.url), KEYS, 2 if shared else 4, flood=True)
     assert quiet > 0.8, quiet
     if shared:
         assert flooded >= quiet - 0.02, (quiet, flooded)
     else:
-        assert flooded < quiet - 0.2, (quiet, flooded)
+        assert flooded < quiet - 0.1, (quiet, flooded)
