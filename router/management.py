@@ -154,7 +154,7 @@ class Management:
                 "admission": self._admission_info(),
                 "workers": [self._worker_json(w) for w in self.router.registry.workers.values()],
                 "process": self._process_info(),
-                "tenants": None if (t := self.router.config.tenants) is None else t.info(),
+                "tenants": self._tenants_info(),
                 "models": None if (m := self.router.models) is None else m.info(self._urls_of),
                 **self._replica_info(),
             }
@@ -162,6 +162,20 @@ class Management:
 
     def _urls_of(self, model: str) -> list[str]:
         return [w.url for w in self.router.registry.workers.values() if w.model_id == model]
+
+    def _tenants_info(self) -> dict[str, Any] | None:
+        """The tenants' counts, with their shares: tree pages held, computed tokens charged."""
+        tenants = self.router.config.tenants
+        if tenants is None:
+            return None
+        shares, fair = self.router.trees.shares, self.router.admission.fair
+        computed = {} if fair is None else fair.computed
+        return {
+            **tenants.info(),
+            "tree_pages": {} if shares is None else shares.by_tenant(),
+            "tree_pages_deleted": 0 if shares is None else shares.deleted_pages,
+            "computed_tokens": {t: round(n) for t, n in computed.items()},
+        }
 
     def _admission_info(self) -> dict[str, Any]:
         a = self.router.admission

@@ -50,6 +50,13 @@ class TreeShares:
         held = self._held.get((tree, tenant))
         return held.pages if held is not None else 0
 
+    def by_tenant(self) -> dict[str, int]:
+        """Pages counted per tenant, over every tree (/get_server_info)."""
+        out: dict[str, int] = {}
+        for (_, tenant), held in self._held.items():
+            out[tenant] = out.get(tenant, 0) + held.pages
+        return out
+
     def insert(
         self, name: object, tree: RadixTree, tenant: str, tokens: Sequence[int], holder: object
     ) -> None:

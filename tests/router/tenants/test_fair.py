@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def test_a_request_that_gives_up_passes_the_head_on() -> None:
 # ----------------------------------------------------------------- end to end
 
 KEYS = {"a": "sk-fair-a", "b": "sk-fair-b"}
+OPERATOR = "sk-fair-operator"
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,7 @@ def router(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         path = tmp / "tenants.json"
         path.write_text(json.dumps({"tenants": tenants}))
         args = ["--worker-urls", worker.url, "--tenants", str(path), "--tenant-secret", "s"]
+        args += ["--api-key", OPERATOR]
         args += ["--max-concurrent-requests", "1", "--queue-size", "100"]
         with running("router", args, tmp) as server:
             yield server
@@ -151,3 +154,10 @@ def test_saturated_tenants_get_their_share_of_computed_tokens(router: Server) ->
     computed = computed_split(sender(router.url), clients, 90 * 128)
     assert within_share(computed, SHARES), computed
     assert not within_share({"a": computed["b"], "b": computed["a"]}, SHARES)  # (it can fail)
+    asked = urllib.request.Request(
+        router.url + "/get_server_info", headers={"Authorization": f"Bearer {OPERATOR}"}
+    )
+    with urllib.request.urlopen(asked, timeout=30) as resp:
+        # what the router charged: the counted part, and the drained queue's
+        charged = json.loads(resp.read())["tenants"]["computed_tokens"]
+    assert charged["a"] >= computed["a"] and charged["b"] >= computed["b"], charged

@@ -56,6 +56,7 @@ def test_a_flooding_tenant_loses_its_own_paths_never_anothers() -> None:
     assert t.size(C) == 4 * 3 + 12
     assert held(t, path(199)) == 3 * PAGE and held(t, path(100)) == 0  # B keeps its newest
     assert t.shares.deleted_pages == (100 - 4) * 3
+    assert t.shares.by_tenant() == {"a": 12, "b": 12}
 
 
 def test_without_a_share_the_size_bound_evicts_everyones_paths() -> None:
