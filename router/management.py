@@ -172,7 +172,7 @@ class Management:
         computed = {} if fair is None else fair.computed
         return {
             **tenants.info(),
-            "tree_pages": {} if shares is None else shares.by_tenant(),
+            "tree_pages": {} if shares is None else shares.by_group(),
             "tree_pages_deleted": 0 if shares is None else shares.deleted_pages,
             "computed_tokens": {t: round(n) for t, n in computed.items()},
         }

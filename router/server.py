@@ -49,9 +49,9 @@ from router.request import (
 from router.siblings import SiblingConfig, Siblings
 from router.tenants import Tenants
 from router.tenants.fair import FairQueue
-from router.tenants.tree_share import TreeShares
 from router.trees import PromptTrees
 from router.workers import Agent, Worker, WorkerRegistry
+from shared.path_shares import PathShares
 from shared.token_cache import CachedEncoder
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Router:
         )
         if config.tenants is not None:  # each tenant's share of the trees and of the queue
             keys = config.tenants
-            trees.shares = TreeShares(
+            trees.shares = PathShares(
                 trees.page_size, lambda tenant: keys.tree_pages(tenant, trees.max_pages)
             )
             self.admission.fair = FairQueue(keys.share)

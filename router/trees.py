@@ -31,7 +31,9 @@ from mempool.radix import RadixTree
 from router.workers import WorkerType
 
 if TYPE_CHECKING:
-    from router.tenants.tree_share import TreeShares
+    from array import array
+
+    from shared.path_shares import PathShares
 
 _HOME = "home"
 
@@ -87,6 +89,22 @@ class TreeStats:
     expired_pages: int = 0
 
 
+@dataclass(slots=True)
+class _Paths:
+    """A prompt tree as a tenant's share removes from it (shared.path_shares.Paths)."""
+
+    tree: RadixTree
+
+    def remove(self, tokens: array[int]) -> int:
+        before = self.tree.num_pages
+        self.tree.delete(tokens)
+        return before - self.tree.num_pages
+
+    def holds(self, tokens: array[int]) -> bool:
+        found = self.tree.holders(tokens)
+        return bool(found) and max(found.values()) >= len(tokens)
+
+
 class PromptTrees:
     """A tree per instance type; every call names the type it is about."""
 
@@ -103,8 +121,8 @@ class PromptTrees:
         self.clock = clock
         self.trees = {t: RadixTree(page_size, slots_per_page=0, clock=clock) for t in WorkerType}
         self.stats = TreeStats()
-        # with tenants: each tenant's pages, bounded by its share (router.tenants.tree_share)
-        self.shares: TreeShares | None = None
+        # with tenants: each tenant's pages, bounded by its share (shared.path_shares)
+        self.shares: PathShares | None = None
 
     def match(self, type: WorkerType, tokens: Sequence[int]) -> PrefixView:
         """Per worker, the page-aligned prefix of `tokens` it is believed to hold now."""
@@ -145,7 +163,9 @@ class PromptTrees:
         if tenant is None or self.shares is None:
             tree.insert(tokens, holder=_key(url, tier))
         else:
-            self.shares.insert(type, tree, tenant, tokens, _key(url, tier))
+            before = tree.num_pages
+            tree.insert(tokens, holder=_key(url, tier))
+            self.shares.charge(type, tenant, tokens, tree.num_pages - before, _Paths(tree))
         if tree.num_pages > self.max_pages:
             tree.evict(tree.num_pages - self.max_pages * 9 // 10)
         self.recorded(type, url, tokens, tier)

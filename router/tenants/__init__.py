@@ -21,7 +21,7 @@ engine encodes the prompt (a chat's system message as its template renders it, t
 of that message), so the engine caches those pages once for everyone and salts the rest.
 
 Shares per tenant: `max_tree_pages`, the pages of each of the router's prompt trees its
-requests' paths may hold (router.tenants.tree_share: a tenant over it loses its own oldest
+requests' paths may hold (shared.path_shares: a tenant over it loses its own oldest
 paths, never another's), and `share`, its weight in fair admission by computed tokens when
 requests wait in the router's queue (router.tenants.fair).
 

@@ -18,9 +18,9 @@ from benchmarks.reliability.tenant_shares import (
     flood_tenants,
     hit_ratio,
 )
-from router.tenants.tree_share import TreeShares
 from router.trees import PromptTrees
 from router.workers import WorkerType
+from shared.path_shares import PathShares
 from tests.procs import Server, running
 from tests.router.test_tenants import post
 
@@ -36,7 +36,7 @@ def path(seed: int, pages: int = 3) -> list[int]:
 
 def trees(limits: dict[str, int], max_pages: int = 1 << 20) -> PromptTrees:
     t = PromptTrees(page_size=PAGE, max_pages=max_pages)
-    t.shares = TreeShares(PAGE, lambda tenant: limits.get(tenant, 0))
+    t.shares = PathShares(PAGE, lambda tenant: limits.get(tenant, 0))
     return t
 
 
@@ -56,7 +56,7 @@ def test_a_flooding_tenant_loses_its_own_paths_never_anothers() -> None:
     assert t.size(C) == 4 * 3 + 12
     assert held(t, path(199)) == 3 * PAGE and held(t, path(100)) == 0  # B keeps its newest
     assert t.shares.deleted_pages == (100 - 4) * 3
-    assert t.shares.by_tenant() == {"a": 12, "b": 12}
+    assert t.shares.by_group() == {"a": 12, "b": 12}
 
 
 def test_without_a_share_the_size_bound_evicts_everyones_paths() -> None:
