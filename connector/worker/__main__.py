@@ -38,6 +38,7 @@ from connector.worker.server import WorkerInfo, WorkerServer
 from mempool import MemPool
 from mempool.transfer.base import TransferFailed
 from shared.kv_events import KVEventPublisher, KVEventsConfig
+from shared.path_shares import PathShares
 from shared.pd_caching import Caching
 from shared.tokenizer import ChatTokenizer
 
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="KV cache capacity in tokens (default: sim, what the modelled GPU holds; hf, 16384)",
+    )
+    p.add_argument(
+        "--max-cached-tokens-per-salt",
+        type=int,
+        default=0,
+        help="KV tokens the requests of one salt group (a cache_salt up to its first ':', "
+        "a router's tenant salt) may keep cached; over it the group's own least recently "
+        "cached paths go first, so a tenant sending a fresh salt on every request cannot "
+        "evict the others' cache (0: no bound)",
     )
     p.add_argument(
         "--disable-radix-cache",
@@ -422,6 +432,10 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
             "--enable-mempool-pull, join membership"
         )
     check_tier_args(args)
+    if args.max_cached_tokens_per_salt < 0:
+        raise SystemExit(
+            "--max-cached-tokens-per-salt must be a number of tokens >= 0 (0: no bound)"
+        )
     lora = lora_registry(args)
     if args.model_path is None:
         from connector.model_files import ensure_hf_model
@@ -463,6 +477,9 @@ def build(args: argparse.Namespace) -> tuple[web.Application, dict[str, Any]]:
         if config.publisher == "zmq":
             events = KVEventPublisher(config, args.page_size)
     kv = KVCache(pool, backend, events)
+    if args.max_cached_tokens_per_salt:
+        salt_pages = max(args.max_cached_tokens_per_salt // args.page_size, 1)
+        kv.salt_shares = PathShares(args.page_size, lambda group: salt_pages)
     hooks: RequestHooks = RequestHooks()
     enable_cache = not args.disable_radix_cache
     if mode is not PDMode.NULL:

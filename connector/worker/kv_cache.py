@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
@@ -35,10 +36,12 @@ from connector.worker.backend import Backend
 from connector.worker.sequence import Sequence
 from mempool import InsertFlags, InsertResult, MemPool, MemType, OutOfBlocks, PrefixMatch
 from mempool.address import mem_type_of
+from mempool.errors import BlockInUse, InvalidRequest
 from mempool.pool import Moved
 from mempool.transfer.receiver import Received
 from shared.kv_events import BlockStoredMetadata, KVEventPublisher, page_hashes
 from shared.namespaces import CacheNamespace, key_tokens
+from shared.path_shares import PathShares
 
 # SGLang's StorageMedium names for our tiers (KV events' `medium`).
 MEDIUM = {MemType.DEVICE: "GPU", MemType.HOST: "CPU_PINNED"}
@@ -98,6 +101,8 @@ class KVCache:
         # Pages a decode instance wrote back here (PD-Caching-3), by hash, while cached: a
         # request reusing them reports them apart (its hit came from the decode's KV).
         self._written_back: set[int] = set()
+        # --max-cached-tokens-per-salt: each salt group's pages, bounded (shared.path_shares)
+        self.salt_shares: PathShares | None = None
 
     # ----------------------------------------------------------------- capacity
 
@@ -220,6 +225,12 @@ class KVCache:
         returns the blocks freed."""
         freed = self.pool.evict(count, tier)
         self.evicted_blocks += len(freed)
+        self._forget(freed)
+        return len(freed)
+
+    def _forget(self, freed: list[int]) -> None:
+        """Historical blocks left the index (evicted or deleted): their pages' bookkeeping
+        goes, and KV events say so."""
         gone: dict[MemType, list[int]] = {}
         for addr in freed[:: self.bpp]:  # a page's first block names it
             page_hash = self._hash_of_block.pop(addr, None)
@@ -236,7 +247,21 @@ class KVCache:
         if self.events is not None:
             for mem, hashes in gone.items():
                 self.events.removed(hashes, self._medium(mem))
-        return len(freed)
+
+    # ----------------------------------------------------------------- salt shares
+
+    def remove(self, tokens: array[int]) -> int:
+        """A salt group over its share: its path `tokens` (index keys) goes, as far as no
+        other path uses it and no request holds it; the pages freed (shared.path_shares)."""
+        try:
+            freed = self.pool.delete(tokens)
+        except (BlockInUse, InvalidRequest):
+            return 0  # a request is using it: it stays
+        self._forget(freed)
+        return len(freed) // self.bpp
+
+    def holds(self, tokens: array[int]) -> bool:
+        return self.pool.index.match(tokens).num_tokens >= len(tokens)
 
     def _copy_seconds(self, pages: int, started: float) -> float:
         if self.copy_model is not None:
@@ -330,6 +355,9 @@ class KVCache:
             self._publish_moves(self.pool.promote(key, addrs), MemType.HOST, MemType.DEVICE)
         result = self.pool.insert(key, addrs, flags)  # validates before it changes anything
         stored = result.new_tokens // self.page
+        salt = seq.namespace.cache_salt if seq.namespace is not None else None
+        if self.salt_shares is not None and salt:  # the group: the salt up to its first ':'
+            self.salt_shares.charge("kv", salt.split(":", 1)[0], key, stored, self)
         if stored:
             self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :], seq.namespace)
         return result
