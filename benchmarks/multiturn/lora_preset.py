@@ -11,9 +11,12 @@ together: 16 slots for 20 adapters. Each worker's device KV is half the hot set,
 workers (`sustained`), measured first on a calibration seed.
 
 Systems: ours prompt_tree (the adapter priced per worker: `router/adapters.py`), the same
-router with `--lora-load-secs 0` (adapter-blind: what the feature adds), sglang-router
-cache_aware (adapter-blind, prefix-aware) and round_robin. Each run's adapter loads are the
-workers' `/get_server_info` `lora.loads` after it less before it.
+router with `--lora-load-secs 0` (adapter-blind: what the feature adds), ours lora_affinity
+(llm-d's LoRA affinity scorer alone: adapter-aware, prefix-blind), sglang-router cache_aware
+(adapter-blind, prefix-aware) and round_robin. Each run's adapter loads are the workers'
+`/get_server_info` `lora.loads` after it less before it; before each run the workers' adapters
+are put back as they were at their start (`localrun.adapters`), so every system meets the
+same ones.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ TARGET_P99 = 0.7  # issue 38: ours' p99 TTFT at most 0.7x cache_aware's
 
 PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
 ADAPTER_BLIND = RouterSpec(OURS, "prompt_tree", args=("--lora-load-secs", "0"), tag="lora-load 0")
+LORA_AFFINITY = RouterSpec(OURS, "lora_affinity")  # llm-d's LoRA scorer alone: prefix-blind
 CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
 ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
-SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, CACHE_AWARE, ROUND_ROBIN)
+SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, LORA_AFFINITY, CACHE_AWARE, ROUND_ROBIN)
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,8 @@ class LoraPreset:
 
 
 def full_preset() -> LoraPreset:
-    """About 12 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 12
-    runs (4 systems x 3 seeds) of 240 requests of 1.5-4.5K-token prompts."""
+    """About 15 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 15
+    runs (5 systems x 3 seeds) of 240 requests of 1.5-4.5K-token prompts."""
     workload = LoraPrefix(requests=240)
     return LoraPreset(
         LORA,
@@ -84,8 +88,8 @@ def full_preset() -> LoraPreset:
 
 
 def quick_preset() -> LoraPreset:
-    """Under a minute: fewer, shorter prompts, ours against cache_aware, one seed, a
-    two-step calibration."""
+    """About a minute: fewer, shorter prompts, ours against lora_affinity and cache_aware,
+    one seed, a two-step calibration."""
     workload = LoraPrefix(
         adapters=8,
         documents=2,
@@ -102,7 +106,7 @@ def quick_preset() -> LoraPreset:
         workload,
         replace(workload, seed=CALIBRATION_SEED, requests=30),
         seeds=(1,),
-        systems=(PROMPT_TREE, CACHE_AWARE),
+        systems=(PROMPT_TREE, LORA_AFFINITY, CACHE_AWARE),
         time_scale=4.0,
         search=Search(max_steps=2, factor=1.6),
     )
@@ -334,13 +338,18 @@ NOTES = (
     "tokens), one of its 3 documents (1-3K) and a unique question (20-200), completions; "
     "independent requests, open-loop Poisson arrivals. Every system gets the same requests "
     "on the same workers, caches flushed and a fresh router before each run, system order "
-    "rotated per seed. The adapters a worker holds carry over from the run before (a flush "
-    "empties the KV cache, not the adapter slots); our router reads them at its start.",
+    "rotated per seed. Before each run every worker's adapters are put back as they were at "
+    "its start (unloaded and loaded again through SGLang's `/unload_lora_adapter` and "
+    "`/load_lora_adapter`: a flush empties the KV cache, not the adapter slots), so every "
+    "system meets the same adapters loaded; our router reads them at its start.",
     "Adapter loads: the sim charges each load 10 ms plus 84 MB (rank 16 on every linear "
     "layer of Llama-3.1-8B) at 2 GB/s (local NVMe), 52 ms, to the step that prefills the "
     "request that needed it, times the time scale; our router prices it the same "
     "(`--lora-load-secs 0.052` times the time scale, as its other cost terms), and `ours "
-    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind).",
+    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind). "
+    "`ours lora_affinity` is llm-d's LoRA affinity scorer alone (1.0 the adapter loaded, 0.8 "
+    "a free slot, 0 a load that evicts; ties to the least loaded): adapter-aware, "
+    "prefix-blind.",
     "Sustained rate: before the runs, sglang-router round_robin serves a calibration "
     "workload (another seed) at rising rates; the measured runs offer 85% of the rate it "
     "sustained. Device KV per worker: half the hot set (prompt pages that two or more "

@@ -158,6 +158,8 @@ def run_one(
         record["router_version"] = status.version
         if not status.importable:
             return {**record, "available": False, "reason": status.reason}
+    if cluster.adapters_at_start:  # every system meets the adapters the cluster started with
+        record["lora_reloads"] = cluster.reset_adapters()
     cluster.flush()
     label = f"{workload.name} @{step.rate:g}/s: {system.name} [{cluster.spec.name}]"
     task: TaskID = ctx.progress.add_task(label, total=len(workload.requests))
