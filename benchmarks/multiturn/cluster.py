@@ -49,6 +49,7 @@ class RouterSpec:
     processes: int = 1  # ours: --processes (one router of that many processes, one port)
     args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
     tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
+    probe_key: str | None = None  # the API key its start probe sends (ours with --tenants)
 
     @property
     def name(self) -> str:
@@ -186,12 +187,14 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "-" for c in name)
 
 
-def chat_probe(url: str, model: str) -> Callable[[], bool]:
+def chat_probe(url: str, model: str, api_key: str | None = None) -> Callable[[], bool]:
     """A tiny chat request through `url` answers 200: the system routes."""
     probe = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     ).encode()
-    return functools.partial(http_ok, url + "/v1/chat/completions", probe, timeout=10)
+    return functools.partial(
+        http_ok, url + "/v1/chat/completions", probe, timeout=10, api_key=api_key
+    )
 
 
 def start_router(
@@ -202,7 +205,7 @@ def start_router(
     port = free_port()
     log = log_dir / f"{cluster.spec.name}-{slug(spec.name)}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
-    why = wait_until(server, chat_probe(server.url, model), timeout_s)
+    why = wait_until(server, chat_probe(server.url, model, spec.probe_key), timeout_s)
     if why is not None:
         server.stop()
         raise RuntimeError(why)

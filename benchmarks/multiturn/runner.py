@@ -23,6 +23,7 @@ from benchmarks.multiturn.cluster import RouterSpec, start_router, sync_events
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import LruCaches, replay
+from benchmarks.multiturn.per_tenant import fairness, per_tenant
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.queue_floor import lru_reference, prefill_servers, queued_floor_stats
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
@@ -234,6 +235,11 @@ def run_one(
     if oracle.lru_hits is not None:
         record.update(lru_reference(floor, oracle.lru_hits, lengths, sent, answered, servers))
     record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
+    tenants = per_tenant(workload.requests, result.records)
+    if tenants is not None:  # requests sent for tenants: their figures, their fair shares
+        record["per_tenant"] = tenants
+        if step.labels.get("tenant_shares"):
+            record.update(fairness(tenants, step.labels["tenant_shares"]))
     record["oracle_distinct_tokens"] = oracle.distinct_tokens
     record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
     record["kv_pulled_bytes"] = record["tiers"].get("pulled_bytes", 0.0)
