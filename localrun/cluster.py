@@ -26,6 +26,7 @@ from localrun import adapters
 from localrun.processes import (
     Launch,
     Server,
+    auth_headers,
     free_port,
     http_ok,
     module_command,
@@ -379,12 +380,16 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     """Prometheus text as {name{labels}: value}, the labels kept verbatim, plus each metric's
     bare name holding the sum over its labelled samples (a worker splits its cached tokens
-    by cache_source: the bare name is their total); {} on failure."""
+    by cache_source: the bare name is their total); {} on failure. `api_key`: a router's
+    operator key, sent as a bearer token."""
+    headers = {} if api_key is None else auth_headers(api_key)
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=10
+        ) as resp:
             text = resp.read().decode()
     except (OSError, ValueError):
         return {}

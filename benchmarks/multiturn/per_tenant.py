@@ -3,8 +3,10 @@ hit ratio, and goodput, the computed (uncached) prompt tokens and the requests c
 while the load was still being offered; and how the goodput was shared among the tenants
 against the shares they were configured with (issue 38's fairness at saturation).
 
-Goodput counts a request that completed before the last request arrived: past that, the
-queues drain with nobody competing, and every tenant would end with what it sent.
+Goodput counts a request that completed before the first tenant had all of its requests
+answered: until then, at saturation, every tenant had requests waiting, so how the work was
+shared was the router's choice; past that fewer tenants compete, and over the whole run
+every tenant would end with what it sent.
 """
 
 from __future__ import annotations
@@ -24,22 +26,22 @@ def per_tenant(
     tenants = sorted({r.tenant for r in requests if r.tenant})
     if not tenants:
         return None
-    end = max(r.at_s for r in requests)
+    ok = {
+        t: [records[r.rid] for r in requests if r.tenant == t and records[r.rid].ok]
+        for t in tenants
+    }
+    ends = [max(map(finished, mine)) for mine in ok.values() if mine]
+    end = min(ends, default=0.0)  # the first tenant served in full
     out: dict[str, dict[str, Any]] = {}
     for tenant in tenants:
-        mine = [records[r.rid] for r in requests if r.tenant == tenant]
-        ok = [o for o in mine if o.ok]
-        prompt = sum(o.prompt_tokens for o in ok)
-        cached = sum(o.cached_tokens for o in ok)
-        done_in_time = [
-            o
-            for o in ok
-            if o.sent_s is not None and o.e2e_s is not None and o.sent_s + o.e2e_s <= end
-        ]
+        mine = ok[tenant]
+        prompt = sum(o.prompt_tokens for o in mine)
+        cached = sum(o.cached_tokens for o in mine)
+        done_in_time = [o for o in mine if finished(o) <= end]
         out[tenant] = {
-            "requests": len(mine),
-            "ok": len(ok),
-            **stats("ttft", [o.ttft_s for o in ok if o.ttft_s is not None]),
+            "requests": sum(r.tenant == tenant for r in requests),
+            "ok": len(mine),
+            **stats("ttft", [o.ttft_s for o in mine if o.ttft_s is not None]),
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_ratio": cached / prompt if prompt else None,
@@ -47,6 +49,11 @@ def per_tenant(
             "goodput_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in done_in_time),
         }
     return out
+
+
+def finished(record: Record) -> float:
+    """When an answered request's answer ended, from the start of the run."""
+    return (record.sent_s or 0.0) + (record.e2e_s or 0.0)
 
 
 def fairness(

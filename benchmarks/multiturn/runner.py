@@ -175,7 +175,8 @@ def run_one(
         return {**record, "available": False, "reason": f"failed to start: {exc}"[:500]}
     record.update(router.extra)  # the front's overhead, for replicas
     if router.routers and cluster.kv_events:
-        record["events_synced"] = sync_events([s.url for s in router.routers], cluster)
+        urls = [s.url for s in router.routers]
+        record["events_synced"] = sync_events(urls, cluster, api_key=system.api_key)
     else:
         cluster.flush()  # the start-up probe must not warm anyone's cache
     replicas_before = replica_metrics(router)
@@ -201,7 +202,7 @@ def run_one(
         client_cpu = time.process_time() - client_cpu
         workers_cpu = cluster.cpu_seconds() - workers_cpu
         router_cpu = router.cpu_seconds()
-        router_metrics = summed(scrape(s.url + "/metrics") for s in router.routers)
+        router_metrics = summed(scrape(s.url + "/metrics", system.api_key) for s in router.routers)
         if router.replicas:  # before they stop: their lag histograms go with them
             record["propagation"] = propagation(replicas_before, replica_metrics(router))
     finally:

@@ -62,6 +62,9 @@ FAIR_LOAD = 3.0  # x the sustained rate: every tenant offers more than its share
 FAIR_TARGET = 0.10  # issue 38: each tenant's goodput share within 10 % of its configured one
 MAX_CONCURRENT = 8  # the fairness cell's --max-concurrent-requests: 2 a worker
 FAIRNESS = "fairness"
+# the routers' operator key (--api-key): the benchmark's probes and scrapes of a router with
+# tenants send it, its clients their tenants' keys
+OPERATOR_KEY = "bench-operator-key"
 
 NO_ISOLATION = RouterSpec(OURS, "prompt_tree")
 CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
@@ -159,13 +162,12 @@ def tenants_file(
 
 def systems_of(builder: TenantPrefix, vocab: Vocab) -> dict[str, RouterSpec]:
     """The compared systems by name (their tenants files made for this workload)."""
-    probe = tenant_key(builder.tenant_names[0])
     full = ("--tenants", tenants_file(builder, vocab, public=False))
     public = ("--tenants", tenants_file(builder, vocab, public=True))
     specs = (
         NO_ISOLATION,
-        replace(NO_ISOLATION, args=full, tag=FULL_TAG, probe_key=probe),
-        replace(NO_ISOLATION, args=public, tag=PUBLIC_TAG, probe_key=probe),
+        replace(NO_ISOLATION, args=full, tag=FULL_TAG, api_key=OPERATOR_KEY),
+        replace(NO_ISOLATION, args=public, tag=PUBLIC_TAG, api_key=OPERATOR_KEY),
         CACHE_AWARE,
     )
     return {s.name: s for s in specs}
@@ -178,8 +180,7 @@ def fair_system(builder: TenantPrefix, vocab: Vocab, with_shares: bool) -> Route
     tenants = tenants_file(builder, vocab, public=True, shares=SHARES if with_shares else ())
     args = ("--tenants", tenants, "--max-concurrent-requests", str(MAX_CONCURRENT))
     args += ("--queue-size", "100000", "--queue-timeout-secs", "3600")
-    probe = tenant_key(builder.tenant_names[0])
-    return replace(NO_ISOLATION, args=args, tag=FAIR_TAG, probe_key=probe)
+    return replace(NO_ISOLATION, args=args, tag=FAIR_TAG, api_key=OPERATOR_KEY)
 
 
 def make_plan(

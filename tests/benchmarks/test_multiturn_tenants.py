@@ -15,6 +15,7 @@ from benchmarks.load.record import Record
 from benchmarks.multiturn import tenants_preset
 from benchmarks.multiturn.per_tenant import fairness, per_tenant
 from benchmarks.multiturn.tenants import TenantPrefix, tenant_key
+from benchmarks.multiturn.workloads import Request
 from router.tenants.config import hash_key, parse
 from tests.benchmarks.runs import benchmark, finite
 from tests.benchmarks.test_multiturn_paired import Words, check_paired_run, check_report
@@ -108,29 +109,31 @@ def test_the_routers_tenants_files_parse_with_keys_hashed_and_the_tool_prompt_pu
     names = set(tenants_preset.systems_of(builder, vocab))  # type: ignore[arg-type]
     assert names == set(tenants_preset.SYSTEM_NAMES)
     fair = tenants_preset.fair_system(builder, vocab, with_shares=False)  # type: ignore[arg-type]
-    assert "--max-concurrent-requests" in fair.args and fair.probe_key == tenant_key("t0")
+    assert "--max-concurrent-requests" in fair.args and fair.api_key == tenants_preset.OPERATOR_KEY
 
 
-def test_per_tenant_goodput_counts_what_completed_while_the_load_lasted() -> None:
-    builder = TenantPrefix(requests=4, tenants=2, tool_tokens=8, document_min_tokens=8)
-    requests = builder.build(Words()).requests  # type: ignore[arg-type]
-    end = max(r.at_s for r in requests)
-    records = []
-    for r in requests:
-        record = Record(r.rid, r.session, stream=True, sent_s=r.at_s, ttft_s=1e-9, e2e_s=1e-9)
+def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() -> None:
+    """Goodput ends when the first tenant has all its answers: b's last answer, at 3 s,
+    comes after a's last one, at 2 s, and is not counted."""
+    requests, records = [], []
+    for rid, (tenant, done_s) in enumerate([("a", 1.0), ("b", 1.5), ("a", 2.0), ("b", 3.0)]):
+        requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
+        record = Record(rid, f"q{rid}", sent_s=done_s - 0.5, ttft_s=0.1, e2e_s=0.5)
         record.prompt_tokens, record.cached_tokens = 100, 40
         records.append(record)
-    late = next(r.rid for r in requests if r.at_s == end)  # the last one ends after the end
+    failed = Record(4, "q4", sent_s=0.0)
+    failed.fail("http_500")
+    requests.append(Request(4, "q4", 0, 0.0, 4, tenant="b"))
+    records.append(failed)
     figures = per_tenant(requests, records)
     assert figures is not None
-    late_tenant = requests[late].tenant or ""
-    assert figures[late_tenant]["goodput_requests"] == figures[late_tenant]["requests"] - 1
-    assert sum(t["goodput_computed_tokens"] for t in figures.values()) == 60 * (len(requests) - 1)
-    assert all(t["hit_ratio"] == pytest.approx(0.4) for t in figures.values())
-    fair = fairness(
-        {"a": {"goodput_computed_tokens": 60}, "b": {"goodput_computed_tokens": 40}},
-        {"a": 1.0, "b": 1.0},
-    )
+    a, b = figures["a"], figures["b"]
+    assert (a["requests"], a["ok"], a["goodput_requests"]) == (2, 2, 2)
+    assert (b["requests"], b["ok"], b["goodput_requests"]) == (3, 2, 1)
+    assert (a["goodput_computed_tokens"], b["goodput_computed_tokens"]) == (120, 60)
+    assert a["hit_ratio"] == pytest.approx(0.4) and a["ttft_mean_s"] == pytest.approx(0.1)
+    fair = fairness(figures, {"a": 1.0, "b": 1.0})
     assert fair["configured_shares"] == {"a": 0.5, "b": 0.5}
-    assert fair["share_deviation"] == pytest.approx(0.2)  # a got 60% of a 50% share
-    assert per_tenant([], []) is None
+    assert fair["goodput_token_shares"]["a"] == pytest.approx(2 / 3)
+    assert fair["share_deviation"] == pytest.approx(1 / 3)  # a got 2/3 of a 1/2 share
+    assert per_tenant([Request(0, "q0", 0, 0.0, 4)], [records[0]]) is None  # no tenants
