@@ -24,6 +24,7 @@ served.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -108,8 +109,8 @@ def full_preset() -> TenantsPreset:
 
 
 def quick_preset() -> TenantsPreset:
-    """About a minute: short prompts, ours in its three settings, one seed, a two-step
-    calibration and the fairness cell."""
+    """About a minute: short prompts, the four systems, one seed, a two-step calibration and
+    the fairness cell."""
     workload = TenantPrefix(
         tool_tokens=1200,
         documents=2,
@@ -117,14 +118,14 @@ def quick_preset() -> TenantsPreset:
         document_max_tokens=600,
         question_max_tokens=60,
         answer_tokens=8,
-        requests=32,
+        requests=24,
     )
     return TenantsPreset(
         TENANTS_QUICK,
         workload,
-        replace(workload, seed=CALIBRATION_SEED, requests=24),
+        replace(workload, seed=CALIBRATION_SEED, requests=20),
         seeds=(1,),
-        systems=SYSTEM_NAMES[:3],
+        systems=SYSTEM_NAMES,
         time_scale=4.0,
         search=Search(max_steps=2, factor=1.6),
     )
@@ -178,8 +179,10 @@ def fair_system(builder: TenantPrefix, vocab: Vocab, with_shares: bool) -> Route
     at most MAX_CONCURRENT requests inside it: the rest wait in its queue (long enough for
     the whole run, so none is refused)."""
     tenants = tenants_file(builder, vocab, public=True, shares=SHARES if with_shares else ())
-    args = ("--tenants", tenants, "--max-concurrent-requests", str(MAX_CONCURRENT))
-    args += ("--queue-size", "100000", "--queue-timeout-secs", "3600")
+    args = (
+        *("--tenants", tenants, "--max-concurrent-requests", str(MAX_CONCURRENT)),
+        *("--queue-size", "100000", "--queue-timeout-secs", "3600"),
+    )
     return replace(NO_ISOLATION, args=args, tag=FAIR_TAG, api_key=OPERATOR_KEY)
 
 
@@ -363,6 +366,12 @@ def isolation_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any
     return rows, figures
 
 
+def tenant_value(run: Run, key: str, tenant: str) -> Any:
+    """The tenant's entry of the run's `key` mapping (`sent_shares`: its workload's)."""
+    where = (run.get("workload_params") or {}) if key == "sent_shares" else run
+    return (where.get(key) or {}).get(tenant)
+
+
 def fairness_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per tenant: its configured share, what it sent, its goodput shares (median over the
     seeds) and the goodput token share over the configured one."""
@@ -372,15 +381,14 @@ def fairness_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]
     rows, figures = [], []
     tenants = list(next(iter(mine.values())).get("configured_shares") or {})
     for tenant in tenants:
-
-        def of(key: str, t: str = tenant) -> dict[int, float]:
-            return over_seeds(mine, lambda r: (r.get(key) or {}).get(t))
-
-        sent = over_seeds(mine, lambda r, t=tenant: r["workload_params"]["sent_shares"].get(t))
-        configured, tokens, done = (
-            of("configured_shares"),
-            of("goodput_token_shares"),
-            of("goodput_request_shares"),
+        configured, tokens, done, sent = (
+            over_seeds(mine, functools.partial(tenant_value, key=key, tenant=tenant))
+            for key in (
+                "configured_shares",
+                "goodput_token_shares",
+                "goodput_request_shares",
+                "sent_shares",
+            )
         )
         vs = {s: tokens[s] / configured[s] for s in tokens if configured.get(s)}
         figures.append(

@@ -36,7 +36,8 @@ def test_tenants_quick(tenants_dir: Path) -> None:
     assert figures["preset"] == "tenants-quick"
     assert "--tenants --quick" in figures["command"]
     runs = check_paired_run(figures)
-    assert {r["system"] for r in runs} == {*ISOLATION, tenants_preset.FAIR_SYSTEM}
+    peer = "sglang-router cache_aware"
+    assert {r["system"] for r in runs} == {*ISOLATION, peer, tenants_preset.FAIR_SYSTEM}
     by_system = {r["system"]: r for r in runs}
     for run in runs:
         assert run["workload"] == "tenants"
