@@ -21,24 +21,23 @@ same ones.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite
+from benchmarks.multiturn import versus
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.lora import LoraPrefix
 from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
-from benchmarks.multiturn.paired_report import Extra, Run, Target, label, runs_of
+from benchmarks.multiturn.paired_report import Extra, Run, Target
 from benchmarks.multiturn.sustained import Search
-from benchmarks.multiturn.targets import pct
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.workloads import OPENAI, Workload
+from benchmarks.multiturn.versus import Column
+from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
-from benchmarks.report.seeds import ratio, spread, spread_text
+from benchmarks.report.seeds import ratio
 from benchmarks.report.table import markdown_table
 from localrun.cluster import ClusterSpec
 
@@ -134,11 +133,8 @@ def make_plan(
 ) -> PairedPlan:
     """Every seed's workload built, the KV sized from their hot sets (or as `known`, an
     earlier run's setup, sized it); one config. ValueError when nothing is left to run."""
-    built: dict[int, Workload] = {}
-    for seed in preset.seeds:
-        built[seed] = replace(preset.workload, seed=seed).build(vocab)
-        on_seed()
-    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    builders = {seed: replace(preset.workload, seed=seed) for seed in preset.seeds}
+    sized = HotSetKV.of_builders(builders, vocab, known, KV_SHARE, INSTANCES, on_seed)
     name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     specs = tuple(s for s in preset.systems if selected(systems, s.name, None))
     if not specs:
@@ -165,7 +161,7 @@ def make_plan(
     config = Config(
         key,
         name,
-        {seed: replace(preset.workload, seed=seed) for seed in preset.seeds},
+        builders,
         preset.calibration,
         (Member(cluster, specs),),
         ROUND_ROBIN,
@@ -176,11 +172,7 @@ def make_plan(
     earlier = "as the run the rates came from sized it; " if sized.earlier else ""
     setup = {
         key: {
-            "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
-            "hot_set_tokens": hot_set,
-            "instance_kv_tokens": kv,
-            "largest_request_tokens": sized.largest,
-            "time_scale": preset.time_scale,
+            **sized.setup(preset.time_scale),
             "adapters": adapters,
             "max_loaded_loras": MAX_LOADED_LORAS,
             "text": (
@@ -235,75 +227,16 @@ def evictions_per_request(run: Run) -> float | None:
     return ratio(evicted, run.get("requests"))
 
 
-def per_seed_text(values: dict[int, float], digits: int = 2) -> str | None:
-    """`a / b / c -> median` over the seeds (the seeds in order)."""
-    if not values:
-        return None
-    seeds = sorted(values)
-    shown = " / ".join(f"{values[s]:.{digits}f}" for s in seeds)
-    if len(seeds) == 1:
-        return shown
-    return f"{shown} -> {statistics.median(values.values()):.{digits}f}"
-
-
-def over_seeds(mine: dict[int, Run], of: Callable[[Run], Any]) -> dict[int, float]:
-    """seed -> `of(run)`, where it is a finite number."""
-    return {seed: value for seed, run in mine.items() if finite(value := of(run))}
-
-
-def versus(mine: dict[int, Run], theirs: dict[int, Run], key: str) -> dict[int, float]:
-    """seed -> mine's `key` over theirs in that seed (the same requests)."""
-    return over_seeds(
-        mine, lambda run: ratio(run.get(key), (theirs.get(run["seed"]) or {}).get(key))
-    )
-
-
-def mid(values: dict[int, float], digits: int = 3) -> str | None:
-    """Median [min..max] of per-seed values."""
-    return spread_text(spread(values.values()), digits)
+LORA_COLUMNS = (
+    Column("lora_loads_per_request", "adapter loads / request", loads_per_request),
+    Column("lora_evictions_per_request", None, evictions_per_request),
+)
 
 
 def system_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per system of `config`: TTFT, hit, adapter loads per request, and its ratios to
     cache_aware's per seed with their median; and the same as figures for results.json."""
-    systems = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
-    baseline = runs_of(runs, config, CACHE_AWARE.name)
-    rows, figures = [], []
-    for system in systems:
-        mine = runs_of(runs, config, system)
-        if not mine:
-            continue
-        figure: dict[str, Any] = {
-            "system": system,
-            "seeds": sorted(mine),
-            "ttft_mean_s": over_seeds(mine, lambda r: r.get("ttft_mean_s")),
-            "ttft_p99_s": over_seeds(mine, lambda r: r.get("ttft_p99_s")),
-            "hit_ratio": over_seeds(mine, lambda r: r.get("reuse_ratio")),
-            "lora_loads_per_request": over_seeds(mine, loads_per_request),
-            "lora_evictions_per_request": over_seeds(mine, evictions_per_request),
-            "mean_vs_cache_aware": versus(mine, baseline, "ttft_mean_s"),
-            "p99_vs_cache_aware": versus(mine, baseline, "ttft_p99_s"),
-            "hit_vs_cache_aware": versus(mine, baseline, "reuse_ratio"),
-        }
-        figures.append(figure)
-        hits = spread(figure["hit_ratio"].values())
-        rows.append(
-            {
-                "system": system,
-                "TTFT mean s": mid(figure["ttft_mean_s"]),
-                "p99 s": mid(figure["ttft_p99_s"]),
-                "hit": pct(hits["median"]) if hits else None,
-                "adapter loads / request": mid(figure["lora_loads_per_request"]),
-                "mean / cache_aware (per seed -> median)": per_seed_text(
-                    figure["mean_vs_cache_aware"]
-                ),
-                "p99 / cache_aware (per seed -> median)": per_seed_text(
-                    figure["p99_vs_cache_aware"]
-                ),
-                "hit / cache_aware": per_seed_text(figure["hit_vs_cache_aware"]),
-            }
-        )
-    return rows, figures
+    return versus.system_rows(runs, config, CACHE_AWARE.name, "cache_aware", LORA_COLUMNS)
 
 
 def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:

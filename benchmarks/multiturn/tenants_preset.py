@@ -34,16 +34,15 @@ from typing import Any
 
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import RouterSpec
-from benchmarks.multiturn.lora_preset import mid, over_seeds, per_seed_text, versus
 from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
-from benchmarks.multiturn.paired_report import Extra, Run, Target, label, runs_of
+from benchmarks.multiturn.paired_report import Extra, Run, Target, runs_of
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.targets import pct
 from benchmarks.multiturn.tenants import TenantPrefix, tenant_key, tool_prompt
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.workloads import OPENAI, Workload
+from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
+from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
-from benchmarks.report.seeds import spread
 from benchmarks.report.table import markdown_table
 from localrun.cluster import ClusterSpec
 from router.tenants.config import TenantsError, hash_key, parse
@@ -197,11 +196,8 @@ def make_plan(
     """Every seed's workload built, the KV sized from their hot sets (or as `known` sized
     it); the isolation config and the fairness config (which shares its sustained rate).
     ValueError when nothing is left to run."""
-    built: dict[int, Workload] = {}
-    for seed in preset.seeds:
-        built[seed] = replace(preset.workload, seed=seed).build(vocab)
-        on_seed()
-    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    builders = {seed: replace(preset.workload, seed=seed) for seed in preset.seeds}
+    sized = HotSetKV.of_builders(builders, vocab, known, KV_SHARE, INSTANCES, on_seed)
     name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     by_name = systems_of(preset.workload, vocab)
     specs = tuple(by_name[s] for s in preset.systems if selected(systems, s, None) and s in by_name)
@@ -222,14 +218,13 @@ def make_plan(
     )
     key = f"{name}, {SHAPE}, {tenants} tenants"
     labels = {"shape": SHAPE, "instance_kv_tokens": kv, "hot_set_tokens": hot_set}
-    seeds = {seed: replace(preset.workload, seed=seed) for seed in preset.seeds}
     configs = []
     if specs:
         configs.append(
             Config(
                 key,
                 name,
-                seeds,
+                builders,
                 preset.calibration,
                 (Member(cluster, specs),),
                 ROUND_ROBIN,
@@ -245,7 +240,7 @@ def make_plan(
             Config(
                 fair_key,
                 name,
-                {s: replace(b, weights=FAIR_WEIGHTS) for s, b in seeds.items()},
+                {s: replace(b, weights=FAIR_WEIGHTS) for s, b in builders.items()},
                 preset.calibration,
                 (Member(replace(cluster, name="tn-fair-c4"), (fair,)),),
                 ROUND_ROBIN,
@@ -262,11 +257,7 @@ def make_plan(
         f"({earlier}median of seeds {sized.seeds_text()})"
     )
     common = {
-        "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
-        "hot_set_tokens": hot_set,
-        "instance_kv_tokens": kv,
-        "largest_request_tokens": sized.largest,
-        "time_scale": preset.time_scale,
+        **sized.setup(preset.time_scale),
         "tenants": tenants,
     }
     setup = {
@@ -331,39 +322,7 @@ def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
 
 def isolation_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per system: TTFT, hit and their ratios to no isolation's within each seed."""
-    systems = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
-    baseline = runs_of(runs, config, NO_ISOLATION.name)
-    rows, figures = [], []
-    for system in systems:
-        mine = runs_of(runs, config, system)
-        if not mine:
-            continue
-        figure: dict[str, Any] = {
-            "system": system,
-            "seeds": sorted(mine),
-            "ttft_mean_s": over_seeds(mine, lambda r: r.get("ttft_mean_s")),
-            "ttft_p99_s": over_seeds(mine, lambda r: r.get("ttft_p99_s")),
-            "hit_ratio": over_seeds(mine, lambda r: r.get("reuse_ratio")),
-            "mean_vs_no_isolation": versus(mine, baseline, "ttft_mean_s"),
-            "p99_vs_no_isolation": versus(mine, baseline, "ttft_p99_s"),
-            "hit_vs_no_isolation": versus(mine, baseline, "reuse_ratio"),
-        }
-        figures.append(figure)
-        hits = spread(figure["hit_ratio"].values())
-        rows.append(
-            {
-                "system": system,
-                "TTFT mean s": mid(figure["ttft_mean_s"]),
-                "p99 s": mid(figure["ttft_p99_s"]),
-                "hit": pct(hits["median"]) if hits else None,
-                "mean / no isolation (per seed -> median)": per_seed_text(
-                    figure["mean_vs_no_isolation"]
-                ),
-                "p99 / no isolation": per_seed_text(figure["p99_vs_no_isolation"]),
-                "hit / no isolation": per_seed_text(figure["hit_vs_no_isolation"]),
-            }
-        )
-    return rows, figures
+    return system_rows(runs, config, NO_ISOLATION.name, "no isolation")
 
 
 def tenant_value(run: Run, key: str, tenant: str) -> Any:
