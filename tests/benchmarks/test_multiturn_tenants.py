@@ -41,6 +41,9 @@ def test_tenants_quick(tenants_dir: Path) -> None:
     by_system = {r["system"]: r for r in runs}
     for run in runs:
         assert run["workload"] == "tenants"
+        if run["router"] == "memserve-router":  # with tenants: the operator's key opens these
+            assert run.get("events_synced") is not False, run["system"]
+            assert run["router_decisions"], run["system"]
         tenants = run["per_tenant"]
         assert set(tenants) == {"t0", "t1", "t2", "t3"}
         assert sum(t["requests"] for t in tenants.values()) == run["requests"]
@@ -138,3 +141,16 @@ def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() ->
     assert fair["goodput_token_shares"]["a"] == pytest.approx(2 / 3)
     assert fair["share_deviation"] == pytest.approx(1 / 3)  # a got 2/3 of a 1/2 share
     assert per_tenant([Request(0, "q0", 0, 0.0, 4)], [records[0]]) is None  # no tenants
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tenants", "--lora"], "pick one"),
+        (["--tenants", "--workloads", "trace"], "--tenants runs its own tenants workload"),
+        (["--tenants", "--systems", "nobody"], "nothing to run: no system of the preset"),
+    ],
+)
+def test_tenants_command_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    done = benchmark("multiturn", tmp_path, *args, timeout=180)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
