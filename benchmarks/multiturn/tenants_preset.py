@@ -92,9 +92,9 @@ class TenantsPreset:
 
 
 def full_preset() -> TenantsPreset:
-    """About 15 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 12
-    runs (4 systems x 3 seeds) of 240 requests of 1.3-5.7K-token prompts and 3 fairness
-    runs."""
+    """About 12 min on 2 cores (one seed: 4.3 min): a calibration of at most 5 steps of 120
+    requests, then 12 runs (4 systems x 3 seeds) of 240 requests of 4-5.7K-token prompts
+    and 3 fairness runs."""
     workload = TenantPrefix()
     return TenantsPreset(
         TENANTS,
@@ -392,8 +392,9 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
                 f"## Fairness at saturation: {config}",
                 "",
                 "Each tenant's share of the goodput (computed prompt tokens, and requests, "
-                "completed before the last request arrived) against its configured share; "
-                "medians over the seeds. "
+                "answered before the first tenant had all of its answers: until then every "
+                "tenant had requests waiting) against its configured share; medians over the "
+                "seeds. "
                 + (
                     "The router enforced the shares (the tenants file's `share`)."
                     if enforced
