@@ -53,6 +53,12 @@ SUITES = {
         "multiturn_lora",
         ("--lora",),
     ),
+    "tenants": Suite(
+        "multiturn",
+        "4 tenants sharing a public tool prompt: isolation's cost, fairness",
+        "multiturn_tenants",
+        ("--tenants",),
+    ),
     "overload": Suite("overload", "goodput from 50% to 150% of the sustained rate", "overload"),
     "router-overhead": Suite(
         "router_overhead", "decision time, added latency, max requests/s", "router_overhead"

@@ -17,13 +17,16 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localrun import adapters
 from localrun.processes import (
     Launch,
     Server,
+    auth_headers,
     free_port,
     http_ok,
     module_command,
@@ -120,6 +123,8 @@ class Cluster:
     workers: list[Worker]
     model_dir: Path | None
     events_dir: Path | None = None  # the workers' KV-event ipc sockets (None: no KV events)
+    # URL -> the LoRA adapters the worker loaded at its start (none: it serves none)
+    adapters_at_start: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -194,7 +199,23 @@ class Cluster:
         servers = start_all([w.launch for w in self.workers], timeout_s)
         for w, server in zip(self.workers, servers, strict=True):
             w.server = server
+        for w, info in zip(self.workers, self.server_info(), strict=True):
+            if adapters.registered(info):
+                self.adapters_at_start[w.url] = adapters.resident(info)
         return self.urls
+
+    def reset_adapters(self) -> int:
+        """Every worker's LoRA adapters back to those it loaded at its start
+        (`localrun.adapters`), the workers in parallel; the adapters reloaded."""
+        if not self.adapters_at_start:
+            return 0
+        by_url = {w.url: info for w, info in zip(self.workers, self.server_info(), strict=True)}
+        with ThreadPoolExecutor(len(self.adapters_at_start)) as pool:
+            done = pool.map(
+                lambda item: adapters.restore(item[0], by_url[item[0]], item[1]),
+                self.adapters_at_start.items(),
+            )
+            return sum(done)
 
     @property
     def urls(self) -> list[str]:
@@ -359,12 +380,16 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     """Prometheus text as {name{labels}: value}, the labels kept verbatim, plus each metric's
     bare name holding the sum over its labelled samples (a worker splits its cached tokens
-    by cache_source: the bare name is their total); {} on failure."""
+    by cache_source: the bare name is their total); {} on failure. `api_key`: a router's
+    operator key, sent as a bearer token."""
+    headers = {} if api_key is None else auth_headers(api_key)
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=10
+        ) as resp:
             text = resp.read().decode()
     except (OSError, ValueError):
         return {}

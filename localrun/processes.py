@@ -24,6 +24,13 @@ from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """JSON headers with `Authorization: Bearer <api_key>` (a tenant's or the operator's)."""
+    return {**JSON_HEADERS, "Authorization": f"Bearer {api_key}"}
+
+
 STOP_TIMEOUT_S = 10.0
 
 
@@ -156,10 +163,14 @@ class Launch:
         return Server(proc, self.port, self.log, self.name)
 
 
-def http_ok(url: str, body: bytes | None = None, timeout: float = 5) -> bool:
-    """GET (POST with `body`) answers 200; an HTTP error status is False, a refused
-    connection raises (OSError), so callers can tell "up but failing" from "not up"."""
-    req = urllib.request.Request(url, data=body, headers=JSON_HEADERS)
+def http_ok(
+    url: str, body: bytes | None = None, timeout: float = 5, api_key: str | None = None
+) -> bool:
+    """GET (POST with `body`) answers 200 (`api_key`: sent as a bearer token); an HTTP error
+    status is False, a refused connection raises (OSError), so callers can tell "up but
+    failing" from "not up"."""
+    headers = JSON_HEADERS if api_key is None else auth_headers(api_key)
+    req = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             resp.read()

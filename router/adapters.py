@@ -43,6 +43,16 @@ class WorkerAdapters:
             return load_s
         return 2 * load_s
 
+    def affinity(self, adapter: str) -> float:
+        """llm-d's LoRA affinity score for `adapter` here: 1.0 loaded, 0.8 a free slot (or
+        no known limit), 0 where a load must evict another. (llm-d's 0.6 for an adapter still
+        loading is folded into 1.0: `sent` marks an adapter loaded with its first request.)"""
+        if adapter in self.resident:
+            return 1.0
+        if self.capacity is None or len(self.resident) < self.capacity:
+            return 0.8
+        return 0.0
+
     def sent(self, adapter: str) -> None:
         """A request for `adapter` went here: loaded and most recently used, the least
         recently used unpinned ones evicted past the limit."""

@@ -283,6 +283,25 @@ class Session(Policy):
         return Decision(max(workers, key=score), reason="session")
 
 
+class LoraAffinity(Policy):
+    """llm-d's LoRA affinity scorer alone (the adapter-affinity-only peer of issue 38): the
+    worker with the adapter loaded, else one with a free slot, else any; ties by least load.
+    Blind to prefixes; a request naming no adapter goes to the least loaded worker."""
+
+    name = "lora_affinity"
+
+    def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
+        adapter = request.adapter
+        if adapter is None:
+            return Decision(least_loaded(workers), reason="no_adapter")
+        scores = [w.adapters.affinity(adapter) for w in workers]
+        best = max(scores)
+        choice = least_loaded([w for w, s in zip(workers, scores, strict=True) if s == best])
+        choice.adapters.sent(adapter)
+        reason = "adapter_loaded" if best == 1.0 else "adapter_slot" if best else "adapter_evict"
+        return Decision(choice, reason=reason)
+
+
 class CacheAware(Policy):
     """sglang-router's cache_aware: a character radix tree, tenants are workers."""
 
@@ -387,7 +406,17 @@ class Cost(PromptTree):
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p
-    for p in (RoundRobin, Random, LeastLoad, PowerOfTwo, Session, CacheAware, PromptTree, Cost)
+    for p in (
+        RoundRobin,
+        Random,
+        LeastLoad,
+        PowerOfTwo,
+        Session,
+        LoraAffinity,
+        CacheAware,
+        PromptTree,
+        Cost,
+    )
 }
 
 

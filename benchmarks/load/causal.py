@@ -113,7 +113,14 @@ async def run_workload(
                     record.messages = messages_for(request, parent)
                 data = request_body(request, record, model, workload.api, render)
                 await send(
-                    session, url, data, record, started=started, retry=retry, need_usage=True
+                    session,
+                    url,
+                    data,
+                    record,
+                    started=started,
+                    retry=retry,
+                    need_usage=True,
+                    api_key=request.api_key,
                 )
             finally:
                 done[request.rid].set()

@@ -21,7 +21,7 @@ import msgspec
 
 from benchmarks.load.record import ABANDONED, REJECTED, Record
 from benchmarks.load.retry import NO_RETRY, Retry429
-from localrun.processes import JSON_HEADERS
+from localrun.processes import JSON_HEADERS, auth_headers
 
 DETAIL_CHARS = 500  # of a body or an event kept with an error
 _decode = msgspec.json.Decoder().decode
@@ -46,16 +46,21 @@ async def send(
     started: float | None = None,
     retry: Retry429 = NO_RETRY,
     need_usage: bool = False,
+    api_key: str | None = None,
 ) -> None:
     """POST `body` to `url` + `record.path` and fill `record` (`sent_s` from `started`, a
     time.perf_counter() value, when given); `record.stream` says how to read the answer,
     `record.kind` whether to abandon it after its first chunk (`abandon`) or expect a 400
-    (`bad`); `need_usage`: an answer without token counts is an error."""
+    (`bad`); `need_usage`: an answer without token counts is an error; `api_key`: sent as
+    `Authorization: Bearer` (a tenant's key)."""
     t0 = time.perf_counter()
     if started is not None:
         record.sent_s = t0 - started
+    headers = JSON_HEADERS if api_key is None else auth_headers(api_key)
     try:
-        while (wait := await _try(http, url + record.path, body, record, t0, retry)) is not None:
+        while (
+            wait := await _try(http, url + record.path, body, record, t0, retry, headers)
+        ) is not None:
             record.retries_429 += 1
             await asyncio.sleep(wait)
         if need_usage and record.ok and record.prompt_tokens == record.completion_tokens == 0:
@@ -75,10 +80,11 @@ async def _try(
     record: Record,
     t0: float,
     retry: Retry429,
+    headers: dict[str, str] = JSON_HEADERS,
 ) -> float | None:
     """One POST and its answer: the seconds to wait before trying again after a 429 `retry`
     allows, else None (`record` says how it went)."""
-    async with http.post(target, data=body, headers=JSON_HEADERS) as resp:
+    async with http.post(target, data=body, headers=headers) as resp:
         record.status = resp.status
         if record.kind == "bad":
             _judge_refusal(record, resp.status, await resp.read(), t0)

@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--pd", "PD with several prefills, at 80%% of the sustained rate"),
         ("--sweep", "one factor at a time around a hot-prefix cell"),
         ("--lora", "20 LoRA adapters of Zipf popularity on 4 workers holding 4 each"),
+        ("--tenants", "4 tenants sharing a public tool prompt, isolated or not, and fairness"),
     ):
         page = "hot-prefix" if flag == "--sweep" else flag[2:]
         add(flag, action="store_true", help=f"the preset of {what} (docs/benchmarks/{page}.md)")
@@ -45,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--calibration-from",
         type=Path,
         metavar="DIR",
-        help="--hot-prefix/--pd/--sweep/--lora: each config's sustained rate and KV sizing from "
-        "DIR/results.json instead of measured (to split the seeds over invocations)",
+        help="--hot-prefix/--pd/--sweep/--lora/--tenants: each config's sustained rate and KV "
+        "sizing from DIR/results.json instead of measured (to split the seeds over invocations)",
     )
     add("--seeds", type=int, nargs="+", help="these workload seeds instead of the preset's")
     add("--multiples", type=float, nargs="+", help="--capacity/--pd: working set / cluster KV")
@@ -86,11 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         paired_cli.PD: args.pd,
         paired_cli.SWEEP: args.sweep,
         paired_cli.LORA: args.lora,
+        paired_cli.TENANTS: args.tenants,
     }
     kind = next((k for k, asked in presets.items() if asked), None)
     for error, wrong in (
         (
-            "--capacity, --hot-prefix, --pd, --sweep and --lora are presets of their own: pick one",
+            "--capacity, --hot-prefix, --pd, --sweep, --lora and --tenants are presets of their "
+            "own: pick one",
             sum(presets.values()) > 1,
         ),
         (f"--trace {args.trace}: no such file", args.trace and not args.trace.exists()),
@@ -113,7 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.lora and (args.trace or args.workloads),
         ),
         (
-            "--calibration-from belongs to --hot-prefix, --pd, --sweep and --lora runs",
+            "--tenants runs its own tenants workload: no --trace or --workloads",
+            args.tenants and (args.trace or args.workloads),
+        ),
+        (
+            "--calibration-from belongs to --hot-prefix, --pd, --sweep, --lora and --tenants runs",
             args.calibration_from and (args.report_only or kind in (None, paired_cli.CAPACITY)),
         ),
         ("--merge belongs to --report-only", args.merge and not args.report_only),

@@ -26,6 +26,7 @@ from localrun.cluster import Cluster, cpu_seconds, with_children
 from localrun.processes import (
     Launch,
     Server,
+    auth_headers,
     free_port,
     http_ok,
     module_command,
@@ -49,6 +50,9 @@ class RouterSpec:
     processes: int = 1  # ours: --processes (one router of that many processes, one port)
     args: tuple[str, ...] = ()  # ours: more flags (admission, the cost model's terms)
     tag: str = ""  # ours: what `args` changes, for the name ("" when nothing)
+    # ours: the operator's key (--api-key), which the benchmark's own requests (the start
+    # probe, the event sync, the metrics scrape) send; its clients send their tenants' keys
+    api_key: str | None = None
 
     @property
     def name(self) -> str:
@@ -152,6 +156,8 @@ def router_args(spec: RouterSpec, cluster: Cluster, port: int) -> list[str]:
             args.append("--kv-events-subscribe")
         if not spec.pull:
             args.append("--disable-mempool-pull")
+        if spec.api_key:
+            args += ["--api-key", spec.api_key]
         args += ["--processes", str(spec.processes)]
         args += scaled_cost_args(cluster.time_scale)
         args += spec.args  # (after the scaled terms: a spec's own cost flags win)
@@ -186,12 +192,14 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "-" for c in name)
 
 
-def chat_probe(url: str, model: str) -> Callable[[], bool]:
+def chat_probe(url: str, model: str, api_key: str | None = None) -> Callable[[], bool]:
     """A tiny chat request through `url` answers 200: the system routes."""
     probe = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     ).encode()
-    return functools.partial(http_ok, url + "/v1/chat/completions", probe, timeout=10)
+    return functools.partial(
+        http_ok, url + "/v1/chat/completions", probe, timeout=10, api_key=api_key
+    )
 
 
 def start_router(
@@ -202,22 +210,27 @@ def start_router(
     port = free_port()
     log = log_dir / f"{cluster.spec.name}-{slug(spec.name)}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
-    why = wait_until(server, chat_probe(server.url, model), timeout_s)
+    why = wait_until(server, chat_probe(server.url, model, spec.api_key), timeout_s)
     if why is not None:
         server.stop()
         raise RuntimeError(why)
     return RunningRouter(spec, server)
 
 
-def sync_events(router_urls: Sequence[str], cluster: Cluster, timeout_s: float = 20) -> bool:
+def sync_events(
+    router_urls: Sequence[str], cluster: Cluster, timeout_s: float = 20, api_key: str | None = None
+) -> bool:
     """Our routers have just subscribed: let what they replay from the workers' buffers
     (events of earlier runs) drain in, then flush every cache and wait until each worker's
     clear event has reached every router, so the trees start as empty as the caches. False
-    when that did not happen in time (the run goes on; the record says so)."""
+    when that did not happen in time (the run goes on; the record says so). `api_key`: the
+    routers' operator key."""
+    headers = {} if api_key is None else auth_headers(api_key)
 
     def batches(url: str) -> int:
+        request = urllib.request.Request(url + "/get_server_info", headers=headers)
         try:
-            with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
+            with urllib.request.urlopen(request, timeout=5) as resp:
                 return int((json.load(resp).get("kv_events") or {}).get("batches") or 0)
         except (OSError, ValueError):
             return -1

@@ -40,7 +40,7 @@ from benchmarks.multiturn.paired_report import FLOOR, Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import OpenLoopTrace
-from benchmarks.multiturn.workloads import OPENAI, Workload
+from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
 from localrun.cluster import ClusterSpec
 
@@ -151,11 +151,8 @@ def make_plan(
     """Build every seed's workload, size the KV from their hot sets (or as `known`, an
     earlier run's setup, sized it), one config per shape. ValueError when nothing is left to
     run or a request does not fit a worker."""
-    built: dict[int, Workload] = {}
-    for seed in preset.seeds:
-        built[seed] = preset.workload(seed).build(vocab)
-        on_seed()
-    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    builders = {seed: preset.workload(seed) for seed in preset.seeds}
+    sized = HotSetKV.of_builders(builders, vocab, known, KV_SHARE, INSTANCES, on_seed)
     name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     configs = []
     for shape in preset.shapes:
@@ -189,7 +186,7 @@ def make_plan(
             Config(
                 f"{name}, {shape}",
                 name,
-                {seed: preset.workload(seed) for seed in preset.seeds},
+                builders,
                 preset.calibration,
                 tuple(members),
                 reference,
@@ -202,11 +199,7 @@ def make_plan(
         raise ValueError("nothing to run: no system of the preset has those names")
     setup = {
         c.key: {
-            "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
-            "hot_set_tokens": hot_set,
-            "instance_kv_tokens": kv,
-            "largest_request_tokens": sized.largest,
-            "time_scale": preset.time_scale,
+            **sized.setup(preset.time_scale),
             "text": (
                 f"{c.members[0].spec.label} sim workers, time scale {preset.time_scale:g}; "
                 f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "

@@ -11,31 +11,33 @@ together: 16 slots for 20 adapters. Each worker's device KV is half the hot set,
 workers (`sustained`), measured first on a calibration seed.
 
 Systems: ours prompt_tree (the adapter priced per worker: `router/adapters.py`), the same
-router with `--lora-load-secs 0` (adapter-blind: what the feature adds), sglang-router
-cache_aware (adapter-blind, prefix-aware) and round_robin. Each run's adapter loads are the
-workers' `/get_server_info` `lora.loads` after it less before it.
+router with `--lora-load-secs 0` (adapter-blind: what the feature adds), ours lora_affinity
+(llm-d's LoRA affinity scorer alone: adapter-aware, prefix-blind), sglang-router cache_aware
+(adapter-blind, prefix-aware) and round_robin. Each run's adapter loads are the workers'
+`/get_server_info` `lora.loads` after it less before it; before each run the workers' adapters
+are put back as they were at their start (`localrun.adapters`), so every system meets the
+same ones.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import finite
+from benchmarks.multiturn import versus
 from benchmarks.multiturn.capacity import Features
 from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.lora import LoraPrefix
 from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
-from benchmarks.multiturn.paired_report import Extra, Run, Target, label, runs_of
+from benchmarks.multiturn.paired_report import Extra, Run, Target
 from benchmarks.multiturn.sustained import Search
-from benchmarks.multiturn.targets import pct
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.workloads import OPENAI, Workload
+from benchmarks.multiturn.versus import Column
+from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
-from benchmarks.report.seeds import ratio, spread, spread_text
+from benchmarks.report.seeds import ratio
 from benchmarks.report.table import markdown_table
 from localrun.cluster import ClusterSpec
 
@@ -51,9 +53,10 @@ TARGET_P99 = 0.7  # issue 38: ours' p99 TTFT at most 0.7x cache_aware's
 
 PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
 ADAPTER_BLIND = RouterSpec(OURS, "prompt_tree", args=("--lora-load-secs", "0"), tag="lora-load 0")
+LORA_AFFINITY = RouterSpec(OURS, "lora_affinity")  # llm-d's LoRA scorer alone: prefix-blind
 CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
 ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
-SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, CACHE_AWARE, ROUND_ROBIN)
+SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, LORA_AFFINITY, CACHE_AWARE, ROUND_ROBIN)
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,8 @@ class LoraPreset:
 
 
 def full_preset() -> LoraPreset:
-    """About 12 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 12
-    runs (4 systems x 3 seeds) of 240 requests of 1.5-4.5K-token prompts."""
+    """About 15 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 15
+    runs (5 systems x 3 seeds) of 240 requests of 1.5-4.5K-token prompts."""
     workload = LoraPrefix(requests=240)
     return LoraPreset(
         LORA,
@@ -84,8 +87,8 @@ def full_preset() -> LoraPreset:
 
 
 def quick_preset() -> LoraPreset:
-    """Under a minute: fewer, shorter prompts, ours against cache_aware, one seed, a
-    two-step calibration."""
+    """About a minute: fewer, shorter prompts, ours against lora_affinity and cache_aware,
+    one seed, a two-step calibration."""
     workload = LoraPrefix(
         adapters=8,
         documents=2,
@@ -102,7 +105,7 @@ def quick_preset() -> LoraPreset:
         workload,
         replace(workload, seed=CALIBRATION_SEED, requests=30),
         seeds=(1,),
-        systems=(PROMPT_TREE, CACHE_AWARE),
+        systems=(PROMPT_TREE, LORA_AFFINITY, CACHE_AWARE),
         time_scale=4.0,
         search=Search(max_steps=2, factor=1.6),
     )
@@ -130,11 +133,8 @@ def make_plan(
 ) -> PairedPlan:
     """Every seed's workload built, the KV sized from their hot sets (or as `known`, an
     earlier run's setup, sized it); one config. ValueError when nothing is left to run."""
-    built: dict[int, Workload] = {}
-    for seed in preset.seeds:
-        built[seed] = replace(preset.workload, seed=seed).build(vocab)
-        on_seed()
-    sized = HotSetKV.of(built, known, KV_SHARE, INSTANCES)
+    builders = {seed: replace(preset.workload, seed=seed) for seed in preset.seeds}
+    sized = HotSetKV.of_builders(builders, vocab, known, KV_SHARE, INSTANCES, on_seed)
     name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     specs = tuple(s for s in preset.systems if selected(systems, s.name, None))
     if not specs:
@@ -161,7 +161,7 @@ def make_plan(
     config = Config(
         key,
         name,
-        {seed: replace(preset.workload, seed=seed) for seed in preset.seeds},
+        builders,
         preset.calibration,
         (Member(cluster, specs),),
         ROUND_ROBIN,
@@ -172,11 +172,7 @@ def make_plan(
     earlier = "as the run the rates came from sized it; " if sized.earlier else ""
     setup = {
         key: {
-            "hot_set_tokens_per_seed": {str(s): v for s, v in sized.per_seed.items()},
-            "hot_set_tokens": hot_set,
-            "instance_kv_tokens": kv,
-            "largest_request_tokens": sized.largest,
-            "time_scale": preset.time_scale,
+            **sized.setup(preset.time_scale),
             "adapters": adapters,
             "max_loaded_loras": MAX_LOADED_LORAS,
             "text": (
@@ -231,75 +227,16 @@ def evictions_per_request(run: Run) -> float | None:
     return ratio(evicted, run.get("requests"))
 
 
-def per_seed_text(values: dict[int, float], digits: int = 2) -> str | None:
-    """`a / b / c -> median` over the seeds (the seeds in order)."""
-    if not values:
-        return None
-    seeds = sorted(values)
-    shown = " / ".join(f"{values[s]:.{digits}f}" for s in seeds)
-    if len(seeds) == 1:
-        return shown
-    return f"{shown} -> {statistics.median(values.values()):.{digits}f}"
-
-
-def over_seeds(mine: dict[int, Run], of: Callable[[Run], Any]) -> dict[int, float]:
-    """seed -> `of(run)`, where it is a finite number."""
-    return {seed: value for seed, run in mine.items() if finite(value := of(run))}
-
-
-def versus(mine: dict[int, Run], theirs: dict[int, Run], key: str) -> dict[int, float]:
-    """seed -> mine's `key` over theirs in that seed (the same requests)."""
-    return over_seeds(
-        mine, lambda run: ratio(run.get(key), (theirs.get(run["seed"]) or {}).get(key))
-    )
-
-
-def mid(values: dict[int, float], digits: int = 3) -> str | None:
-    """Median [min..max] of per-seed values."""
-    return spread_text(spread(values.values()), digits)
+LORA_COLUMNS = (
+    Column("lora_loads_per_request", "adapter loads / request", loads_per_request),
+    Column("lora_evictions_per_request", None, evictions_per_request),
+)
 
 
 def system_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """Per system of `config`: TTFT, hit, adapter loads per request, and its ratios to
     cache_aware's per seed with their median; and the same as figures for results.json."""
-    systems = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
-    baseline = runs_of(runs, config, CACHE_AWARE.name)
-    rows, figures = [], []
-    for system in systems:
-        mine = runs_of(runs, config, system)
-        if not mine:
-            continue
-        figure: dict[str, Any] = {
-            "system": system,
-            "seeds": sorted(mine),
-            "ttft_mean_s": over_seeds(mine, lambda r: r.get("ttft_mean_s")),
-            "ttft_p99_s": over_seeds(mine, lambda r: r.get("ttft_p99_s")),
-            "hit_ratio": over_seeds(mine, lambda r: r.get("reuse_ratio")),
-            "lora_loads_per_request": over_seeds(mine, loads_per_request),
-            "lora_evictions_per_request": over_seeds(mine, evictions_per_request),
-            "mean_vs_cache_aware": versus(mine, baseline, "ttft_mean_s"),
-            "p99_vs_cache_aware": versus(mine, baseline, "ttft_p99_s"),
-            "hit_vs_cache_aware": versus(mine, baseline, "reuse_ratio"),
-        }
-        figures.append(figure)
-        hits = spread(figure["hit_ratio"].values())
-        rows.append(
-            {
-                "system": system,
-                "TTFT mean s": mid(figure["ttft_mean_s"]),
-                "p99 s": mid(figure["ttft_p99_s"]),
-                "hit": pct(hits["median"]) if hits else None,
-                "adapter loads / request": mid(figure["lora_loads_per_request"]),
-                "mean / cache_aware (per seed -> median)": per_seed_text(
-                    figure["mean_vs_cache_aware"]
-                ),
-                "p99 / cache_aware (per seed -> median)": per_seed_text(
-                    figure["p99_vs_cache_aware"]
-                ),
-                "hit / cache_aware": per_seed_text(figure["hit_vs_cache_aware"]),
-            }
-        )
-    return rows, figures
+    return versus.system_rows(runs, config, CACHE_AWARE.name, "cache_aware", LORA_COLUMNS)
 
 
 def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
@@ -334,13 +271,18 @@ NOTES = (
     "tokens), one of its 3 documents (1-3K) and a unique question (20-200), completions; "
     "independent requests, open-loop Poisson arrivals. Every system gets the same requests "
     "on the same workers, caches flushed and a fresh router before each run, system order "
-    "rotated per seed. The adapters a worker holds carry over from the run before (a flush "
-    "empties the KV cache, not the adapter slots); our router reads them at its start.",
+    "rotated per seed. Before each run every worker's adapters are put back as they were at "
+    "its start (unloaded and loaded again through SGLang's `/unload_lora_adapter` and "
+    "`/load_lora_adapter`: a flush empties the KV cache, not the adapter slots), so every "
+    "system meets the same adapters loaded; our router reads them at its start.",
     "Adapter loads: the sim charges each load 10 ms plus 84 MB (rank 16 on every linear "
     "layer of Llama-3.1-8B) at 2 GB/s (local NVMe), 52 ms, to the step that prefills the "
     "request that needed it, times the time scale; our router prices it the same "
     "(`--lora-load-secs 0.052` times the time scale, as its other cost terms), and `ours "
-    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind).",
+    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind). "
+    "`ours lora_affinity` is llm-d's LoRA affinity scorer alone (1.0 the adapter loaded, 0.8 "
+    "a free slot, 0 a load that evicts; ties to the least loaded): adapter-aware, "
+    "prefix-blind.",
     "Sustained rate: before the runs, sglang-router round_robin serves a calibration "
     "workload (another seed) at rising rates; the measured runs offer 85% of the rate it "
     "sustained. Device KV per worker: half the hot set (prompt pages that two or more "

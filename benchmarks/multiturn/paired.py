@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,33 @@ class HotSetKV:
         )
         sizing.check_fits(largest)
         return cls(name, per_seed, hot_set, earlier is not None, largest, sizing.instance_tokens)
+
+    @classmethod
+    def of_builders(
+        cls,
+        builders: dict[int, Any],
+        vocab: Vocab,
+        known: dict[str, dict[str, Any]] | None,
+        share: float,
+        instances: int,
+        on_seed: Callable[[], None],
+    ) -> HotSetKV:
+        """Every seed's workload built (`on_seed` after each), then sized as `of` does."""
+        built: dict[int, Workload] = {}
+        for seed, builder in builders.items():
+            built[seed] = builder.build(vocab)
+            on_seed()
+        return cls.of(built, known, share, instances)
+
+    def setup(self, time_scale: float) -> dict[str, Any]:
+        """The sizing as a config's entry of results.json's `setup` gives it."""
+        return {
+            "hot_set_tokens_per_seed": {str(s): v for s, v in self.per_seed.items()},
+            "hot_set_tokens": self.hot_set,
+            "instance_kv_tokens": self.kv,
+            "largest_request_tokens": self.largest,
+            "time_scale": time_scale,
+        }
 
     def seeds_text(self) -> str:
         return ", ".join(f"{s}: {v:,}" for s, v in self.per_seed.items())

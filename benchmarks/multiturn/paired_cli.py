@@ -1,9 +1,9 @@
-"""The paired presets on the command line: `--capacity`, `--hot-prefix`, `--pd`, `--sweep`
-and `--lora`, run or reported again.
+"""The paired presets on the command line: `--capacity`, `--hot-prefix`, `--pd`, `--sweep`,
+`--lora` and `--tenants`, run or reported again.
 
 Kept apart from `__main__` so that the main module only parses and dispatches; a preset's
 own module says what it runs (`capacity`, `hot_prefix_preset`, `pd_preset`, `sweep_preset`,
-`lora_preset`),
+`lora_preset`, `tenants_preset`),
 this one how its runs are planned, executed and written: every one through `paired_report`.
 """
 
@@ -23,6 +23,7 @@ from benchmarks.multiturn import (
     pd_preset,
     sweep_preset,
     sweep_report,
+    tenants_preset,
 )
 from benchmarks.multiturn.capacity import Features, narrowed
 from benchmarks.multiturn.paired import PairedPlan, known_from, run_paired
@@ -75,10 +76,19 @@ LORA = Kind(
     extra=lora_preset.extra,
 )
 
+TENANTS = Kind(
+    tenants_preset.TENANTS,
+    Path("benchmarks/results/multiturn_tenants"),
+    "Tenants sharing a public tool prompt: what isolation costs, and fairness at saturation",
+    tenants_preset.NOTES,
+    tenants_preset.targets_for,
+    extra=tenants_preset.extra,
+)
+
 
 def kind_of(preset: str) -> Kind | None:
     """The paired preset a results.json's `preset` names, if any."""
-    for kind in (CAPACITY, HOT_PREFIX, PD, SWEEP, LORA):
+    for kind in (CAPACITY, HOT_PREFIX, PD, SWEEP, LORA, TENANTS):
         if preset in (kind.name, f"{kind.name}-quick"):
             return kind
     return None
@@ -111,6 +121,10 @@ def make_plan(
         lora = (lora_preset.quick_preset if args.quick else lora_preset.full_preset)()
         lora = lora_preset.narrowed(lora, args.seeds)
         plan = lora_preset.make_plan(lora, vocab, features, systems, on_seed, known)
+    elif kind is TENANTS:
+        ten = (tenants_preset.quick_preset if args.quick else tenants_preset.full_preset)()
+        ten = tenants_preset.narrowed(ten, args.seeds)
+        plan = tenants_preset.make_plan(ten, vocab, features, systems, on_seed, known)
     elif kind is HOT_PREFIX:
         hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
             args.trace

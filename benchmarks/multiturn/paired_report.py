@@ -162,6 +162,7 @@ FIGURES = (
     "cpu_ms_per_request",
     "predicted_vs_reported",
     "foreseen_share",
+    "share_deviation",  # runs of tenants with configured shares (per_tenant.fairness)
 )
 
 
@@ -337,6 +338,10 @@ def detail(target: Target, ours: dict[str, Any], other: dict[str, Any]) -> str:
         )
     if target.figure == "reuse_ratio":
         return f"hit {pct(med(ours, 'reuse_ratio'))} vs {pct(med(other, 'reuse_ratio'))} (medians)"
+    if target.figure == "share_deviation":
+        worst = med(ours, "share_deviation")
+        shown = "?" if worst is None else f"{worst:.2f}"
+        return f"largest |goodput share / configured share - 1| of a tenant {shown} (median)"
     if target.figure == "hit_vs_oracle":
         hit, oracle = med(ours, "reuse_ratio"), med(ours, "oracle_hit_ratio")
         return f"hit {pct(hit)} vs the oracle's {pct(oracle)} (medians)"

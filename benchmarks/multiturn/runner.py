@@ -23,6 +23,7 @@ from benchmarks.multiturn.cluster import RouterSpec, start_router, sync_events
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import LruCaches, replay
+from benchmarks.multiturn.per_tenant import fairness, per_tenant
 from benchmarks.multiturn.plan import Plan, Step
 from benchmarks.multiturn.queue_floor import lru_reference, prefill_servers, queued_floor_stats
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
@@ -158,6 +159,8 @@ def run_one(
         record["router_version"] = status.version
         if not status.importable:
             return {**record, "available": False, "reason": status.reason}
+    if cluster.adapters_at_start:  # every system meets the adapters the cluster started with
+        record["lora_reloads"] = cluster.reset_adapters()
     cluster.flush()
     label = f"{workload.name} @{step.rate:g}/s: {system.name} [{cluster.spec.name}]"
     task: TaskID = ctx.progress.add_task(label, total=len(workload.requests))
@@ -172,7 +175,8 @@ def run_one(
         return {**record, "available": False, "reason": f"failed to start: {exc}"[:500]}
     record.update(router.extra)  # the front's overhead, for replicas
     if router.routers and cluster.kv_events:
-        record["events_synced"] = sync_events([s.url for s in router.routers], cluster)
+        urls = [s.url for s in router.routers]
+        record["events_synced"] = sync_events(urls, cluster, api_key=system.api_key)
     else:
         cluster.flush()  # the start-up probe must not warm anyone's cache
     replicas_before = replica_metrics(router)
@@ -198,7 +202,7 @@ def run_one(
         client_cpu = time.process_time() - client_cpu
         workers_cpu = cluster.cpu_seconds() - workers_cpu
         router_cpu = router.cpu_seconds()
-        router_metrics = summed(scrape(s.url + "/metrics") for s in router.routers)
+        router_metrics = summed(scrape(s.url + "/metrics", system.api_key) for s in router.routers)
         if router.replicas:  # before they stop: their lag histograms go with them
             record["propagation"] = propagation(replicas_before, replica_metrics(router))
     finally:
@@ -232,6 +236,11 @@ def run_one(
     if oracle.lru_hits is not None:
         record.update(lru_reference(floor, oracle.lru_hits, lengths, sent, answered, servers))
     record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
+    tenants = per_tenant(workload.requests, result.records)
+    if tenants is not None:  # requests sent for tenants: their figures, their fair shares
+        record["per_tenant"] = tenants
+        if step.labels.get("tenant_shares"):
+            record.update(fairness(tenants, step.labels["tenant_shares"]))
     record["oracle_distinct_tokens"] = oracle.distinct_tokens
     record["tiers"] = {k: v - tiers_before.get(k, 0.0) for k, v in tiers_after.items()}
     record["kv_pulled_bytes"] = record["tiers"].get("pulled_bytes", 0.0)

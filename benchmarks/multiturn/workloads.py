@@ -45,6 +45,8 @@ class Request:
     prompt_ids: list[int] | None = None  # completion: its exact token ids
     warmup: bool = False  # sent through the system under test, left out of the figures
     lora: str | None = None  # the LoRA adapter it names (sent as `lora_path`), None: the base
+    tenant: str | None = None  # the tenant it is sent for (per-tenant figures)
+    api_key: str | None = None  # sent as `Authorization: Bearer` (the tenant's key)
 
 
 @dataclass

@@ -14,9 +14,11 @@ import pytest
 from benchmarks.load.bodies import COMPLETIONS, GENERATE, body
 from benchmarks.multiturn import lora_preset
 from benchmarks.multiturn.lora import LoraPrefix, adapter_name
-from localrun.cluster import lora_counters
+from localrun import adapters
+from localrun.cluster import Cluster, ClusterSpec, lora_counters
 from tests.benchmarks.runs import benchmark, finite
 from tests.benchmarks.test_multiturn_paired import Words, check_paired_run, check_report
+from tests.http_client import call
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def test_lora_quick(lora_dir: Path) -> None:
     assert figures["preset"] == "lora-quick"
     assert "--lora --quick" in figures["command"]
     runs = check_paired_run(figures)
-    systems = {"ours prompt_tree", "sglang-router cache_aware"}
+    systems = {"ours prompt_tree", "ours lora_affinity", "sglang-router cache_aware"}
     assert {r["system"] for r in runs} == systems
     loads = 0.0
     for run in runs:
@@ -43,6 +45,10 @@ def test_lora_quick(lora_dir: Path) -> None:
         for worker in run["per_worker"]:
             assert worker["lora_loads"] >= 0 and worker["lora_evictions"] >= 0
         loads += sum(w["lora_loads"] for w in run["per_worker"])
+        # every run but the first starts from the adapters the workers loaded at start: the
+        # run before left others, which were unloaded and the start's loaded again
+        assert run["lora_reloads"] >= 0
+    assert sum(r["lora_reloads"] for r in runs) > 0
     assert loads > 0  # 8 adapters on workers that hold 4: someone loaded one
     setup = next(iter(figures["setup"].values()))
     assert setup["instance_kv_tokens"] <= setup["hot_set_tokens"] / 2
@@ -58,6 +64,11 @@ def test_lora_quick(lora_dir: Path) -> None:
     (target,) = figures["targets"]
     assert target.endswith("ours_prompt_tree_p99_vs_cache_aware")
     assert figures["targets"][target]["limit"] == 0.7
+    # the adapter-affinity peer routes by adapter alone: every decision names the adapter
+    (affinity,) = [r for r in runs if r["system"] == "ours lora_affinity"]
+    reasons = affinity["router_decisions"]
+    assert set(reasons) & {"reason:adapter_loaded", "reason:adapter_slot"}, reasons
+    assert "reason:no_adapter" not in reasons or reasons["reason:no_adapter"] <= 1  # the probe
     check_report(lora_dir, figures)
     md = (lora_dir / "results.md").read_text()
     assert "## Adapters and latency" in md and "adapter loads / request" in md
@@ -112,6 +123,46 @@ def test_workers_register_every_adapter_and_hold_four() -> None:
     assert names == {
         "ours prompt_tree",
         "ours prompt_tree lora-load 0",
+        "ours lora_affinity",
         "sglang-router cache_aware",
         "sglang-router round_robin",
     }
+
+
+def test_a_worker_gets_back_the_adapters_it_started_with(tmp_path: Path, model_dir: Path) -> None:
+    """A run leaves the adapters its router placed; `reset_adapters` unloads and loads them
+    again so that the next system meets the start's, in their order."""
+    builder = LoraPrefix(adapters=4)
+    spec = ClusterSpec(
+        "reset",
+        colocated=1,
+        time_scale=0,
+        worker_args=(
+            *lora_preset.worker_args(builder)[:5],
+            "--max-loaded-loras",
+            "2",
+            "--max-loras-per-batch",
+            "2",
+        ),
+    )
+    cluster = Cluster.create(spec, model_dir, tmp_path, None)
+    try:
+        (url,) = cluster.start()
+        assert cluster.adapters_at_start == {url: ["lora00", "lora01"]}
+        assert cluster.reset_adapters() == 0  # nothing moved: nothing reloaded
+        for name in ("lora03", "lora02"):  # evicts both of the start's
+            body = {"model": "default", "prompt": "hi", "max_tokens": 1, "lora_path": name}
+            status, answer = call(url + "/v1/completions", body)
+            assert status == 200, answer
+        assert adapters.resident(cluster.server_info()[0]) == ["lora02", "lora03"]
+        assert cluster.reset_adapters() == 4  # the two placed, then the start's two
+        info = cluster.server_info()[0]
+        assert adapters.resident(info) == ["lora00", "lora01"]
+        names = [a.name for a in adapters.registered(info)]
+        assert sorted(names) == [f"lora{k:02d}" for k in range(4)]  # all still registered
+        # and in the start's order: the first of them is evicted first
+        body = {"model": "default", "prompt": "hi", "max_tokens": 1, "lora_path": "lora03"}
+        assert call(url + "/v1/completions", body)[0] == 200
+        assert sorted(adapters.resident(cluster.server_info()[0])) == ["lora01", "lora03"]
+    finally:
+        cluster.stop()

@@ -4,6 +4,7 @@ unless waiting there costs more than loading it elsewhere (router.adapters)."""
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,14 @@ from typing import Any
 import pytest
 
 from router.adapters import WorkerAdapters
-from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
+from router.policies import (
+    CostModel,
+    LoraAffinity,
+    PromptTree,
+    RouteRequest,
+    Thresholds,
+    make_policy,
+)
 from router.trees import PromptTrees
 from router.workers import Worker
 from shared.namespaces import CacheNamespace
@@ -86,6 +94,32 @@ def test_the_policy_prefers_the_worker_holding_the_adapter() -> None:
     assert policy.select(_request("beta"), [a, b]).worker is a
     d = policy.select(_request(None), [a, b])  # no adapter: nothing changes
     assert d.worker is a and d.work is not None and d.work.fixed_s == 0.0
+
+
+def test_lora_affinity_scores_loaded_then_free_slot_then_evict_ties_by_load() -> None:
+    """llm-d's scorer: 1.0 loaded, 0.8 a free slot, 0 a load that evicts; prefix-blind."""
+    assert WorkerAdapters(OrderedDict(a=None), capacity=2).affinity("a") == 1.0
+    assert WorkerAdapters(OrderedDict(a=None), capacity=2).affinity("b") == 0.8
+    assert WorkerAdapters(capacity=None).affinity("b") == 0.8  # no known limit: a free slot
+    assert WorkerAdapters(OrderedDict(a=None, c=None), capacity=2).affinity("b") == 0.0
+    trees = PromptTrees(page_size=16)
+    policy = make_policy("lora-affinity", trees, Thresholds(), CostModel())
+    assert isinstance(policy, LoraAffinity)
+    a, b, c = (Worker(f"http://127.0.0.1:950{i}") for i in (1, 2, 3))
+    for w in (a, b, c):
+        w.adapters.capacity = 1
+    a.adapters.sent("alpha")
+    b.adapters.sent("beta")
+    a.in_flight_tokens = b.in_flight_tokens = 50_000  # a long queue does not move it
+    a.in_flight = 9
+    d = policy.select(_request("alpha"), [a, b, c])
+    assert (d.worker, d.reason) == (a, "adapter_loaded")
+    d = policy.select(_request("gamma"), [a, b, c])  # the free slot
+    assert (d.worker, d.reason) == (c, "adapter_slot")
+    assert list(c.adapters.resident) == ["gamma"]
+    d = policy.select(_request("delta"), [a, b, c])  # all full: the least loaded evicts
+    assert d.reason == "adapter_evict" and d.worker is not a
+    assert policy.select(_request(None), [a, b, c]).reason == "no_adapter"
 
 
 # ----------------------------------------------------------------- over loopback

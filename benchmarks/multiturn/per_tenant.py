@@ -1,0 +1,78 @@
+"""Per-tenant figures of a run whose requests name their tenants (`Request.tenant`): TTFT,
+hit ratio, and goodput, the computed (uncached) prompt tokens and the requests completed
+while the load was still being offered; and how the goodput was shared among the tenants
+against the shares they were configured with (issue 38's fairness at saturation).
+
+Goodput counts a request that completed before the first tenant had all of its requests
+answered: until then, at saturation, every tenant had requests waiting, so how the work was
+shared was the router's choice; past that fewer tenants compete, and over the whole run
+every tenant would end with what it sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from benchmarks.load.record import Record
+from benchmarks.multiturn.metrics import stats
+from benchmarks.multiturn.workloads import Request
+
+
+def per_tenant(
+    requests: Sequence[Request], records: Sequence[Record]
+) -> dict[str, dict[str, Any]] | None:
+    """tenant -> its figures (`records` by rid); None when no request names a tenant."""
+    tenants = sorted({r.tenant for r in requests if r.tenant})
+    if not tenants:
+        return None
+    ok = {
+        t: [records[r.rid] for r in requests if r.tenant == t and records[r.rid].ok]
+        for t in tenants
+    }
+    ends = [max(map(finished, mine)) for mine in ok.values() if mine]
+    end = min(ends, default=0.0)  # the first tenant served in full
+    out: dict[str, dict[str, Any]] = {}
+    for tenant in tenants:
+        mine = ok[tenant]
+        prompt = sum(o.prompt_tokens for o in mine)
+        cached = sum(o.cached_tokens for o in mine)
+        done_in_time = [o for o in mine if finished(o) <= end]
+        out[tenant] = {
+            "requests": sum(r.tenant == tenant for r in requests),
+            "ok": len(mine),
+            **stats("ttft", [o.ttft_s for o in mine if o.ttft_s is not None]),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_ratio": cached / prompt if prompt else None,
+            "goodput_requests": len(done_in_time),
+            "goodput_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in done_in_time),
+        }
+    return out
+
+
+def finished(record: Record) -> float:
+    """When an answered request's answer ended, from the start of the run."""
+    return (record.sent_s or 0.0) + (record.e2e_s or 0.0)
+
+
+def fairness(
+    tenants: Mapping[str, Mapping[str, Any]], shares: Mapping[str, float]
+) -> dict[str, Any]:
+    """Each tenant's share of the goodput (computed tokens, and requests) against its
+    configured share (`shares`: relative weights), and the worst deviation of the token
+    share from the configured one (|goodput share / configured share - 1|)."""
+    weight = sum(shares.values())
+    configured = {t: w / weight for t, w in shares.items()}
+    tokens = {t: float(tenants.get(t, {}).get("goodput_computed_tokens") or 0) for t in shares}
+    done = {t: float(tenants.get(t, {}).get("goodput_requests") or 0) for t in shares}
+    total_tokens, total_done = sum(tokens.values()), sum(done.values())
+    token_share = {t: v / total_tokens if total_tokens else None for t, v in tokens.items()}
+    request_share = {t: v / total_done if total_done else None for t, v in done.items()}
+    deviations = [abs(s / configured[t] - 1) for t, s in token_share.items() if s is not None]
+    return {
+        "configured_shares": configured,
+        "goodput_token_shares": token_share,
+        "goodput_request_shares": request_share,
+        "share_deviation": max(deviations) if deviations else None,
+    }

@@ -1,0 +1,156 @@
+"""The multi-tenant benchmark (`--tenants`, issue 38): its quick preset end to end (files and
+fields, not the ratios), and its parts on their own: the workload (a public tool prompt,
+each tenant's own documents after it), the tenants files the router is given, the
+per-tenant figures and the fairness figure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.load.record import Record
+from benchmarks.multiturn import tenants_preset
+from benchmarks.multiturn.per_tenant import fairness, per_tenant
+from benchmarks.multiturn.tenants import TenantPrefix, tenant_key
+from benchmarks.multiturn.workloads import Request
+from router.tenants.config import hash_key, parse
+from tests.benchmarks.runs import benchmark, finite
+from tests.benchmarks.test_multiturn_paired import Words, check_paired_run, check_report
+
+ISOLATION = {"ours prompt_tree", "ours prompt_tree tenants", "ours prompt_tree tenants public"}
+
+
+@pytest.fixture(scope="module")
+def tenants_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tenants")
+    done = benchmark("multiturn", out, "--tenants", "--quick", timeout=300)
+    assert done.returncode == 0, f"benchmark failed:\n{done.stdout}\n{done.stderr[-5000:]}"
+    return out
+
+
+def test_tenants_quick(tenants_dir: Path) -> None:
+    figures = json.loads((tenants_dir / "results.json").read_text())
+    assert figures["preset"] == "tenants-quick"
+    assert "--tenants --quick" in figures["command"]
+    runs = check_paired_run(figures)
+    peer = "sglang-router cache_aware"
+    assert {r["system"] for r in runs} == {*ISOLATION, peer, tenants_preset.FAIR_SYSTEM}
+    by_system = {r["system"]: r for r in runs}
+    for run in runs:
+        assert run["workload"] == "tenants"
+        if run["router"] == "memserve-router":  # with tenants: the operator's key opens these
+            assert run.get("events_synced") is not False, run["system"]
+            assert run["router_decisions"], run["system"]
+        tenants = run["per_tenant"]
+        assert set(tenants) == {"t0", "t1", "t2", "t3"}
+        assert sum(t["requests"] for t in tenants.values()) == run["requests"]
+        for figures_of_tenant in tenants.values():
+            assert finite(figures_of_tenant["ttft_mean_s"]) and finite(
+                figures_of_tenant["hit_ratio"]
+            )
+    # isolation is real: without a public prefix no tenant reuses another's tool prompt,
+    # so the workers report fewer cached tokens than with it, and fewer than with none
+    hits = {s: by_system[s]["reuse_ratio"] for s in ISOLATION}
+    assert hits["ours prompt_tree tenants"] < hits["ours prompt_tree tenants public"], hits
+    assert hits["ours prompt_tree tenants"] < hits["ours prompt_tree"], hits
+    # the fairness cell: at 3x the sustained rate, goodput shares that add up to one
+    fair = by_system[tenants_preset.FAIR_SYSTEM]
+    assert fair["load"] == tenants_preset.FAIR_LOAD
+    assert fair["configured_shares"]["t0"] == pytest.approx(0.4)
+    assert sum(fair["goodput_token_shares"].values()) == pytest.approx(1.0)
+    assert finite(fair["share_deviation"])
+    assert fair["shares_enforced"] == tenants_preset.shares_supported()
+    targets = figures["targets"]
+    assert any(k.endswith("mean_vs_no_isolation") for k in targets), list(targets)
+    assert any(k.endswith("goodput_shares") for k in targets), list(targets)
+    (mean,) = [t for k, t in targets.items() if k.endswith("mean_vs_no_isolation")]
+    assert mean["limit"] == tenants_preset.TARGET_MEAN
+    check_report(tenants_dir, figures)
+    md = (tenants_dir / "results.md").read_text()
+    assert "## What isolation costs" in md and "## Fairness at saturation" in md
+    assert "mean / no isolation" in md and "goodput (computed tokens)" in md
+
+
+def test_tenants_workload_shares_the_tool_prompt_and_keeps_documents_per_tenant() -> None:
+    vocab = Words()
+    builder = TenantPrefix(requests=400, seed=2, weights=(0.1, 0.1, 0.2, 0.6))
+    workload = builder.build(vocab)  # type: ignore[arg-type]
+    requests = workload.requests
+    tool = builder.tool_tokens
+    first = requests[0].prompt_ids or []
+    for r in requests:
+        ids = r.prompt_ids or []
+        assert ids[:tool] == first[:tool]  # every tenant's prompt starts with the tool prompt
+        assert r.api_key == tenant_key(r.tenant or "") and r.prompt and r.prompt.strip()
+    # a document follows the tool prompt in one tenant's requests only
+    owners: dict[tuple[int, ...], set[str]] = {}
+    for r in requests:
+        owners.setdefault(tuple((r.prompt_ids or [])[tool : tool + 64]), set()).add(r.tenant or "")
+    assert all(len(o) == 1 for o in owners.values())
+    assert len(owners) <= builder.tenants * builder.documents
+    sent = workload.params["sent_shares"]
+    assert sent["t3"] == pytest.approx(0.6, abs=0.06) and sum(sent.values()) == pytest.approx(1)
+    # the same tool prompt for another seed (one public prefix for every seed)
+    other = TenantPrefix(requests=5, seed=3).build(vocab)  # type: ignore[arg-type]
+    assert (other.requests[0].prompt_ids or [])[:tool] == first[:tool]
+    with pytest.raises(ValueError, match="one positive weight per tenant"):
+        TenantPrefix(weights=(1.0, 2.0)).offered_shares()
+
+
+def test_the_routers_tenants_files_parse_with_keys_hashed_and_the_tool_prompt_public() -> None:
+    vocab = Words()
+    builder = TenantPrefix(tool_tokens=50)
+    full = parse(tenants_preset.tenants_file(builder, vocab, public=False))  # type: ignore[arg-type]
+    public = parse(tenants_preset.tenants_file(builder, vocab, public=True))  # type: ignore[arg-type]
+    assert set(full.tenants) == set(public.tenants) == {"t0", "t1", "t2", "t3"}
+    assert not full.public and len(public.public) == 1
+    digest = bytes.fromhex(hash_key(tenant_key("t2")).removeprefix("sha256:"))
+    assert full.by_key[digest].id == "t2"  # the key the client sends names its tenant
+    assert "bench-key" not in tenants_preset.tenants_file(builder, vocab, public=True)  # type: ignore[arg-type]
+    names = set(tenants_preset.systems_of(builder, vocab))  # type: ignore[arg-type]
+    assert names == set(tenants_preset.SYSTEM_NAMES)
+    fair = tenants_preset.fair_system(builder, vocab, with_shares=False)  # type: ignore[arg-type]
+    assert "--max-concurrent-requests" in fair.args and fair.api_key == tenants_preset.OPERATOR_KEY
+
+
+def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() -> None:
+    """Goodput ends when the first tenant has all its answers: b's last answer, at 3 s,
+    comes after a's last one, at 2 s, and is not counted."""
+    requests, records = [], []
+    for rid, (tenant, done_s) in enumerate([("a", 1.0), ("b", 1.5), ("a", 2.0), ("b", 3.0)]):
+        requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
+        record = Record(rid, f"q{rid}", sent_s=done_s - 0.5, ttft_s=0.1, e2e_s=0.5)
+        record.prompt_tokens, record.cached_tokens = 100, 40
+        records.append(record)
+    failed = Record(4, "q4", sent_s=0.0)
+    failed.fail("http_500")
+    requests.append(Request(4, "q4", 0, 0.0, 4, tenant="b"))
+    records.append(failed)
+    figures = per_tenant(requests, records)
+    assert figures is not None
+    a, b = figures["a"], figures["b"]
+    assert (a["requests"], a["ok"], a["goodput_requests"]) == (2, 2, 2)
+    assert (b["requests"], b["ok"], b["goodput_requests"]) == (3, 2, 1)
+    assert (a["goodput_computed_tokens"], b["goodput_computed_tokens"]) == (120, 60)
+    assert a["hit_ratio"] == pytest.approx(0.4) and a["ttft_mean_s"] == pytest.approx(0.1)
+    fair = fairness(figures, {"a": 1.0, "b": 1.0})
+    assert fair["configured_shares"] == {"a": 0.5, "b": 0.5}
+    assert fair["goodput_token_shares"]["a"] == pytest.approx(2 / 3)
+    assert fair["share_deviation"] == pytest.approx(1 / 3)  # a got 2/3 of a 1/2 share
+    assert per_tenant([Request(0, "q0", 0, 0.0, 4)], [records[0]]) is None  # no tenants
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tenants", "--lora"], "pick one"),
+        (["--tenants", "--workloads", "trace"], "--tenants runs its own tenants workload"),
+        (["--tenants", "--systems", "nobody"], "nothing to run: no system of the preset"),
+    ],
+)
+def test_tenants_command_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    done = benchmark("multiturn", tmp_path, *args, timeout=180)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
