@@ -21,7 +21,7 @@ import random
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mempool._radix import Decider, Heat
@@ -61,8 +61,17 @@ class RouteRequest:
     # one), and that model's encoder where it is not the router's default one
     model: str | None = None
     encoder: CachedEncoder | None = None
-    # charges its tenant the tokens it computes (fair admission, router.tenants.fair)
+    # charges its tenant the tokens it computes (fair admission, router.tenants.fair), and
+    # what it has been charged so far (a retry or the worker's report charges the difference)
     charge: Callable[[float], None] | None = None
+    charged: float = 0.0
+
+    def charge_computed(self, tokens: float) -> None:
+        """Its tenant charged `tokens` computed in all (expected at the decision, then as the
+        worker reported them)."""
+        if self.charge is not None:
+            self.charge(tokens - self.charged)
+            self.charged = tokens
 
     @property
     def adapter(self) -> str | None:
@@ -357,6 +366,10 @@ class PromptTree(Policy):
         self.pulls = pulls  # plan MemPool pulls between workers that support them
         heat = Heat(trees.page_size) if self.name == PromptTree.name else None
         self.core = cost.decider(self.name, trees.page_size, pulls, thresholds, heat)
+        # for a namespaced request, which a worker pulls no more of than its open part
+        self._core_no_pulls = self.core
+        if pulls:
+            self._core_no_pulls = cost.decider(self.name, trees.page_size, False, thresholds, heat)
         # the router's trees are walked natively; other trees (a replay's) give their view
         self._native = isinstance(trees, PromptTrees)
 
@@ -368,7 +381,7 @@ class PromptTree(Policy):
 
     @heat.setter
     def heat(self, heat: Heat | None) -> None:
-        self.core.heat = heat
+        self.core.heat = self._core_no_pulls.heat = heat
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tree_key(request.tokens or (), self.trees.page_size)
@@ -377,9 +390,14 @@ class PromptTree(Policy):
         before = None
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
+        core = self.core
+        if request.namespace is not None and not pulls_whole_prefix(
+            request.namespace, self.trees.page_size
+        ):
+            core = self._core_no_pulls
         if self._native:
             tree = self.trees.trees[request.type]
-            choice, reason, cached, longer, pull, work = self.core.decide(
+            choice, reason, cached, longer, pull, work = core.decide(
                 tree, tokens, request.num_tokens, states, self.trees.ttl_s, before
             )
         else:
@@ -388,7 +406,7 @@ class PromptTree(Policy):
                 (view.held.get(w.url, -1), view.device.get(w.url, -1), view.home.get(w.url, -1))
                 for w in workers
             ]
-            choice, reason, cached, longer, pull, work = self.core.decide_view(
+            choice, reason, cached, longer, pull, work = core.decide_view(
                 held, tokens, request.num_tokens, states, before
             )
         if adapter is not None:
@@ -396,6 +414,17 @@ class PromptTree(Policy):
         holders = [(workers[i], n) for i, n in longer]
         pull_from = workers[pull] if pull is not None else None
         return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
+
+
+def pulls_whole_prefix(namespace: CacheNamespace, page: int) -> bool:
+    """Whether a worker would pull a namespaced request's whole prefix from a peer. Peers'
+    pages are keyed by token ids alone, so a worker pulls only a namespace's open part (the
+    public tokens before its salt; none under an extra_key or an adapter:
+    connector.worker.pull), which the decision does not price: it plans no pull for such a
+    request, or it would send it to a worker that then recomputes the whole prefix. (A
+    model's key is the router's own, never a worker's.)"""
+    engine_side = replace(namespace, model="") if namespace.model else namespace
+    return engine_side.open_tokens(page) is None
 
 
 class Cost(PromptTree):

@@ -158,7 +158,7 @@ class Sender:
         if tree is not None:
             self.learner.record_soon(tree, worker, call.prompt)
         if call.prompt.charge is not None and side != "decode":  # its computed tokens
-            call.prompt.charge(self.pending(call.prompt, decision))
+            call.prompt.charge_computed(self.pending(call.prompt, decision))
         source = decision.pull_from  # its link is shared by the pulls planned from it
         pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
         try:

@@ -157,10 +157,11 @@ class Learner:
                     if labels is not None:  # their hit ratio
                         figures.prompt_tokens.labels(*labels).inc(prompt.num_tokens)
                         figures.cached_tokens.labels(*labels).inc(reported)
-        if prompt.charge is not None:  # fair admission: charged as predicted, corrected
+        if prompt.charge is not None:  # fair admission: charged as predicted, then as computed
             for s in served:
-                if s.reported is not None:
-                    prompt.charge(s.predicted - s.reported)
+                if s.reported is not None:  # (not the decision's prediction: it may have
+                    # planned a pull the worker did not make)
+                    prompt.charge_computed(max(prompt.num_tokens - s.reported, 0))
                     break
         if self.uses_tokens:
             self.learn_prefix(prompt, answer, served, holders)

@@ -15,6 +15,7 @@ from router.policies import Cost, CostModel, Decision, PromptTree, RouteRequest,
 from router.trees import PromptTrees, Tier
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry, WorkerType
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, page_hashes
+from shared.namespaces import CacheNamespace
 from tests.http_client import call
 from tests.procs import free_port, running
 
@@ -98,6 +99,36 @@ def test_an_overloaded_holder_hands_its_prefix_on_by_a_pull() -> None:
                 assert d.pull_from is ws[0] and d.holders == [(ws[0], 20_000)]
             else:
                 assert d.worker is ws[1] and d.reason == "overload" and d.holders == []
+
+
+def test_a_namespaced_request_moves_without_a_pull_the_worker_would_not_make() -> None:
+    """A worker pulls only a namespace's open part from a peer (peers' pages are keyed by
+    token ids alone), so a salted or adapter request that leaves an overloaded holder is
+    planned as a recompute, with no holders named: planned as a pull, it went to a worker
+    that then recomputed the whole prefix (the tenants and LoRA benchmarks' overload_pull
+    decisions pulled nothing). A model's key, the router's own, leaves pulls alone."""
+    trees = PromptTrees(page_size=16)
+    history = list(range(20_000))
+    tokens = history + list(range(900_000, 900_120))
+    for namespace, pulls in (
+        (CacheNamespace(cache_salt="tenant-a"), False),
+        (CacheNamespace.named("", "lora03", None, 0), False),
+        (CacheNamespace(cache_salt="t", shared_prefix_tokens=16_000), False),
+        (CacheNamespace(model="beta"), True),
+        (None, True),
+    ):
+        turn = RouteRequest(tokens, "", None, namespace=namespace)
+        ws = pulling_workers(3)
+        trees.clear()
+        trees.record(C, ws[0].url, turn.tree_key(history, 16))
+        ws[0].in_flight, ws[0].in_flight_tokens = 3, 63_000
+        ws[2].in_flight = 1
+        d = PromptTree(trees, Thresholds(), CostModel()).select(turn, ws)
+        assert d.worker is ws[1], namespace
+        if pulls:
+            assert d.reason == "overload_pull" and d.pull_from is ws[0], namespace
+        else:
+            assert d.reason == "overload" and d.pull_from is None and d.holders == [], namespace
 
 
 def test_a_host_hit_is_named_and_a_no_pull_router_never_names_holders() -> None:

@@ -82,3 +82,24 @@ def test_a_record_from_long_ago_is_refreshed() -> None:
     long_ago = time.monotonic() - PromptTrees().ttl_s
     trees = learn(Outcome(status=200, output_text="Yes", completion_tokens=1), long_ago)
     assert trees.records == 1
+
+
+def test_a_tenant_is_charged_in_the_end_what_the_worker_computed() -> None:
+    """Fair admission charges a request at its decision (what the worker is expected to
+    compute) and then, whatever the decision expected (a pull the worker did not make, a
+    prefix it had evicted), the prompt less the cached tokens the worker reported; a retry
+    elsewhere charges only the difference."""
+    charges: list[float] = []
+    registry = WorkerRegistry(BreakerConfig())
+    worker = registry.add(URL)
+    trees = CountingTrees()
+    learner = Learner(trees, registry, RouterMetrics(registry, trees), None, True, lambda: True)
+    prompt = RouteRequest(list(range(4_000)), "", None, charge=charges.append)
+    prompt.charge_computed(100)  # a pull of 3,900 tokens planned
+    prompt.charge_computed(4_000)  # retried on a worker holding nothing
+    prompt.charge_computed(100)  # and on one expected to pull again
+    answer = Outcome(status=200, output_text="Yes", completion_tokens=1)
+    served = [Served(worker, C, 3_900, 0)]  # it pulled nothing: it computed every token
+    learner.learn("/generate", prompt, answer, served, [(C, worker)])
+    assert charges == [100, 3_900, -3_900, 3_900]
+    assert sum(charges) == 4_000 and prompt.charged == 4_000
