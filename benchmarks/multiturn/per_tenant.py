@@ -3,10 +3,11 @@ hit ratio, and goodput, the computed (uncached) prompt tokens and the requests c
 while the load was still being offered; and how the goodput was shared among the tenants
 against the shares they were configured with (issue 38's fairness at saturation).
 
-Goodput counts a request that completed before the first tenant had all of its requests
-answered: until then, at saturation, every tenant had requests waiting, so how the work was
-shared was the router's choice; past that fewer tenants compete, and over the whole run
-every tenant would end with what it sent.
+Goodput counts a request that completed while the load was still being offered (before
+the last request was sent) and before the first tenant had all of its requests answered:
+until then, at saturation, every tenant had requests waiting, so how the work was shared was
+the router's choice; past that fewer tenants compete, and over the whole run every tenant
+would end with what it sent.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def per_tenant(
         for t in tenants
     }
     ends = [max(map(finished, mine)) for mine in ok.values() if mine]
-    end = min(ends, default=0.0)  # the first tenant served in full
+    # the first tenant served in full, or the last request sent
+    end = min([*ends, max((o.sent_s or 0.0 for o in records), default=0.0)], default=0.0)
     out: dict[str, dict[str, Any]] = {}
     for tenant in tenants:
         mine = ok[tenant]

@@ -57,7 +57,7 @@ SHAPE = "4 colocated"
 TARGET_MEAN = 1.1  # issue 38: public-prefix isolation's mean TTFT at most 1.1x no isolation's
 SAFEKV_COST = 0.389  # SafeKV (arXiv 2508.08438): full isolation costs up to 38.9 % TTFT
 SHARES = (2.0, 1.0, 1.0, 1.0)  # the fairness cell's configured shares, t0..t3
-FAIR_WEIGHTS = (0.15, 0.15, 0.15, 0.55)  # what each tenant sends: t3 far past its share
+FAIR_WEIGHTS = (0.3, 0.15, 0.15, 0.4)  # what each tenant sends: t3 6x its share, t0-t2 2.25x
 FAIR_LOAD = 3.0  # x the sustained rate: every tenant offers more than its share
 FAIR_TARGET = 0.10  # issue 38: each tenant's goodput share within 10 % of its configured one
 MAX_CONCURRENT = 8  # the fairness cell's --max-concurrent-requests: 2 a worker
@@ -89,12 +89,15 @@ class TenantsPreset:
     search: Search = field(default_factory=Search)
     load: float = LOAD
     fairness: bool = True
+    # the fairness cell's requests (0: the workload's): enough that the window while they
+    # are sent holds a few hundred answers, or a few cold prompts decide the shares
+    fair_requests: int = 0
 
 
 def full_preset() -> TenantsPreset:
     """About 12 min on 2 cores (one seed: 4.3 min): a calibration of at most 5 steps of 120
     requests, then 12 runs (4 systems x 3 seeds) of 240 requests of 4-5.7K-token prompts
-    and 3 fairness runs."""
+    and 3 fairness runs of 600."""
     workload = TenantPrefix()
     return TenantsPreset(
         TENANTS,
@@ -104,6 +107,7 @@ def full_preset() -> TenantsPreset:
         systems=SYSTEM_NAMES,
         time_scale=4.0,
         search=Search(max_steps=5),
+        fair_requests=600,
     )
 
 
@@ -240,7 +244,10 @@ def make_plan(
             Config(
                 fair_key,
                 name,
-                {s: replace(b, weights=FAIR_WEIGHTS) for s, b in builders.items()},
+                {
+                    s: replace(b, weights=FAIR_WEIGHTS, requests=preset.fair_requests or b.requests)
+                    for s, b in builders.items()
+                },
                 preset.calibration,
                 (Member(replace(cluster, name="tn-fair-c4"), (fair,)),),
                 ROUND_ROBIN,

@@ -143,6 +143,22 @@ def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() ->
     assert per_tenant([Request(0, "q0", 0, 0.0, 4)], [records[0]]) is None  # no tenants
 
 
+def test_per_tenant_goodput_ends_when_the_last_request_was_sent() -> None:
+    """Past the last send the queue only drains: a's answer at 2 s, after b's last request
+    went out at 1.2 s, is not counted, though neither tenant had all its answers yet."""
+    requests, records = [], []
+    for rid, (tenant, sent_s, e2e_s) in enumerate(
+        [("a", 0.0, 1.0), ("b", 0.2, 5.0), ("a", 1.0, 1.0), ("b", 1.2, 5.0)]
+    ):
+        requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
+        record = Record(rid, f"q{rid}", sent_s=sent_s, ttft_s=0.1, e2e_s=e2e_s)
+        record.prompt_tokens, record.cached_tokens = 100, 0
+        records.append(record)
+    figures = per_tenant(requests, records)
+    assert figures is not None
+    assert figures["a"]["goodput_requests"] == 1 and figures["b"]["goodput_requests"] == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
