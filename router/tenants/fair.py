@@ -6,10 +6,11 @@ This is start-time fair queueing over virtual time: each tenant's virtual time g
 tokens its requests compute divided by its share; the head of the queue goes to the waiting
 tenant with the least, first in first out within a tenant. A request is charged when the
 router decides where it goes (its prompt's tokens less the prefix predicted cached there,
-what the worker is expected to compute), and corrected when the worker reports its cached
-tokens. A tenant that was idle banks no credit: when it has a request again (none waiting
-nor admitted before) its virtual time is brought up to the least among the active tenants,
-or a tenant back from a quiet hour would take the cluster until it had caught up.
+what the worker is expected to compute), and once it answers, charged its prompt less the
+cached tokens the worker reports instead (RouteRequest.charge_computed). A tenant that was
+idle banks no credit: when it has a request again (none waiting nor admitted before) its
+virtual time is brought up to the least among the active tenants, or a tenant back from a
+quiet hour would take the cluster until it had caught up.
 
 Only one waiting request at a time (the head) waits for the gate, a rate token and a slot,
 so the order chosen here is the order admitted; requests that find the queue empty and the
