@@ -29,6 +29,8 @@ SCENARIOS = {
     *RETRACTION_ROWS,
     "overloaded cluster",
     "tenants kept apart",
+    "a tenant's fresh salt on every request",
+    "tenants' fair share at saturation",
 }
 
 
