@@ -45,7 +45,7 @@ from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
 from benchmarks.report.table import markdown_table
 from localrun.cluster import ClusterSpec
-from router.tenants.config import TenantsError, hash_key, parse
+from router.tenants.config import hash_key
 
 TENANTS = "tenants"
 TENANTS_QUICK = "tenants-quick"
@@ -138,15 +138,6 @@ def narrowed(preset: TenantsPreset, seeds: Sequence[int] | None) -> TenantsPrese
     return replace(preset, seeds=tuple(seeds)) if seeds else preset
 
 
-def shares_supported() -> bool:
-    """Whether this router's tenants file takes a tenant's `share` (fair admission)."""
-    try:
-        parse(json.dumps({"tenants": [{"id": "a", "keys": [hash_key("k")], "share": 2}]}))
-    except TenantsError:
-        return False
-    return True
-
-
 def tenants_file(
     builder: TenantPrefix, vocab: Vocab, public: bool, shares: Sequence[float] = ()
 ) -> str:
@@ -177,11 +168,11 @@ def systems_of(builder: TenantPrefix, vocab: Vocab) -> dict[str, RouterSpec]:
     return {s.name: s for s in specs}
 
 
-def fair_system(builder: TenantPrefix, vocab: Vocab, with_shares: bool) -> RouterSpec:
-    """Ours with tenants (tool prompt public), their shares when the router takes them, and
-    at most MAX_CONCURRENT requests inside it: the rest wait in its queue (long enough for
-    the whole run, so none is refused)."""
-    tenants = tenants_file(builder, vocab, public=True, shares=SHARES if with_shares else ())
+def fair_system(builder: TenantPrefix, vocab: Vocab) -> RouterSpec:
+    """Ours with tenants (tool prompt public), their shares, and at most MAX_CONCURRENT
+    requests inside it: the rest wait in its queue (long enough for the whole run, so none
+    is refused)."""
+    tenants = tenants_file(builder, vocab, public=True, shares=SHARES)
     args = (
         *("--tenants", tenants, "--max-concurrent-requests", str(MAX_CONCURRENT)),
         *("--queue-size", "100000", "--queue-timeout-secs", "3600"),
@@ -205,8 +196,7 @@ def make_plan(
     name, hot_set, kv = sized.name, sized.hot_set, sized.kv
     by_name = systems_of(preset.workload, vocab)
     specs = tuple(by_name[s] for s in preset.systems if selected(systems, s, None) and s in by_name)
-    with_shares = shares_supported()
-    fair = fair_system(preset.workload, vocab, with_shares)
+    fair = fair_system(preset.workload, vocab)
     run_fair = preset.fairness and selected(systems, fair.name, None)
     if not specs and not run_fair:
         raise ValueError("nothing to run: no system of the preset has those names")
@@ -253,7 +243,7 @@ def make_plan(
                 ROUND_ROBIN,
                 FAIR_LOAD,
                 OPENAI,
-                {**labels, "tenant_shares": shares, "shares_enforced": with_shares},
+                {**labels, "tenant_shares": shares},
                 rate_key=key,
             )
         )
@@ -274,27 +264,16 @@ def make_plan(
             "shares": list(SHARES),
             "sent_weights": list(FAIR_WEIGHTS),
             "max_concurrent_requests": MAX_CONCURRENT,
-            "shares_enforced": with_shares,
             "text": (
                 f"{text}; offered at {FAIR_LOAD:g}x the sustained rate of the config above, "
                 f"tenants sending {' / '.join(f'{w:.0%}' for w in FAIR_WEIGHTS)} of the "
                 f"requests, configured shares {':'.join(f'{s:g}' for s in SHARES)}, "
-                f"--max-concurrent-requests {MAX_CONCURRENT}"
-                + ("" if with_shares else "; this router's tenants file has no `share`")
-                + "."
+                f"--max-concurrent-requests {MAX_CONCURRENT}."
             ),
         },
     }
-    notes = (
-        []
-        if with_shares
-        else [
-            "the fairness cell's shares: this router's tenants file has no `share` field, so "
-            "the cell ran without them (admission first come, first served)"
-        ]
-    )
     setup = {k: v for k, v in setup.items() if any(c.key == k for c in configs)}
-    return PairedPlan(preset.name, configs, preset.search, features.missing() + notes, setup)
+    return PairedPlan(preset.name, configs, preset.search, features.missing(), setup)
 
 
 def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
@@ -394,20 +373,14 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
         if f" {FAIRNESS}, " in config:
             rows, per_tenant = fairness_rows(runs, config)
             tables[config] = per_tenant
-            enforced = all(r.get("shares_enforced") for r in runs if r.get("config") == config)
             lines += [
                 f"## Fairness at saturation: {config}",
                 "",
                 "Each tenant's share of the goodput (computed prompt tokens, and requests, "
-                "answered before the first tenant had all of its answers: until then every "
-                "tenant had requests waiting) against its configured share; medians over the "
-                "seeds. "
-                + (
-                    "The router enforced the shares (the tenants file's `share`)."
-                    if enforced
-                    else "**This router's tenants file has no `share`: the shares were not "
-                    "configured, and its queue served the tenants first come, first served.**"
-                ),
+                "answered while requests were still being sent and before the first tenant had "
+                "all of its answers: until then every tenant had requests waiting) against its "
+                "configured share (the tenants file's `share`, which the router enforces); "
+                "medians over the seeds.",
                 "",
                 markdown_table(rows),
                 "",

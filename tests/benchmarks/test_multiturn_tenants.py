@@ -62,7 +62,6 @@ def test_tenants_quick(tenants_dir: Path) -> None:
     assert fair["configured_shares"]["t0"] == pytest.approx(0.4)
     assert sum(fair["goodput_token_shares"].values()) == pytest.approx(1.0)
     assert finite(fair["share_deviation"])
-    assert fair["shares_enforced"] == tenants_preset.shares_supported()
     targets = figures["targets"]
     assert any(k.endswith("mean_vs_no_isolation") for k in targets), list(targets)
     assert any(k.endswith("goodput_shares") for k in targets), list(targets)
@@ -112,8 +111,10 @@ def test_the_routers_tenants_files_parse_with_keys_hashed_and_the_tool_prompt_pu
     assert "bench-key" not in tenants_preset.tenants_file(builder, vocab, public=True)  # type: ignore[arg-type]
     names = set(tenants_preset.systems_of(builder, vocab))  # type: ignore[arg-type]
     assert names == set(tenants_preset.SYSTEM_NAMES)
-    fair = tenants_preset.fair_system(builder, vocab, with_shares=False)  # type: ignore[arg-type]
+    fair = tenants_preset.fair_system(builder, vocab)  # type: ignore[arg-type]
     assert "--max-concurrent-requests" in fair.args and fair.api_key == tenants_preset.OPERATOR_KEY
+    shares = json.loads(fair.args[fair.args.index("--tenants") + 1])
+    assert [t["share"] for t in shares["tenants"]] == list(tenants_preset.SHARES)
 
 
 def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() -> None:
