@@ -42,7 +42,6 @@ from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import OpenLoopTrace
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
-from localrun.cluster import ClusterSpec
 
 HOT_PREFIX = "hot-prefix"
 HOT_PREFIX_QUICK = "hot-prefix-quick"
@@ -164,17 +163,15 @@ def make_plan(
         )
         if not specs and not ours_c2:
             continue
-        spec = ClusterSpec(
+        spec = sized.cluster(
             f"hp-{'2p2d' if pd else 'c4'}",
+            shape,
+            preset.time_scale,
+            features,
             colocated=0 if pd else INSTANCES,
             prefills=2 if pd else 0,
             decodes=2 if pd else 0,
             caching=caching,
-            label=shape,
-            time_scale=preset.time_scale,
-            max_total_tokens=kv,
-            mempool_pull=features.pulls,
-            kv_events=features.kv_events,
         )
         members = [Member(spec, specs)] if specs else []
         if ours_c2:  # ours with MemServe's PD caching: the decodes' KV as a pool too

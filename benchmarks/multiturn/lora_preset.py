@@ -39,7 +39,6 @@ from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
 from benchmarks.report.seeds import ratio
 from benchmarks.report.table import markdown_table
-from localrun.cluster import ClusterSpec
 
 LORA = "lora"
 LORA_QUICK = "lora-quick"
@@ -140,14 +139,12 @@ def make_plan(
     if not specs:
         raise ValueError("nothing to run: no system of the preset has those names")
     adapters = preset.workload.adapters
-    cluster = ClusterSpec(
+    cluster = sized.cluster(
         "lora-c4",
+        SHAPE,
+        preset.time_scale,
+        features,
         colocated=INSTANCES,
-        label=SHAPE,
-        time_scale=preset.time_scale,
-        max_total_tokens=kv,
-        mempool_pull=features.pulls,
-        kv_events=features.kv_events,
         worker_args=worker_args(preset.workload),
     )
     key = f"{name}, {SHAPE}, {adapters} adapters"
@@ -169,7 +166,6 @@ def make_plan(
         OPENAI,
         labels,
     )
-    earlier = "as the run the rates came from sized it; " if sized.earlier else ""
     setup = {
         key: {
             **sized.setup(preset.time_scale),
@@ -180,9 +176,7 @@ def make_plan(
                 f"adapters registered on each, at most {MAX_LOADED_LORAS} loaded and "
                 f"{MAX_LOADED_LORAS} in a batch (a load: 52 ms of modelled time, "
                 f"{0.052 * preset.time_scale * 1e3:.0f} ms of wall time at this scale); "
-                f"device KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of "
-                f"{hot_set:,} tokens ({earlier}median of seeds {sized.seeds_text()}); offered "
-                f"at {preset.load:.0%} of the sustained rate."
+                f"{sized.kv_text(KV_SHARE)}; offered at {preset.load:.0%} of the sustained rate."
             ),
         }
     }

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import step as advance
 from benchmarks.multiturn.cluster import RouterSpec
@@ -30,6 +30,9 @@ from benchmarks.multiturn.working_set import Sizing, estimate, hot_set_tokens
 from benchmarks.multiturn.workloads import Workload
 from benchmarks.peers import OURS
 from localrun.cluster import Cluster, ClusterSpec
+
+if TYPE_CHECKING:
+    from benchmarks.multiturn.capacity import Features
 
 # MemServe's names for the caching modes, as the reports show them
 MODE_LABELS = {
@@ -311,6 +314,29 @@ class HotSetKV:
 
     def seeds_text(self) -> str:
         return ", ".join(f"{s}: {v:,}" for s, v in self.per_seed.items())
+
+    def kv_text(self, share: float) -> str:
+        """The sizing in a config's setup text (`share`: of the hot set, a worker)."""
+        earlier = "as the run the rates came from sized it; " if self.earlier else ""
+        return (
+            f"device KV {self.kv:,} tokens a worker = {share:g} x the hot set of "
+            f"{self.hot_set:,} tokens ({earlier}median of seeds {self.seeds_text()})"
+        )
+
+    def cluster(
+        self, name: str, label: str, time_scale: float, features: Features, **shape: Any
+    ) -> ClusterSpec:
+        """Sim workers of this KV (`shape`: ClusterSpec's counts, caching, worker_args), with
+        MemPool pulls and KV events where this tree's worker offers them."""
+        return ClusterSpec(
+            name,
+            label=label,
+            time_scale=time_scale,
+            max_total_tokens=self.kv,
+            mempool_pull=features.pulls,
+            kv_events=features.kv_events,
+            **shape,
+        )
 
 
 def known_from(source: Path) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:

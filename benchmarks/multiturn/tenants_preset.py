@@ -44,7 +44,6 @@ from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS, SGLANG_ROUTER
 from benchmarks.report.table import markdown_table
-from localrun.cluster import ClusterSpec
 from router.tenants.config import hash_key
 
 TENANTS = "tenants"
@@ -201,15 +200,7 @@ def make_plan(
     if not specs and not run_fair:
         raise ValueError("nothing to run: no system of the preset has those names")
     tenants = preset.workload.tenants
-    cluster = ClusterSpec(
-        "tn-c4",
-        colocated=INSTANCES,
-        label=SHAPE,
-        time_scale=preset.time_scale,
-        max_total_tokens=kv,
-        mempool_pull=features.pulls,
-        kv_events=features.kv_events,
-    )
+    cluster = sized.cluster("tn-c4", SHAPE, preset.time_scale, features, colocated=INSTANCES)
     key = f"{name}, {SHAPE}, {tenants} tenants"
     labels = {"shape": SHAPE, "instance_kv_tokens": kv, "hot_set_tokens": hot_set}
     configs = []
@@ -247,11 +238,9 @@ def make_plan(
                 rate_key=key,
             )
         )
-    earlier = "as the run the rates came from sized it; " if sized.earlier else ""
     text = (
-        f"{SHAPE} sim workers, time scale {preset.time_scale:g}, {tenants} tenants; device "
-        f"KV {kv:,} tokens a worker = {KV_SHARE:g} x the hot set of {hot_set:,} tokens "
-        f"({earlier}median of seeds {sized.seeds_text()})"
+        f"{SHAPE} sim workers, time scale {preset.time_scale:g}, {tenants} tenants; "
+        f"{sized.kv_text(KV_SHARE)}"
     )
     common = {
         **sized.setup(preset.time_scale),
