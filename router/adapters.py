@@ -11,6 +11,11 @@ joins the cost model (the decision's `before`: paid before the prefill, not lear
 worker holding the adapter and the request's prefix wins by both, and a busy one can still
 lose to a free one.
 
+An engine evicts only an adapter no running request uses: on a worker whose every slot holds
+an adapter in use, a request for another one waits until one of them is done (SGLang's
+scheduler leaves it in the queue). Under load that wait, a request's whole decode, dwarfs
+the load itself; the router counts its own requests in flight per adapter and prices it.
+
 What is known: the adapters a worker loaded at start (its server info: ours lists them with
 their residency, SGLang's has `lora_paths` and `max_loaded_loras`), then every request the
 router sends it, as the engine's LRU sees them. Requests from elsewhere and explicit
@@ -19,10 +24,14 @@ router sends it, as the engine's LRU sees them. Requests from elsewhere and expl
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+HOLD_WEIGHT = 0.1  # the weight of the latest request in a worker's hold time (an average)
 
 
 @dataclass(slots=True)
@@ -32,16 +41,44 @@ class WorkerAdapters:
     resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU first
     pinned: set[str] = field(default_factory=set)  # never evicted
     capacity: int | None = None  # its max_loaded_loras (None: not known)
+    in_use: dict[str, int] = field(default_factory=dict)  # this router's requests in flight
+    hold_s: float | None = None  # how long a request here has held its adapter, lately
 
     def seconds(self, adapter: str, load_s: float) -> float:
         """What a request for `adapter` pays here before its prefill: nothing if loaded, a
         load if a slot is free (or the limit is not known), two past the limit (the evicted
-        adapter's next request loads it again)."""
+        adapter's next request loads it again); and where every adapter that could be
+        evicted is in use, the wait for one to be done: of the `m` requests holding the
+        least used one, the last to end, `m / (m + 1)` of a hold (their remaining times
+        taken as uniform over one)."""
         if adapter in self.resident:
             return 0.0
         if self.capacity is None or len(self.resident) < self.capacity:
             return load_s
-        return 2 * load_s
+        using = [self.in_use.get(name, 0) for name in self.resident if name not in self.pinned]
+        least = min(using, default=0)
+        if least == 0 or self.hold_s is None:
+            return 2 * load_s
+        return 2 * load_s + self.hold_s * least / (least + 1)
+
+    @contextmanager
+    def serving(self, adapter: str) -> Iterator[None]:
+        """Count one request for `adapter` in flight here while it runs, and learn from its
+        time how long a request holds its adapter (from its sending to its end: a request
+        answered whole tells no more)."""
+        self.in_use[adapter] = self.in_use.get(adapter, 0) + 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            left = self.in_use[adapter] - 1
+            if left:
+                self.in_use[adapter] = left
+            else:
+                del self.in_use[adapter]
+            held = time.perf_counter() - start
+            last = self.hold_s
+            self.hold_s = held if last is None else last + HOLD_WEIGHT * (held - last)
 
     def affinity(self, adapter: str) -> float:
         """llm-d's LoRA affinity score for `adapter` here: 1.0 loaded, 0.8 a free slot (or
@@ -54,17 +91,34 @@ class WorkerAdapters:
         return 0.0
 
     def sent(self, adapter: str) -> None:
-        """A request for `adapter` went here: loaded and most recently used, the least
-        recently used unpinned ones evicted past the limit."""
+        """A request for `adapter` went here: loaded and most recently used, past the limit
+        the least recently used unpinned ones evicted, those no request uses first (as the
+        engine: it waits for one to be done)."""
         self.resident[adapter] = None
         self.resident.move_to_end(adapter)
         if self.capacity is None:
             return
-        for name in list(self.resident):
-            if len(self.resident) <= self.capacity:
-                break
-            if name != adapter and name not in self.pinned:
-                del self.resident[name]
+        for idle_only in (True, False):
+            for name in list(self.resident):
+                if len(self.resident) <= self.capacity:
+                    return
+                if name == adapter or name in self.pinned:
+                    continue
+                if not idle_only or not self.in_use.get(name):
+                    del self.resident[name]
+
+    def as_json(self) -> dict[str, Any] | None:
+        """What the router believes of this worker's adapters (GET /workers); None when it
+        serves none that it knows of."""
+        if not self.resident and self.capacity is None:
+            return None
+        return {
+            "max_loaded_loras": self.capacity,
+            "loaded": list(self.resident),  # least recently used first
+            "pinned": sorted(self.pinned),
+            "in_flight": dict(self.in_use),
+            "hold_s": None if self.hold_s is None else round(self.hold_s, 4),
+        }
 
     def learn(self, info: Mapping[str, Any]) -> None:
         """From a worker's /get_server_info: ours (`lora`: adapters with their residency) or

@@ -134,6 +134,8 @@ class Management:
             "slowness": round(w.speed.slowness, 4),
             "slowness_samples": w.speed.samples,
             "speed": w.speed.as_json(),
+            # its LoRA adapters as the router sees them (None: it serves none it knows of)
+            "lora": w.adapters.as_json(),
         }
 
     async def server_info(self, request: HttpRequest) -> Whole:

@@ -161,10 +161,13 @@ class Sender:
             call.prompt.charge_computed(self.pending(call.prompt, decision))
         source = decision.pull_from  # its link is shared by the pulls planned from it
         pulling = source.serving_pull() if source is not None else contextlib.nullcontext()
+        adapter = call.prompt.adapter  # held in the engine's memory while the request runs
+        holding = worker.adapters.serving(adapter) if adapter else contextlib.nullcontext()
         try:
             begins = call.streamed or side == "prefill"  # its first byte marks its start
             with (
                 pulling,
+                holding,
                 worker.request(self.pending(call.prompt, decision), begins) as flight,
             ):
                 first_byte = flight.prefill_done

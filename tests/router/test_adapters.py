@@ -43,6 +43,56 @@ def test_a_loaded_adapter_costs_nothing_a_free_slot_one_load_a_full_worker_two()
     assert WorkerAdapters().seconds("a", LOAD_S) == LOAD_S  # no limit known: a load
 
 
+def test_a_full_worker_whose_adapters_are_all_in_use_prices_the_wait_for_one() -> None:
+    """The engine evicts only an adapter no running request uses: with every slot in use, a
+    request for another adapter waits for the least used one's requests to end."""
+    w = WorkerAdapters(capacity=2)
+    w.sent("a")
+    w.sent("b")
+    with w.serving("a"), w.serving("a"), w.serving("b"):
+        assert w.seconds("c", LOAD_S) == 2 * LOAD_S  # no hold measured yet: a load only
+        w.hold_s = 1.0
+        assert w.seconds("c", LOAD_S) == pytest.approx(2 * LOAD_S + 0.5)  # b's one request
+        assert w.seconds("a", LOAD_S) == 0.0  # loaded: no wait
+        assert w.in_use == {"a": 2, "b": 1}
+    assert w.in_use == {}
+    assert w.seconds("c", LOAD_S) == 2 * LOAD_S  # every adapter idle again: a load and an evict
+    assert w.hold_s is not None and 0.0 < w.hold_s < 1.0  # learned from the three requests
+    pinned = WorkerAdapters(capacity=2, pinned={"a"})
+    pinned.sent("a")
+    pinned.sent("b")
+    pinned.hold_s = 1.0
+    with pinned.serving("b"):  # the pinned one idle is no help: it is never evicted
+        assert pinned.seconds("c", LOAD_S) == pytest.approx(2 * LOAD_S + 0.5)
+
+
+def test_the_adapter_in_use_is_not_the_one_counted_out() -> None:
+    w = WorkerAdapters(capacity=2)
+    w.sent("a")
+    w.sent("b")  # a is the least recently used, but in use: b goes
+    with w.serving("a"):
+        w.sent("c")
+    assert list(w.resident) == ["a", "c"]
+    w.sent("d")  # none in use: the least recently used
+    assert list(w.resident) == ["c", "d"]
+
+
+def test_the_policy_leaves_a_worker_whose_adapter_slots_are_all_busy() -> None:
+    trees = PromptTrees(page_size=16)
+    policy = PromptTree(trees, Thresholds(), CostModel(lora_load_s=LOAD_S))
+    a, b = Worker("http://127.0.0.1:9501"), Worker("http://127.0.0.1:9502")
+    for w in (a, b):
+        w.adapters.capacity = 1
+        w.adapters.hold_s = 2.0  # a request holds its adapter 2 s
+    a.adapters.sent("alpha")
+    b.adapters.sent("beta")
+    b.in_flight_tokens = 10_000  # 0.4 s of queued prefill on b
+    assert policy.select(_request("gamma"), [a, b]).worker is a  # a's alpha is idle
+    a.adapters.sent("alpha")
+    with a.adapters.serving("alpha"):  # a's only slot is busy for ~1 s more
+        assert policy.select(_request("delta"), [a, b]).worker is b
+
+
 def test_pinned_adapters_are_never_counted_out() -> None:
     w = WorkerAdapters(capacity=1, pinned={"keep"})
     w.sent("keep")
@@ -161,6 +211,12 @@ def test_requests_for_two_adapters_keep_to_two_workers(cluster: list[str]) -> No
         status, answer = call(router + "/v1/completions", body)
         assert status == 200, answer
     assert sum(_loads(w) for w in workers) - before <= 2
+    status, listed = call(router + "/workers")
+    assert status == 200
+    seen = [w["lora"] for w in listed["workers"]]
+    assert sorted(a for lora in seen for a in lora["loaded"]) == ["alpha", "beta"]
+    assert all(lora["max_loaded_loras"] == 1 and lora["in_flight"] == {} for lora in seen)
+    assert all(lora["hold_s"] > 0 for lora in seen)  # each served its adapter's requests
     status, text = call(router + "/metrics")
     assert status == 200
     for adapter in ("alpha", "beta"):
