@@ -89,14 +89,16 @@ class TenantsPreset:
     load: float = LOAD
     fairness: bool = True
     # the fairness cell's requests (0: the workload's): enough that the window while they
-    # are sent holds a few hundred answers, or a few cold prompts decide the shares
+    # are sent holds several hundred answers, and each tenant's share is not decided by a
+    # few cold prompts nor by the requests in flight when the window ends (600 gave 5-31
+    # answers per small tenant in the window, and shares off by 0.14-0.56)
     fair_requests: int = 0
 
 
 def full_preset() -> TenantsPreset:
     """About 12 min on 2 cores (one seed: 4.3 min): a calibration of at most 5 steps of 120
     requests, then 12 runs (4 systems x 3 seeds) of 240 requests of 4-5.7K-token prompts
-    and 3 fairness runs of 600."""
+    and 3 fairness runs of 2,400."""
     workload = TenantPrefix()
     return TenantsPreset(
         TENANTS,
@@ -106,7 +108,7 @@ def full_preset() -> TenantsPreset:
         systems=SYSTEM_NAMES,
         time_scale=4.0,
         search=Search(max_steps=5),
-        fair_requests=600,
+        fair_requests=2400,
     )
 
 
