@@ -77,12 +77,18 @@ def test_the_adapter_in_use_is_not_the_one_counted_out() -> None:
     assert list(w.resident) == ["c", "d"]
 
 
-def test_the_policy_leaves_a_worker_whose_adapter_slots_are_all_busy() -> None:
-    trees = PromptTrees(page_size=16)
-    policy = PromptTree(trees, Thresholds(), CostModel(lora_load_s=LOAD_S))
+def _one_slot_pair() -> tuple[PromptTree, Worker, Worker]:
+    """The prompt_tree policy and two workers holding one adapter each at most."""
+    policy = PromptTree(PromptTrees(page_size=16), Thresholds(), CostModel(lora_load_s=LOAD_S))
     a, b = Worker("http://127.0.0.1:9501"), Worker("http://127.0.0.1:9502")
     for w in (a, b):
         w.adapters.capacity = 1
+    return policy, a, b
+
+
+def test_the_policy_leaves_a_worker_whose_adapter_slots_are_all_busy() -> None:
+    policy, a, b = _one_slot_pair()
+    for w in (a, b):
         w.adapters.hold_s = 2.0  # a request holds its adapter 2 s
     a.adapters.sent("alpha")
     b.adapters.sent("beta")
@@ -131,11 +137,7 @@ def _request(adapter: str | None) -> RouteRequest:
 
 
 def test_the_policy_prefers_the_worker_holding_the_adapter() -> None:
-    trees = PromptTrees(page_size=16)
-    policy = PromptTree(trees, Thresholds(), CostModel(lora_load_s=LOAD_S))
-    a, b = Worker("http://127.0.0.1:9501"), Worker("http://127.0.0.1:9502")
-    for w in (a, b):
-        w.adapters.capacity = 1
+    policy, a, b = _one_slot_pair()
     b.adapters.sent("beta")
     assert policy.select(_request("beta"), [a, b]).worker is b
     assert policy.select(_request("alpha"), [a, b]).worker is a  # a free slot beats an evict
