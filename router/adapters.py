@@ -65,20 +65,23 @@ class WorkerAdapters:
     def serving(self, adapter: str) -> Iterator[None]:
         """Count one request for `adapter` in flight here while it runs, and learn from its
         time how long a request holds its adapter (from its sending to its end: a request
-        answered whole tells no more)."""
+        answered whole tells no more; a failed one, which may end at once, tells nothing)."""
         self.in_use[adapter] = self.in_use.get(adapter, 0) + 1
         start = time.perf_counter()
+        served = False
         try:
             yield
+            served = True
         finally:
             left = self.in_use[adapter] - 1
             if left:
                 self.in_use[adapter] = left
             else:
                 del self.in_use[adapter]
-            held = time.perf_counter() - start
-            last = self.hold_s
-            self.hold_s = held if last is None else last + HOLD_WEIGHT * (held - last)
+            if served:
+                held = time.perf_counter() - start
+                last = self.hold_s
+                self.hold_s = held if last is None else last + HOLD_WEIGHT * (held - last)
 
     def affinity(self, adapter: str) -> float:
         """llm-d's LoRA affinity score for `adapter` here: 1.0 loaded, 0.8 a free slot (or

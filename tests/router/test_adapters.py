@@ -58,6 +58,10 @@ def test_a_full_worker_whose_adapters_are_all_in_use_prices_the_wait_for_one() -
     assert w.in_use == {}
     assert w.seconds("c", LOAD_S) == 2 * LOAD_S  # every adapter idle again: a load and an evict
     assert w.hold_s is not None and 0.0 < w.hold_s < 1.0  # learned from the three requests
+    learned = w.hold_s
+    with pytest.raises(ConnectionError), w.serving("a"):
+        raise ConnectionError("refused")  # a failure is no hold: nothing learned
+    assert (w.hold_s, w.in_use) == (learned, {})
     pinned = WorkerAdapters(capacity=2, pinned={"a"})
     pinned.sent("a")
     pinned.sent("b")
