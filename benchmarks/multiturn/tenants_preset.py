@@ -13,13 +13,11 @@ tenant's whole prompt salted, so the tool prompt is cached once per tenant), our
 `--tenants` and the tool prompt declared public (cached once for all, the tenant's text
 after it salted), and sglang-router cache_aware (no isolation), the peer.
 
-The fairness cell: the same tenants at 3x the sustained rate, tenant t3 sending 55 % of the
-requests, our router with configured shares 2:1:1:1 (the tenants file's `share`) and
-`--max-concurrent-requests` so that requests queue in the router; each tenant's share of
-the goodput (computed prompt tokens of the requests completed while the load lasted,
-`per_tenant`) against its configured share. A router whose tenants file has no `share`
-field runs the cell without it (said in the notes): its queue is then first come, first
-served.
+The fairness cell: the same tenants at 3x the sustained rate, tenant t3 sending 40 % of the
+requests (6x its share), our router with configured shares 2:1:1:1 (the tenants file's
+`share`) and `--max-concurrent-requests` so that requests queue in the router; each
+tenant's share of the goodput (computed prompt tokens of the requests completed while the
+load lasted, `per_tenant`) against its configured share.
 """
 
 from __future__ import annotations
@@ -96,9 +94,9 @@ class TenantsPreset:
 
 
 def full_preset() -> TenantsPreset:
-    """About 12 min on 2 cores (one seed: 4.3 min): a calibration of at most 5 steps of 120
-    requests, then 12 runs (4 systems x 3 seeds) of 240 requests of 4-5.7K-token prompts
-    and 3 fairness runs of 2,400."""
+    """About 20 min on 2 cores: a calibration of at most 5 steps of 120 requests, then 12
+    runs (4 systems x 3 seeds) of 240 requests of 4-5.7K-token prompts and 3 fairness runs
+    of 2,400 (about 4.5 min each)."""
     workload = TenantPrefix()
     return TenantsPreset(
         TENANTS,
