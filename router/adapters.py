@@ -44,6 +44,11 @@ class WorkerAdapters:
     in_use: dict[str, int] = field(default_factory=dict)  # this router's requests in flight
     hold_s: float | None = None  # how long a request here has held its adapter, lately
 
+    def has_room(self) -> bool:
+        """Whether one more adapter loads here without evicting one (or the limit is not
+        known)."""
+        return self.capacity is None or len(self.resident) < self.capacity
+
     def seconds(self, adapter: str, load_s: float) -> float:
         """What a request for `adapter` pays here before its prefill: nothing if loaded, a
         load if a slot is free (or the limit is not known), two past the limit (the evicted
@@ -53,7 +58,7 @@ class WorkerAdapters:
         taken as uniform over one)."""
         if adapter in self.resident:
             return 0.0
-        if self.capacity is None or len(self.resident) < self.capacity:
+        if self.has_room():
             return load_s
         using = [self.in_use.get(name, 0) for name in self.resident if name not in self.pinned]
         least = min(using, default=0)
@@ -89,7 +94,7 @@ class WorkerAdapters:
         loading is folded into 1.0: `sent` marks an adapter loaded with its first request.)"""
         if adapter in self.resident:
             return 1.0
-        if self.capacity is None or len(self.resident) < self.capacity:
+        if self.has_room():
             return 0.8
         return 0.0
 

@@ -157,10 +157,11 @@ class Learner:
                     if labels is not None:  # their hit ratio
                         figures.prompt_tokens.labels(*labels).inc(prompt.num_tokens)
                         figures.cached_tokens.labels(*labels).inc(reported)
-        if prompt.charge is not None:  # fair admission: charged as predicted, then as computed
+        # fair admission: charged as predicted, then as computed (not the prediction
+        # corrected: the decision may have planned a pull the worker did not make)
+        if prompt.charge is not None:
             for s in served:
-                if s.reported is not None:  # (not the decision's prediction: it may have
-                    # planned a pull the worker did not make)
+                if s.reported is not None:
                     prompt.charge_computed(max(prompt.num_tokens - s.reported, 0))
                     break
         if self.uses_tokens:
