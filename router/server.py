@@ -372,7 +372,6 @@ class Router:
             if tenants is not None:
                 try:  # 401, or 429 at its limits
                     tenant = tenants.enter(headers.get("authorization"))
-                    raw = tenants.namespace(tenant, route, body, raw)  # its salt, public prefix
                 except Refused as refused:
                     self._refused_tenant(headers.get("authorization"), refused)
                     raise
@@ -381,6 +380,13 @@ class Router:
             else:  # 404 for a model not served
                 served = self.models.resolve(body.get("model"))
                 self.metrics.models.requests.labels(served.name).inc()
+            if tenant is not None and tenants is not None:  # its salt, public prefix
+                model_encoder = self.encoder if served is None else served.encoder
+                try:  # 429 beyond its tokens a second
+                    raw = tenants.namespace(tenant, route, body, raw, model_encoder)
+                except Refused as refused:
+                    self._refused_tenant(headers.get("authorization"), refused)
+                    raise
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
             async with self.admission.slot(None if tenant is None else tenant.id):

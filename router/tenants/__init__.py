@@ -228,11 +228,19 @@ class Tenants:
             salt = self._salts[tenant.id] = mac.hexdigest()
         return salt
 
-    def namespace(self, tenant: Tenant, route: str, body: dict[str, Any], raw: bytes) -> bytes:
+    def namespace(
+        self,
+        tenant: Tenant,
+        route: str,
+        body: dict[str, Any],
+        raw: bytes,
+        encoder: CachedEncoder | None = None,
+    ) -> bytes:
         """The body as the worker gets it: the tenant's cache_salt (a client's after it, if
         the tenant may choose its own), a client's extra_key under the tenant's salt,
-        shared_prefix_tokens set from a public prefix and never from a client. `body` is
-        changed in place; the bytes returned are what is sent."""
+        shared_prefix_tokens set from a public prefix (counted in `encoder`'s tokens, the
+        request's model's; None: none is public) and never from a client. `body` is changed
+        in place; the bytes returned are what is sent."""
         client, extra = body.get("cache_salt"), body.get("extra_key")
         for name, value in (("cache_salt", client), ("extra_key", extra)):
             if value is not None and not isinstance(value, str):
@@ -247,7 +255,7 @@ class Tenants:
         }
         if isinstance(extra, str) and extra:
             fields["extra_key"] = f"{salt}:{extra}"
-        shared = self.public.tokens(route, body)
+        shared = self.public.tokens(route, body, encoder)
         if shared:
             fields["shared_prefix_tokens"] = shared
         present = any(f in body for f in NAMESPACE_FIELDS)

@@ -33,6 +33,7 @@ from router.tenants import Tenants, TenantsError, hash_key, parse
 from router.tenants.__main__ import main
 from shared.tokenizer import ChatTokenizer
 from tests.procs import ROOT, Server, run_module, running
+from tests.tokenizer_families import DEEPSEEK, shared_start, tokenizer_dir
 
 PAGE = 16
 SECRET = "test-tenant-secret-0b7d"
@@ -617,3 +618,65 @@ def test_tokens_per_s_refuses_while_the_bucket_is_in_debt(tmp_path: Path) -> Non
     assert t.request_tokens(CHAT, {"messages": [{"role": "user", "content": "x" * 40}]}) == 10
     assert t.request_tokens(COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 5}) == 8
     assert t.info()["refusals"] == {"d": 1}
+
+
+# ----------------------------------------------------------------- two models
+
+# A public text whose token counts differ by model: 341 of the tiny model's tokens, 151 of
+# DeepSeek's (CJK runs are one piece there).
+CJK_PREFIX = (
+    "共享说明：请阅读下面的文件，然后用一句话回答问题，并引用支持答案的句子。" * 4  # noqa: RUF001
+    + " Shared instructions 2026-11-29: read the document, answer in one line. 1234567890 " * 3
+)
+
+
+@pytest.fixture(scope="module")
+def two_models(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A router with tenants in front of two models of different tokenizer families."""
+    root = tmp_path_factory.mktemp("two-models")
+    other_dir = tokenizer_dir(DEEPSEEK, root / "tokenizers", model_dir)
+    keys = tenants_file(root / "tenants.json", public_prefixes=[CJK_PREFIX])
+
+    def worker(path: Path, name: str) -> list[str]:
+        return [
+            *("--backend", "sim", "--model-path", str(path), "--time-scale", "0"),
+            *("--served-model-name", name, "--page-size", str(PAGE)),
+        ]
+
+    with (
+        running("connector.worker", worker(model_dir, "alpha"), root) as alpha,
+        running("connector.worker", worker(other_dir, "beta"), root) as beta,
+    ):
+        models = root / "models.toml"
+        models.write_text(
+            f'[[model]]\nname = "alpha"\ntokenizer_path = "{model_dir}"\n'
+            f'worker_urls = ["{alpha.url}"]\n\n'
+            f'[[model]]\nname = "beta"\ntokenizer_path = "{other_dir}"\n'
+            f'worker_urls = ["{beta.url}"]\n'
+        )
+        args = ["--models", str(models), "--tenants", str(keys), "--tenant-secret", SECRET]
+        args += ["--page-size", str(PAGE)]
+        with running("router", args, root) as router:
+            yield router.url
+
+
+@pytest.mark.parametrize("route", [GENERATE, COMPLETIONS])
+@pytest.mark.parametrize("model", ["alpha", "beta"])
+def test_a_public_prefix_is_counted_in_its_models_tokens(
+    two_models: str, model_dir: Path, tmp_path: Path, model: str, route: str
+) -> None:
+    """Each model's engine salts what follows the public text in its own tokens: counted in
+    another model's tokenizer (341 tokens against DeepSeek's 151 here), tenant B would read
+    some 190 tokens of tenant A's private text."""
+    path = model_dir if model == "alpha" else tokenizer_dir(DEEPSEEK, tmp_path, model_dir)
+    tok = ChatTokenizer(path)
+    prompt = CJK_PREFIX + words(900 + len(route) + len(model))
+    common = shared_start(tok.encode(prompt), tok.encode(CJK_PREFIX))
+    assert common > 8 * PAGE
+    field = "text" if route == GENERATE else "prompt"
+    body = {field: prompt, "model": model}
+    first = cached(two_models, route, body, KEYS["a"])  # the other route's test cached it
+    shared = cached(two_models, route, body, KEYS["b"])
+    assert shared % PAGE == 0 and common - 2 * PAGE < shared <= common, (shared, common)
+    assert first in (0, shared)
+    assert cached(two_models, route, body, KEYS["a"]) > common + PAGE  # its own, whole
