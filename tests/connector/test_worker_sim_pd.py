@@ -272,6 +272,9 @@ def test_a_chunked_prompt_reports_only_what_its_prefill_found_cached(
         assert pre["meta_info"]["cached_tokens"] == 12 * PAGE == dec["meta_info"]["cached_tokens"]
 
 
+ARRIVAL_SKEW_S = 0.01
+
+
 def test_modelled_transfer_time_delays_the_decode(model_dir: Path, tmp_path: Path) -> None:
     # A slow modelled link (8 Gb/s, 1 GB/s) so that the wire time dominates a long prompt's
     # prefill; at --time-scale 1 the sender sleeps it between allocation and data.
@@ -300,7 +303,9 @@ def test_modelled_transfer_time_delays_the_decode(model_dir: Path, tmp_path: Pat
         for seed, n in ((5, 100), (6, 2000)):
             _, dec = pd_generate(p, d, boot, prompt_ids(seed, n), max_new=1)
             latency[n] = dec["meta_info"]["e2e_latency"]
-            assert latency[n] >= prefill(n) + wire(n)
+            # both sides get the request at once: the decode's clock may start a little after
+            # the prefill's (measured: 40 us short of the sum on a loaded machine)
+            assert latency[n] >= prefill(n) + wire(n) - ARRIVAL_SKEW_S
         # the long prompt's first token waits for 125 modelled pages (262 MB) on the wire
         assert latency[2000] - latency[100] >= wire(2000) - wire(100) - prefill(100)
         stats = info(p)["disaggregation"]
