@@ -369,29 +369,24 @@ class Router:
         try:
             body = parse_json_object(raw)
             raw = without_router_fields(body, raw)
-            if tenants is not None:
-                try:  # 401, or 429 at its limits
+            try:  # 401, or 429 at the tenant's limits; 404 for a model not served
+                if tenants is not None:
                     tenant = tenants.enter(headers.get("authorization"))
-                except Refused as refused:
-                    self._refused_tenant(headers.get("authorization"), refused)
-                    raise
-            if self.models is None:
-                check_model(body, self.model_ids)
-            else:  # 404 for a model not served
-                served = self.models.resolve(body.get("model"))
-                self.metrics.models.requests.labels(served.name).inc()
-            if tenant is not None and tenants is not None:  # its salt, public prefix
-                model_encoder = self.encoder if served is None else served.encoder
-                try:  # 429 beyond its tokens a second
-                    raw = tenants.namespace(tenant, route, body, raw, model_encoder)
-                except Refused as refused:
-                    self._refused_tenant(headers.get("authorization"), refused)
-                    raise
+                if self.models is None:
+                    check_model(body, self.model_ids)
+                else:
+                    served = self.models.resolve(body.get("model"))
+                    self.metrics.models.requests.labels(served.name).inc()
+                encoder = self.encoder if served is None else served.encoder
+                if tenants is not None and tenant is not None:  # its salt, public prefix
+                    raw = tenants.namespace(tenant, route, body, raw, encoder)
+            except Refused as refused:
+                self._refused_tenant(headers.get("authorization"), refused)
+                raise
             # Admitted with its body in hand: from here until the worker counts it in flight
             # nothing waits, so the next admission by expected wait sees its load.
             async with self.admission.slot(None if tenant is None else tenant.id):
                 key, policy = ("", None) if served is None else (served.key, served.policy)
-                encoder = self.encoder if served is None else served.encoder
                 encoder = encoder if self.uses_tokens else None
                 prompt = route_request(route, body, encoder, self.uses_text, key)
                 if prompt.rest and encoder is not None and (busy := encoder.encoding(prompt.rest)):
