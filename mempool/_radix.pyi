@@ -194,6 +194,8 @@ class WorkerState:
     queue_x: float
     token_x: float
     pair_x: float
+    drawn: float  # prompt tokens the prompt_tree rule sent it to compute, decayed since drawn_at
+    drawn_at: float  # on the traffic clock (the heat's)
     @property
     def load(self) -> int: ...
     @property

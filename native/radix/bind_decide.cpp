@@ -127,7 +127,8 @@ struct Decider {
         return out;
     }
 
-    nb::tuple run(const std::vector<const route::WorkerState*>& ws,
+    nb::tuple run(const std::vector<PyWorkerState*>& py,
+                  const std::vector<const route::WorkerState*>& ws,
                   const std::vector<route::Held>& held, const uint32_t* tokens, size_t n,
                   int64_t num_tokens, const std::vector<double>& before) {
         if (num_tokens < 0) raise(PyExc_ValueError, "num_tokens must not be negative");
@@ -136,6 +137,7 @@ struct Decider {
         route::Choice c = route::decide(settings, ws, held, tokens, n, num_tokens,
                                         h ? &h->heat : nullptr, monotonic_now(), heat_now,
                                         before.empty() ? nullptr : &before);
+        if (settings.rule == route::Rule::PromptTree) py[c.worker]->s.draw(c.computed, heat_now);
         nb::list holders;
         for (const auto& [i, tokens_held] : c.holders) {
             holders.append(nb::make_tuple(i, tokens_held));
@@ -159,7 +161,7 @@ struct Decider {
         std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(ws, held, nullptr, 0, num_tokens, before);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before);
         Tokens t(tokens, core->scratch, core->tree.page_size());
         double now = core->now();
         double cutoff = -std::numeric_limits<double>::infinity();
@@ -182,7 +184,8 @@ struct Decider {
                 held[i] = route::Held{std::max(device, host), device, tokens_of(py[i]->home_key)};
             }
         }
-        return run(ws, held, t.data(), t.size(), num_tokens, before);  // every id, for the heat
+        // every id, for the heat
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before);
     }
 
     // The same rule over a view given per worker as (held in any tier, on device, home),
@@ -205,9 +208,9 @@ struct Decider {
         std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(ws, held, nullptr, 0, num_tokens, before);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before);
         Tokens t(tokens, scratch, 1);
-        return run(ws, held, t.data(), t.size(), num_tokens, before);
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before);
     }
 };
 
@@ -260,6 +263,8 @@ void radix_py::bind_decide(nb::module_& m) {
         MEMSERVE_FIELD(queue_x)
         MEMSERVE_FIELD(token_x)
         MEMSERVE_FIELD(pair_x)
+        MEMSERVE_FIELD(drawn)
+        MEMSERVE_FIELD(drawn_at)
 #undef MEMSERVE_FIELD
         .def_prop_ro("load", [](PyWorkerState& w) { return w.s.load(); })
         .def_prop_ro("queued_tokens", [](PyWorkerState& w) { return w.s.queued_tokens(); })

@@ -92,6 +92,15 @@ double WorkerState::measured_wait_s(double now) const {
     return static_cast<double>(waiting) / rate;
 }
 
+double WorkerState::drawn_now(double now) const {
+    return drawn * std::exp2(-std::max(now - drawn_at, 0.0) / kDrawnHalfLifeS);
+}
+
+void WorkerState::draw(int64_t tokens, double now) {
+    drawn = drawn_now(now) + static_cast<double>(std::max<int64_t>(tokens, 0));
+    drawn_at = now;
+}
+
 double queue_s(const Costs& c, const WorkerState& w, int64_t host, int64_t load, double now,
                double* work_out) {
     double work = static_cast<double>(w.queued_tokens()) * c.prefill_s_per_token +
@@ -230,8 +239,29 @@ Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, cons
                          [](const auto& a, const auto& b) { return a.second > b.second; });
     }
     c.pull_from = p.pull ? static_cast<int64_t>(o.best) : -1;
+    c.computed = p.computed;
     c.work = p.work;
     return c;
+}
+
+// Where a new prefix goes (decide.hpp): of the workers expected to start it at most
+// kFreshBand times as late as the soonest, where the fewest wait, then the least work drawn.
+size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<double>& placement,
+             size_t soonest, double now) {
+    double latest = placement[soonest] * kFreshBand;
+    size_t k = ws.size(), choice = k;
+    double least = 0;
+    for (size_t i = 0; i < k; i++) {
+        if (placement[i] > latest) continue;
+        double work = ws[i]->drawn_now(now) * ws[i]->token_x;
+        int64_t waiting = ws[i]->waiting();
+        if (choice == k || waiting < ws[choice]->waiting() ||
+            (waiting == ws[choice]->waiting() && work < least)) {
+            choice = i;
+            least = work;
+        }
+    }
+    return choice;
 }
 
 }  // namespace
@@ -312,7 +342,9 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
             soonest = i;
         }
     }
-    if (most == 0) return choose(s, ws, o, soonest, Reason::CacheMiss);
+    if (most == 0) {
+        return choose(s, ws, o, fresh(ws, placement, soonest, heat_now), Reason::CacheMiss);
+    }
     int64_t low = *std::min_element(o.loads.begin(), o.loads.end());
     if (s.thresholds.imbalanced(o.loads[best], low)) {  // sglang-router's rule: the lightest
         size_t lightest = k;

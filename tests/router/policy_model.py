@@ -16,6 +16,9 @@ from router.speed import Work
 from router.trees import PrefixView, PromptTrees
 from router.workers import Worker, WorkerType
 
+DRAWN_HALF_LIFE_S = 60.0  # decide.hpp: kDrawnHalfLifeS
+FRESH_BAND = 2.0  # decide.hpp: kFreshBand
+
 
 class PrefixHeat:
     """Decayed counts of requests per prefix, keyed by its length and last page."""
@@ -128,6 +131,12 @@ class ReferencePolicy:
         self.rule = rule
         self.trees, self.thresholds, self.cost, self.pulls = trees, thresholds, cost, pulls
         self.heat = heat or PrefixHeat(trees.page_size)
+        self.drawn: dict[str, tuple[float, float]] = {}  # url: (tokens, at), on the heat's clock
+
+    def _drawn(self, worker: Worker, now: float) -> float:
+        """The work a worker drew lately: its computed tokens, decayed, at its speed."""
+        tokens, at = self.drawn.get(worker.url, (0.0, 0.0))
+        return tokens * 2.0 ** (-max(now - at, 0.0) / DRAWN_HALF_LIFE_S) * worker.speed.token_x
 
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         n, page = request.num_tokens, self.trees.page_size
@@ -196,19 +205,31 @@ class ReferencePolicy:
                 seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)
             placement[w.url] = seconds
         soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
-        if most == 0:
-            return self._decide(o, soonest, "cache_miss")
+        if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn
+            now, latest = self.heat.clock(), placement[soonest.url] * FRESH_BAND
+            near = [w for w in workers if placement[w.url] <= latest]
+            fresh = min(near, key=lambda w: (w.waiting, self._drawn(w, now)))
+            return self._draw(self._decide(o, fresh, "cache_miss"), o)
         low = min(loads.values())
         if self.thresholds.imbalanced(loads[best.url], low):
             lightest = min(
                 (w for w in workers if loads[w.url] == low), key=lambda w: placement[w.url]
             )
-            return self._decide(o, lightest, "overload")
+            return self._draw(self._decide(o, lightest, "overload"), o)
         if soonest is not best and placement[soonest.url] < placement[best.url]:
             if held[soonest.url] >= most:
-                return self._decide(o, soonest, "cache_hit")
-            return self._decide(o, soonest, "overload" if held[best.url] else "home_busy")
-        return self._decide(o, best, "cache_hit" if held[best.url] else "home")
+                return self._draw(self._decide(o, soonest, "cache_hit"), o)
+            reason = "overload" if held[best.url] else "home_busy"
+            return self._draw(self._decide(o, soonest, reason), o)
+        return self._draw(self._decide(o, best, "cache_hit" if held[best.url] else "home"), o)
+
+    def _draw(self, decision: Decision, o: Options) -> Decision:
+        """Note the prompt tokens the chosen worker computes, as drawn work."""
+        now, url = self.heat.clock(), decision.worker.url
+        tokens, at = self.drawn.get(url, (0.0, 0.0))
+        tokens *= 2.0 ** (-max(now - at, 0.0) / DRAWN_HALF_LIFE_S)
+        self.drawn[url] = (tokens + o.plans[url].computed, now)
+        return decision
 
     def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
         mine = o.held[choice.url]

@@ -218,14 +218,38 @@ def test_bad_input_raises_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("rest", [5, 0])  # 0: a text whose tokens are not counted yet
-def test_an_empty_prompt_is_a_miss_on_the_least_loaded(rest: int) -> None:
+def test_an_empty_prompt_is_a_miss_where_fewest_wait(rest: int) -> None:
     trees = PromptTrees(page_size=PAGE)
     ws = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
-    ws[0].in_flight = 2
+    ws[0].in_flight = ws[0].unstarted = 2
     d = PromptTree(trees, Thresholds(), CostModel()).select(
         RouteRequest((), "", None, rest_tokens=rest), ws
     )
     assert (d.worker, d.reason, d.predicted_cached) == (ws[1], "cache_miss", 0)
+
+
+def test_new_prefixes_spread_over_idle_workers_by_the_work_they_drew() -> None:
+    """Prompts held nowhere, at an idle moment, spread over the workers by the work each drew
+    lately: not all to the one whose speed fit says it is a little faster (its cache would
+    churn while the others' age). A worker four times slower starts them later by more than
+    its share of the work makes up, and gets none."""
+
+    def new_prefixes(token_x: list[float], count: int) -> list[str]:
+        clock = Clock()
+        ws = [Worker(f"http://127.0.0.1:{i}") for i in range(len(token_x))]
+        for w, x in zip(ws, token_x, strict=True):
+            w.speed.token_x = x
+        policy = PromptTree(PromptTrees(page_size=PAGE, clock=clock), Thresholds(), CostModel())
+        policy.heat = Heat(PAGE, clock=clock)
+        chosen = []
+        for i in range(count):
+            request = RouteRequest(array("I", [1000 + i] * 64), "", None)
+            chosen.append(policy.select(request, ws).worker.url[-1])
+            clock.now += 1.0
+        return chosen
+
+    assert sorted(new_prefixes([0.95, 1.0, 1.0, 1.0], 8)) == list("00112233")
+    assert "3" not in new_prefixes([1.0, 1.0, 1.0, 4.0], 6)
 
 
 def test_tokens_in_any_sequence_or_iterable_decide_alike() -> None:
