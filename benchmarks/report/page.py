@@ -30,7 +30,9 @@ def machine_facts() -> dict[str, Any]:
     }
     try:
         commit = _git("rev-parse", "--short", "HEAD")
-        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+        # the code it ran: a run's own results (tracked, rewritten as it ends) do not count
+        code = ("--", ".", ":(exclude)benchmarks/results")
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no", *code))
     except (OSError, subprocess.SubprocessError):
         return facts
     return {**facts, "git_commit": commit, "git_dirty": dirty}
