@@ -133,10 +133,14 @@ class ReferencePolicy:
         self.heat = heat or PrefixHeat(trees.page_size)
         self.drawn: dict[str, tuple[float, float]] = {}  # url: (tokens, at), on the heat's clock
 
+    def _drawn_tokens(self, url: str, now: float) -> float:
+        """The tokens a worker was sent to compute, decayed to `now`."""
+        tokens, at = self.drawn.get(url, (0.0, 0.0))
+        return tokens * 2.0 ** (-max(now - at, 0.0) / DRAWN_HALF_LIFE_S)
+
     def _drawn(self, worker: Worker, now: float) -> float:
-        """The work a worker drew lately: its computed tokens, decayed, at its speed."""
-        tokens, at = self.drawn.get(worker.url, (0.0, 0.0))
-        return tokens * 2.0 ** (-max(now - at, 0.0) / DRAWN_HALF_LIFE_S) * worker.speed.token_x
+        """The work a worker drew lately: its decayed tokens at its speed."""
+        return self._drawn_tokens(worker.url, now) * worker.speed.token_x
 
     def _options(self, request: RouteRequest, workers: list[Worker]) -> Options:
         n, page = request.num_tokens, self.trees.page_size
@@ -226,9 +230,7 @@ class ReferencePolicy:
     def _draw(self, decision: Decision, o: Options) -> Decision:
         """Note the prompt tokens the chosen worker computes, as drawn work."""
         now, url = self.heat.clock(), decision.worker.url
-        tokens, at = self.drawn.get(url, (0.0, 0.0))
-        tokens *= 2.0 ** (-max(now - at, 0.0) / DRAWN_HALF_LIFE_S)
-        self.drawn[url] = (tokens + o.plans[url].computed, now)
+        self.drawn[url] = (self._drawn_tokens(url, now) + o.plans[url].computed, now)
         return decision
 
     def _decide(self, o: Options, choice: Worker, reason: str) -> Decision:
