@@ -245,9 +245,10 @@ Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, cons
 }
 
 // Where a new prefix goes (decide.hpp): of the workers expected to start it at most
-// kFreshBand times as late as the soonest, where the fewest wait, then the least work drawn.
-size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<double>& placement,
-             size_t soonest, double now) {
+// kFreshBand times as late as the soonest, where the fewest wait, then the least work drawn,
+// then the fewest requests.
+size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<int64_t>& loads,
+             const std::vector<double>& placement, size_t soonest, double now) {
     double latest = placement[soonest] * kFreshBand;
     size_t k = ws.size(), choice = k;
     double least = 0;
@@ -255,8 +256,11 @@ size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<double
         if (placement[i] > latest) continue;
         double work = ws[i]->drawn_now(now) * ws[i]->token_x;
         int64_t waiting = ws[i]->waiting();
-        if (choice == k || waiting < ws[choice]->waiting() ||
-            (waiting == ws[choice]->waiting() && work < least)) {
+        bool better = choice == k || waiting < ws[choice]->waiting();
+        if (!better && waiting == ws[choice]->waiting()) {
+            better = work < least || (work == least && loads[i] < loads[choice]);
+        }
+        if (better) {
             choice = i;
             least = work;
         }
@@ -343,7 +347,7 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         }
     }
     if (most == 0) {
-        return choose(s, ws, o, fresh(ws, placement, soonest, heat_now), Reason::CacheMiss);
+        return choose(s, ws, o, fresh(ws, o.loads, placement, soonest, heat_now), Reason::CacheMiss);
     }
     int64_t low = *std::min_element(o.loads.begin(), o.loads.end());
     if (s.thresholds.imbalanced(o.loads[best], low)) {  // sglang-router's rule: the lightest

@@ -157,7 +157,8 @@ struct Settings {
 // A new prefix (held nowhere, and no home) goes, of the workers expected to start it at most
 // kFreshBand times as late as the soonest (placement), to where the fewest requests wait,
 // then where the least work was drawn lately (its drawn tokens at its speed), as cache_aware
-// sends a miss to its smallest tree. Sent to the soonest start alone, every new prefix at an
+// sends a miss to its smallest tree, then where the fewest requests are (an empty prompt,
+// or workers that drew nothing yet). Sent to the soonest start alone, every new prefix at an
 // idle moment went to the worker the speed fit put a few percent ahead; its cache churned
 // while the others' aged. The band keeps a worker several times slower out (the fit's spread
 // over identical workers reached 2x in the 10-prefix sweep cell: 0.81-1.69). The prompt_tree

@@ -212,7 +212,7 @@ class ReferencePolicy:
         if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn
             now, latest = self.heat.clock(), placement[soonest.url] * FRESH_BAND
             near = [w for w in workers if placement[w.url] <= latest]
-            fresh = min(near, key=lambda w: (w.waiting, self._drawn(w, now)))
+            fresh = min(near, key=lambda w: (w.waiting, self._drawn(w, now), loads[w.url]))
             return self._draw(self._decide(o, fresh, "cache_miss"), o)
         low = min(loads.values())
         if self.thresholds.imbalanced(loads[best.url], low):

@@ -218,10 +218,10 @@ def test_bad_input_raises_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("rest", [5, 0])  # 0: a text whose tokens are not counted yet
-def test_an_empty_prompt_is_a_miss_where_fewest_wait(rest: int) -> None:
+def test_an_empty_prompt_is_a_miss_on_the_least_loaded(rest: int) -> None:
     trees = PromptTrees(page_size=PAGE)
     ws = [Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")]
-    ws[0].in_flight = ws[0].unstarted = 2
+    ws[0].in_flight = 2  # running, none waiting: the load breaks the tie
     d = PromptTree(trees, Thresholds(), CostModel()).select(
         RouteRequest((), "", None, rest_tokens=rest), ws
     )

@@ -94,6 +94,8 @@ class Chats:
             system = SYSTEM if c % 2 else f"Conversation {tag}-{c}. " + SYSTEM[::-1]
             self.messages.append([{"role": "system", "content": system}])
         self.cached = self.prompt = self.failed = self.sent = 0
+        self.resumed = self.later = 0  # later turns, and those that found the last one cached
+        self.last_prompt = [0] * n
         self.lock = threading.Lock()
 
     def turn(self, routers: list[str], c: int, t: int) -> None:
@@ -111,7 +113,12 @@ class Chats:
         with self.lock:
             self.sent += 1
             self.prompt += usage["prompt_tokens"]
-            self.cached += usage["prompt_tokens_details"]["cached_tokens"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            self.cached += cached
+            if t:
+                self.later += 1
+                self.resumed += cached >= self.last_prompt[c] - 16
+            self.last_prompt[c] = usage["prompt_tokens"]
         messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
 
     def run(self, routers: list[str], turns: int, stop: threading.Event | None = None) -> None:
@@ -171,10 +178,15 @@ def test_two_replicas_hit_as_often_as_one_router(
     print(
         f"\nhit ratio: one router {one.hit_ratio:.3f}, two replicas through Redis "
         f"{two.hit_ratio:.3f}, two routers sharing nothing {unshared.hit_ratio:.3f} "
-        f"({one.sent} requests each)"
+        f"({one.sent} requests each); later turns resumed: {one.resumed}, {two.resumed}, "
+        f"{unshared.resumed} of {one.later}"
     )
     assert one.failed == two.failed == 0
-    assert unshared.hit_ratio < two.hit_ratio
+    # A later turn sent to the other replica finds its last turn cached where the first replica
+    # sent it, as through one router; routers sharing nothing agree only as often as their own
+    # trees lead them to the same worker (measured: 21-23 of 24 against 9-17; the hit ratios
+    # differ by 0.03-0.07, as half the conversations share one system prompt both trees hold).
+    assert unshared.resumed < two.resumed
 
 
 def lag_within(r: Server, seconds: str) -> tuple[int, int]:
