@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.harness import REPO_ROOT
-from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.cluster import (
+    CACHE_AWARE,
+    COST,
+    PROMPT_TREE,
+    ROUND_ROBIN,
+    SMG_CACHE_AWARE,
+    RouterSpec,
+)
 from benchmarks.multiturn.paired import Config, Member, PairedPlan, Prebuilt
 from benchmarks.multiturn.plan import rate_of
 from benchmarks.multiturn.sustained import Search
@@ -34,7 +41,7 @@ from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import DEFAULT_TRACE, TraceReplay
 from benchmarks.multiturn.working_set import Sizing, estimate, largest_request
 from benchmarks.multiturn.workloads import SGLANG, MultiRoundQA
-from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
+from benchmarks.peers import OURS
 from localrun.cluster import ClusterSpec
 
 if TYPE_CHECKING:
@@ -45,12 +52,7 @@ CAPACITY_QUICK = "capacity-quick"
 INSTANCES = 4
 HOST_RATIO = 4.0  # the host tier, in device KVs (`--hicache-ratio`)
 
-PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
-COST = RouterSpec(OURS, "cost")
 NO_PULL = RouterSpec(OURS, "prompt_tree", pull=False)
-CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
-ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
-SMG_CACHE_AWARE = RouterSpec(SMG, "cache_aware")
 SYSTEMS = (PROMPT_TREE, COST, NO_PULL, CACHE_AWARE, ROUND_ROBIN, SMG_CACHE_AWARE)
 OURS_WITH_PULLS = (PROMPT_TREE, COST)  # the systems the targets are about
 

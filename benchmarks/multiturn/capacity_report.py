@@ -120,21 +120,3 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
         "",
     ]
     return Extra("ratios", lines, {"rows": rows}, plots)
-
-
-NOTES = (
-    "Preset --capacity: device KV sized so the working set is 2x, 4x and 8x the cluster's, "
-    "with and without a host tier; every system of a cluster gets the same requests at the "
-    "workload's own rate (no sustained-rate search).",
-    "Working set: the distinct tokens the workload caches (prompts and answers, shared "
-    "prefixes once, whole pages). Before the run it is estimated by replaying the plan into "
-    "the oracle with stand-in answers of the planned lengths; the median over the seeds sizes "
-    "the workers' --max-total-tokens so that it is the asked multiple of the 4 instances' "
-    "device KV. After each run the oracle's pages give it exactly (`measured`).",
-    "Cluster: 4 colocated sim workers per (workload, multiple, host tier), started once and "
-    "shared by every system and seed; caches flushed and a fresh router before each run; "
-    "system order rotated per step. Workers run --enable-mempool-pull and publish KV events "
-    "on bound ipc:// sockets, to which our router subscribes (--kv-events-subscribe; the "
-    "peers do not listen); our router starts only after its trees are synchronized with the "
-    "flushed caches.",
-)

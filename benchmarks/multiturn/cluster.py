@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import OFFLINE_ENV, REPO_ROOT
-from benchmarks.peers import OURS, peer_command
+from benchmarks.peers import OURS, SGLANG_ROUTER, SMG, peer_command
 from localrun.cluster import Cluster, cpu_seconds, with_children
 from localrun.processes import (
     Launch,
@@ -69,6 +69,18 @@ class RouterSpec:
         if self.tag:
             name += f" {self.tag}"
         return name if self.pull else f"{name} (no pull)"
+
+
+# The systems the presets compare, each preset taking its own selection.
+PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
+COST = RouterSpec(OURS, "cost")
+CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
+ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
+SMG_CACHE_AWARE = RouterSpec(SMG, "cache_aware")
+# PD: sglang-router and smg choose the prefill and the decode apart.
+PD_CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware", True, 1, "cache_aware", "power_of_two")
+PD_ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin", True, 1, "round_robin", "round_robin")
+PD_SMG = RouterSpec(SMG, "cache_aware", True, 1, "cache_aware", "power_of_two")
 
 
 @dataclass

@@ -26,7 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn.capacity import Features
-from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.cluster import (
+    CACHE_AWARE,
+    COST,
+    PD_CACHE_AWARE,
+    PD_ROUND_ROBIN,
+    PD_SMG,
+    PROMPT_TREE,
+    ROUND_ROBIN,
+    SMG_CACHE_AWARE,
+    RouterSpec,
+)
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.paired import (
     Config,
@@ -41,7 +51,6 @@ from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.trace import OpenLoopTrace
 from benchmarks.multiturn.workloads import OPENAI
-from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
 
 HOT_PREFIX = "hot-prefix"
 HOT_PREFIX_QUICK = "hot-prefix-quick"
@@ -52,15 +61,6 @@ CALIBRATION_SEED = 101  # the calibration workload's: no measured run uses it
 COLOCATED = "4 colocated"
 PD_2P2D = "2P2D"
 
-PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
-COST = RouterSpec(OURS, "cost")
-CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
-ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
-SMG_CACHE_AWARE = RouterSpec(SMG, "cache_aware")
-# The PD equivalents: sglang-router and smg choose the prefill and the decode apart.
-PD_CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware", True, 1, "cache_aware", "power_of_two")
-PD_ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin", True, 1, "round_robin", "round_robin")
-PD_SMG = RouterSpec(SMG, "cache_aware", True, 1, "cache_aware", "power_of_two")
 SYSTEMS: dict[str, tuple[RouterSpec, ...]] = {
     COLOCATED: (PROMPT_TREE, COST, CACHE_AWARE, ROUND_ROBIN, SMG_CACHE_AWARE),
     PD_2P2D: (PROMPT_TREE, COST, PD_CACHE_AWARE, PD_ROUND_ROBIN, PD_SMG),
@@ -242,23 +242,3 @@ def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
             ),
         ]
     return out
-
-
-NOTES = (
-    "Preset --hot-prefix: hot shared prefixes of Zipf popularity (tool-agent-like), "
-    "independent requests, open-loop Poisson arrivals, /v1/completions prompts; every "
-    "system of a cluster gets the same requests on the same workers, caches flushed and a "
-    "fresh router before each run, system order rotated per seed.",
-    "Sustained rate: on each cluster, before its runs, the reference system (sglang-router "
-    "round_robin, or its PD equivalent) serves a calibration workload (another seed) at "
-    "rising rates (see below); the measured runs offer 85% of the rate it sustained.",
-    "Device KV per worker: half the hot set (prompt pages that two or more requests share, "
-    "the seeds' median), so the hot set does not fit one worker but fits the cluster twice; "
-    "no host tier. 4 colocated: --enable-mempool-pull and KV events to our router; 2P2D: "
-    "PD-Caching-1 (SGLang's PD), KV events to our router, and the prefills run "
-    "--enable-mempool-pull (runs from before prefills could pull show no KV pulled); a "
-    "worker pulls only a prefix our router names a holder of, so the peers' requests never "
-    "pull. Ours prompt_tree also runs on a second 2P2D cluster in PD-Caching-2, where the "
-    "decodes cache what they receive (a prefill sends a decode only the pages it lacks) and "
-    "serve it to the prefills' pulls (runs from before that have no such row).",
-)

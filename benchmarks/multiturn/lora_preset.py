@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.multiturn import versus
 from benchmarks.multiturn.capacity import Features
-from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.cluster import CACHE_AWARE, PROMPT_TREE, ROUND_ROBIN, RouterSpec
 from benchmarks.multiturn.lora import LoraPrefix
 from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
 from benchmarks.multiturn.paired_report import Extra, Run, Target
@@ -36,7 +36,7 @@ from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.versus import Column
 from benchmarks.multiturn.workloads import OPENAI
-from benchmarks.peers import OURS, SGLANG_ROUTER
+from benchmarks.peers import OURS
 from benchmarks.report.seeds import ratio
 from benchmarks.report.table import markdown_table
 
@@ -50,11 +50,8 @@ CALIBRATION_SEED = 101
 SHAPE = "4 colocated"
 TARGET_P99 = 0.7  # issue 38: ours' p99 TTFT at most 0.7x cache_aware's
 
-PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
 ADAPTER_BLIND = RouterSpec(OURS, "prompt_tree", args=("--lora-load-secs", "0"), tag="lora-load 0")
 LORA_AFFINITY = RouterSpec(OURS, "lora_affinity")  # llm-d's LoRA scorer alone: prefix-blind
-CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
-ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
 SYSTEMS = (PROMPT_TREE, ADAPTER_BLIND, LORA_AFFINITY, CACHE_AWARE, ROUND_ROBIN)
 
 
@@ -255,31 +252,3 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
             "",
         ]
     return Extra("lora", lines, tables, [])
-
-
-NOTES = (
-    "Preset --lora: 20 LoRA adapters of Zipf(1) popularity on 4 colocated sim workers "
-    "(`--lora-paths`, `--max-loaded-loras 4 --max-loras-per-batch 4`, the least recently "
-    "used adapter evicted); each request names its adapter by `lora_path` (every router here "
-    "passes it to the worker unchanged); prompts are the adapter's system prompt (0.5-1.5K "
-    "tokens), one of its 3 documents (1-3K) and a unique question (20-200), completions; "
-    "independent requests, open-loop Poisson arrivals. Every system gets the same requests "
-    "on the same workers, caches flushed and a fresh router before each run, system order "
-    "rotated per seed. Before each run every worker's adapters are put back as they were at "
-    "its start (unloaded and loaded again through SGLang's `/unload_lora_adapter` and "
-    "`/load_lora_adapter`: a flush empties the KV cache, not the adapter slots), so every "
-    "system meets the same adapters loaded; our router reads them at its start.",
-    "Adapter loads: the sim charges each load 10 ms plus 84 MB (rank 16 on every linear "
-    "layer of Llama-3.1-8B) at 2 GB/s (local NVMe), 52 ms, to the step that prefills the "
-    "request that needed it, times the time scale; our router prices it the same "
-    "(`--lora-load-secs 0.052` times the time scale, as its other cost terms), and `ours "
-    "prompt_tree lora-load 0` is the same router told a load costs nothing (adapter-blind). "
-    "`ours lora_affinity` is llm-d's LoRA affinity scorer alone (1.0 the adapter loaded, 0.8 "
-    "a free slot, 0 a load that evicts; ties to the least loaded): adapter-aware, "
-    "prefix-blind.",
-    "Sustained rate: before the runs, sglang-router round_robin serves a calibration "
-    "workload (another seed) at rising rates; the measured runs offer 85% of the rate it "
-    "sustained. Device KV per worker: half the hot set (prompt pages that two or more "
-    "requests share, the seeds' median). Workers run --enable-mempool-pull (an adapter's "
-    "pages are never pulled: they carry its namespace) and publish KV events to our router.",
-)

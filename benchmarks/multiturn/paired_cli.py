@@ -38,7 +38,7 @@ CAPACITY = Kind(
     capacity.CAPACITY,
     Path("benchmarks/results/multiturn_capacity"),
     capacity_report.TITLE,
-    capacity_report.NOTES,
+    "capacity.md",
     capacity_report.targets_for,
     extra=capacity_report.extra,
 )
@@ -46,14 +46,14 @@ HOT_PREFIX = Kind(
     hot_prefix_preset.HOT_PREFIX,
     Path("benchmarks/results/multiturn_hot_prefix"),
     "Hot shared prefixes (tool-agent-like) at 85% of the sustained rate",
-    hot_prefix_preset.NOTES,
+    "hot-prefix.md",
     hot_prefix_preset.targets_for,
 )
 PD = Kind(
     pd_preset.PD,
     Path("benchmarks/results/multiturn_pd"),
     "PD with several prefills: caching modes against sglang-router and smg PD",
-    pd_preset.NOTES,
+    "pd.md",
     pd_preset.targets_for,
 )
 
@@ -61,7 +61,7 @@ SWEEP = Kind(
     sweep_preset.SWEEP,
     Path("benchmarks/results/multiturn_sweep"),
     "Robustness sweep: ours against sglang-router over workloads and engines",
-    sweep_preset.NOTES,
+    "sweep.md",
     sweep_preset.targets_for,
     "README.md",
     sweep_report.extra,
@@ -71,7 +71,7 @@ LORA = Kind(
     lora_preset.LORA,
     Path("benchmarks/results/multiturn_lora"),
     "LoRA adapters of Zipf popularity: 20 adapters on 4 workers holding 4 each",
-    lora_preset.NOTES,
+    "lora.md",
     lora_preset.targets_for,
     extra=lora_preset.extra,
 )
@@ -80,7 +80,7 @@ TENANTS = Kind(
     tenants_preset.TENANTS,
     Path("benchmarks/results/multiturn_tenants"),
     "Tenants sharing a public tool prompt: what isolation costs, and fairness at saturation",
-    tenants_preset.NOTES,
+    "tenants.md",
     tenants_preset.targets_for,
     extra=tenants_preset.extra,
 )

@@ -40,15 +40,6 @@ from benchmarks.report.targets import check, target_rows
 
 FLOOR = "floor"  # a Target's `other`: the run's own floor
 
-WRITTEN_BACK_TEXT = (
-    "of the hit (counted in device and host too), the prompt tokens a prefill served from "
-    "pages a decode had written back to it, as the answers report them (`written_back_tokens` "
-    "in meta_info and usage.prompt_tokens_details; the prefill's "
-    "`memserve:written_back_cached_tokens_total`); n/a where the workers do not report it "
-    "(results from before they did, and the peers' SGLang-like workers, which do not write "
-    "back). The write-backs themselves and the KV bytes they moved are in the second table"
-)
-
 
 def label(run: Run) -> str:
     return system_label(run["system"], run.get("pd_caching"))
@@ -589,35 +580,18 @@ def sections(
 
 
 def notes(
-    preset_text: Sequence[str], runs: Sequence[Run], peers: dict[str, PeerStatus]
+    doc: str, given: Sequence[str], runs: Sequence[Run], peers: dict[str, PeerStatus]
 ) -> list[str]:
-    model = sim_model()
-    peer_text = peers_text(peers)
+    """What this run was (the preset's page says what it measures and why; the reading page
+    what each column means), then the facts only the run knows."""
     out = [
-        *preset_text,
-        f"Sim workers (`python -m connector.worker --backend sim --tokenizer-cache`) model "
-        f"{sim_text(model)}; `connector/worker/latency_model.py`. A time scale of k makes "
-        "the modelled GPU k times slower, so wall-clock latencies are k times H100 time.",
-        "`hit`: prompt tokens reused / prompt tokens, by source as the answers report them "
-        "(`cached_tokens`, its `cached_tokens_details` device/host split where the answer has "
-        "one, `pulled_tokens`); `recomputed` is the rest. `oracle`: the same requests in "
-        "send order into one infinite prefix cache. The floor: each request's TTFT alone "
-        "with the oracle's cache (chunked prefill, the latency model, the time scale; it "
-        "leaves out the KV transfer to a PD decode). The queued floor (`queue_floor.py`): "
-        "the floor plus the wait an ideal router still leaves at the run's load: the run's "
-        "send times into one first-come-first-served queue before the prefill workers, each "
-        "request on the first to free up, for its floor TTFT; a p99 target it misses itself "
-        "cannot be met by routing at that load (— where a run did not record it). `LRU ref`: "
-        "the same requests in send order into the cluster's prefill caches as they are (one "
-        "per prefill worker, the run's device KV, least recently used pages evicted as "
-        "SGLang's radix cache does), each to the one holding its longest prefix, load "
-        "ignored: below the oracle by what cache size and LRU eviction cost, whoever routes "
-        "(decodes' caches, which PD-Caching-2/-3 pull from, are not counted; no figure with a "
-        "host tier). `LRU queued p99`: the queued floor with those hits.",
-        f"Written back: {WRITTEN_BACK_TEXT}.",
-        f"Peers: {peer_text}; default thresholds. smg runs with --disable-tokenizer-autoload.",
-        f"Machine: {os.cpu_count()} cores run the client, the routers and every worker; the "
-        "sim sleeps the modelled GPU time, so CPU contention adds to the latencies.",
+        f"What the preset runs and why: `docs/benchmarks/{doc}`; the columns (hit, oracle, "
+        "floor, queued floor, LRU ref, written back): `docs/benchmarks/reading.md`.",
+        *given,
+        f"Sim workers model {sim_text(sim_model())}.",
+        f"Peers: {peers_text(peers)}; default thresholds. smg runs with "
+        "--disable-tokenizer-autoload.",
+        f"Machine: {os.cpu_count()} cores run the client, the routers and every worker.",
     ]
     loads = [r["loadavg_1m"] for r in runs if finite(r.get("loadavg_1m"))]
     if loads:
@@ -649,12 +623,13 @@ def notes(
 @dataclass(frozen=True)
 class Kind:
     """One paired preset: its name (results.json's `preset`; the quick one's ends in
-    -quick), where it writes, its title, notes and targets, and its own part of the page."""
+    -quick), where it writes, its title, its page in docs/benchmarks/, its targets, and its
+    own part of the page."""
 
     name: str
     out: Path
     title: str
-    notes: tuple[str, ...]
+    doc: str
     targets_for: TargetsFor
     page: str | None = None  # the Markdown page's file name (None: results.md)
     extra: ExtraFor | None = None
@@ -669,8 +644,7 @@ def write_paired(
     own tables, figures and plots ahead of the common ones."""
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [r if r.get("config") else {**r, "config": r["cluster"]} for r in given["runs"]]
-    own_notes = [n for n in given.get("notes") or [] if n not in kind.notes]  # the run's
-    own_notes = own_notes or [f"Left out: {m}" for m in given.get("missing") or []]
+    own_notes = given.get("notes") or [f"Left out: {m}" for m in given.get("missing") or []]
     calibration, setup = given.get("calibration") or {}, given.get("setup") or {}
     command, elapsed_s = given.get("command", ""), given.get("elapsed_s", 0.0)
     summary = summarize(runs)
@@ -684,7 +658,7 @@ def write_paired(
         "summary": summary,
         "targets": targets,
         "setup": setup,
-        "notes": [*kind.notes, *own_notes],
+        "notes": own_notes,
         "sim_model": sim_model(),
         "peers": {name: s.__dict__ for name, s in peers.items()},
     }
@@ -704,7 +678,7 @@ def write_paired(
             *(own.lines if own else []),
             *sections(runs, summary, targets, calibration, setup),
         ],
-        notes(figures["notes"], runs, peers),
+        notes(kind.doc, own_notes, runs, peers),
         given.get("machine") or None,
         kind.page,
     )

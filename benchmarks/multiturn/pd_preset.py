@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.multiturn.capacity import CapacityPreset, Features, size_workload
 from benchmarks.multiturn.capacity import full_preset as capacity_full
 from benchmarks.multiturn.capacity import quick_preset as capacity_quick
-from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.cluster import PD_CACHE_AWARE, PD_SMG, PROMPT_TREE, RouterSpec
 from benchmarks.multiturn.paired import (
     MODE_LABELS,
     Config,
@@ -42,7 +42,6 @@ from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.working_set import Sizing
 from benchmarks.multiturn.workloads import SGLANG
-from benchmarks.peers import OURS, SGLANG_ROUTER, SMG
 from localrun.cluster import ClusterSpec
 
 PD = "pd"
@@ -52,9 +51,6 @@ LOAD = 0.8
 CALIBRATION_SEED = 101
 SHAPES = {"2P2D": (2, 2), "3P1D": (3, 1)}
 
-PROMPT_TREE = RouterSpec(OURS, "prompt_tree")
-PD_CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware", True, 1, "cache_aware", "power_of_two")
-PD_SMG = RouterSpec(SMG, "cache_aware", True, 1, "cache_aware", "power_of_two")
 # caching mode -> the systems on its cluster; the first mode's cluster is calibrated
 MODES: dict[str, tuple[RouterSpec, ...]] = {
     "caching-1": (PROMPT_TREE, PD_CACHE_AWARE, PD_SMG),
@@ -251,27 +247,3 @@ def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
             theirs,
         ),
     ]
-
-
-NOTES = (
-    "Preset --pd: multi-round QA and Mooncake conversation sessions (as --capacity builds "
-    "them) on 2P2D and 3P1D sim clusters; a caching mode is a worker flag, so each mode is "
-    "its own cluster of the same shape and KV, started in turn, and every system of a "
-    "(workload, shape, multiple) gets the same requests.",
-    "Sustained rate: on the PD-Caching-1 cluster, before its runs, sglang-router PD "
-    "(cache_aware prefill, power_of_two decode) serves a calibration workload (another "
-    "seed, fewer requests) at rising rates (see below; the floor's bound counts the prefill "
-    "instances only); every cluster of that (workload, shape, multiple) is offered 80% of "
-    "the rate it sustained. Multi-round QA and trace sessions are causal (a turn waits for "
-    "the previous answer), so their offered rate is the arrival schedule's.",
-    "Device KV per instance: the working set (distinct prompt and answer tokens, estimated "
-    "per seed by replaying the plan into the oracle; median) / (multiple x 4 instances), "
-    "prefills and decodes alike; no host tier; KV events to our router. Prefills of the "
-    "modes that cache (PD-Caching-1/-3) run --enable-mempool-pull: one pulls a longer "
-    "prefix our router names a holder of, so the peers' requests never pull (runs from "
-    "before that show no KV pulled).",
-    "The peers' workers run PD-Caching-1, as SGLang 0.5.23 does: each prefill caches its "
-    "own prompts, the decode neither caches nor writes back. On 3P1D the peers' decode "
-    "policy is round_robin: they refuse power_of_two over a single decode, where every "
-    "policy picks the same worker.",
-)

@@ -343,29 +343,3 @@ def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
             name = "mixed_mean_vs_cache_aware"
             out.append(Target(name, about, mine, "ttft_mean_s", "<=", MIXED_MEAN, ca))
     return out
-
-
-NOTES = (
-    "Preset --sweep (issue 37): one factor at a time around a base cell (Zipf 1.0, 100 "
-    "prefixes of ~4K tokens, text prompts, 85% load, 4 colocated workers at H100 speed): "
-    "Zipf 0.6/1.4, 10/300 prefixes, ~1K/~16K-token prefixes (lengths uniform in 0.75..1.25x), "
-    "chats, 50%/100% load, engines 4x and 10x slower, and a mixed cluster (2 at H100 speed, "
-    "2 4x slower); hot shared prefixes of Zipf popularity, independent requests, open-loop "
-    "Poisson arrivals; every system of a cell gets the same requests on the same workers, "
-    "caches flushed and a fresh router before each run, system order rotated per seed.",
-    "Sustained rate: on each cell's cluster, before its runs, sglang-router round_robin "
-    "serves a calibration workload (another seed) at rising rates; the measured runs offer "
-    "the cell's load x the rate it sustained. Cells that differ only in load share the "
-    "rate measured in the first of them. On the mixed cluster round_robin gives every worker "
-    "a quarter, so the slow ones set its sustained rate.",
-    "Device KV per worker: half the cell's hot set (prompt pages two or more requests share, "
-    "the seeds' median); no host tier; --enable-mempool-pull and KV events to our router. "
-    "Our router's cost model is told the fastest worker's speed (the time scale's multiple "
-    "of its H100 constants) and learns the others' (--engine-speed learned). On the mixed "
-    "cluster the floor and the queued floors take every worker at the fast workers' speed: "
-    "a lower bound.",
-    "Ratios: ours over sglang-router cache_aware's in the same seed (the same requests on "
-    "the same workers); a cell's ratio is the median over its seeds. Prediction: the tokens "
-    "our router's trees predicted cached over those the workers reported cached "
-    "(`memserve_router_predicted_cached_tokens` / `_reported_`), over the run.",
-)

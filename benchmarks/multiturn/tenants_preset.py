@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn.capacity import Features
-from benchmarks.multiturn.cluster import RouterSpec
+from benchmarks.multiturn.cluster import CACHE_AWARE, ROUND_ROBIN, RouterSpec
 from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, selected
 from benchmarks.multiturn.paired_report import Extra, Run, Target, runs_of
 from benchmarks.multiturn.sustained import Search
@@ -40,7 +40,7 @@ from benchmarks.multiturn.tenants import TenantPrefix, tenant_key, tool_prompt
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
 from benchmarks.multiturn.workloads import OPENAI
-from benchmarks.peers import OURS, SGLANG_ROUTER
+from benchmarks.peers import OURS
 from benchmarks.report.table import markdown_table
 from router.tenants.config import hash_key
 
@@ -64,8 +64,6 @@ FAIRNESS = "fairness"
 OPERATOR_KEY = "bench-operator-key"
 
 NO_ISOLATION = RouterSpec(OURS, "prompt_tree")
-CACHE_AWARE = RouterSpec(SGLANG_ROUTER, "cache_aware")
-ROUND_ROBIN = RouterSpec(SGLANG_ROUTER, "round_robin")
 FULL_TAG = "tenants"
 PUBLIC_TAG = "tenants public"
 FAIR_TAG = "tenants shares"
@@ -389,24 +387,3 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
             "",
         ]
     return Extra("tenants", lines, tables, [])
-
-
-NOTES = (
-    "Preset --tenants: 4 tenants, each request the public tool prompt (the same text for "
-    "every tenant and seed), one of its tenant's 3 private documents and a unique "
-    "question; completions, independent requests, open-loop Poisson arrivals, each sent "
-    "with its tenant's API key (`Authorization: Bearer`; the routers without tenants "
-    "ignore it). Every system gets the same requests on the same workers, caches flushed "
-    "and a fresh router before each run, system order rotated per seed.",
-    "Isolation: `ours prompt_tree tenants` runs with `--tenants` (each tenant's key "
-    "hashed, no public prefix): the router mints each tenant's `cache_salt`, so no page is "
-    "shared between tenants, the tool prompt included; `... tenants public` declares the "
-    "tool prompt public in the same file: the workers cache it once for everyone "
-    "(`shared_prefix_tokens`) and salt what follows. `ours prompt_tree` and sglang-router "
-    "cache_aware share everything (no isolation).",
-    "Sustained rate: before the runs, sglang-router round_robin serves a calibration "
-    "workload (another seed) at rising rates; the measured runs offer 85% of the rate it "
-    "sustained, the fairness cell 3x. Device KV per worker: half the hot set (prompt pages "
-    "two or more requests share, counted without namespaces: full isolation's own hot "
-    "set is larger, which is its cost).",
-)

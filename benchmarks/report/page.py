@@ -1,7 +1,9 @@
 """The two files of every result: `NAME.json` for machines and a Markdown page for people,
 both stamped with the commit and the machine they were measured on (timings mean little
-without the machine). JSON keys are sorted and indented so that two runs diff line by line;
-only the standard library writes them, so writing never depends on an optional package."""
+without the machine). JSON keeps the order the figures were built in (indented, so two runs
+diff line by line), so a page written again from its JSON (`--report-only`) is the page the
+run wrote; only the standard library writes them, so writing never depends on an optional
+package."""
 
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def write_results(
     facts = machine or machine_facts()
     payload = jsonable({**figures, "machine": facts})
     json_path = out_dir / f"{name}.json"
-    json_path.write_text(without_home(json.dumps(payload, indent=2, sort_keys=True) + "\n"))
+    json_path.write_text(without_home(json.dumps(payload, indent=2) + "\n"))
 
     parts = [f"# {title}", ""]
     if table_rows is not None:
