@@ -1,7 +1,2 @@
-"""Reliability under faults and bad inputs: real processes broken with real signals, or
-pushed past their memory and capacity.
-
-`python -m benchmarks.reliability --out DIR` runs every fault scenario (`faults`,
-`pd_faults`, and the pressure rows of `pressure`) and every bad input (`bad_inputs`) and
-writes the table (`report`).
-"""
+"""Reliability under faults, pressure and bad inputs: real router and worker processes broken
+with real signals, pushed past their memory and capacity, sent malformed and hostile requests."""

@@ -1,10 +1,7 @@
-"""Hostile and malformed requests, and what each server must answer.
-
-One list for the router's fuzz tests (tests/router/test_fuzz.py) and this benchmark's
-table, so a case is written once. `status` is the router's exact answer (its refusals are
-decided before any worker is touched); `worker` is what the worker answers on its own
-(None: any 4xx; 200: the input is legal there and is served).
-"""
+"""Hostile and malformed requests and what each server must answer: one list for the fuzz
+tests (tests/router/test_fuzz.py, tests/connector/test_worker_fuzz.py) and this table.
+`status` is the router's exact answer (decided before any worker is touched); `worker` the
+worker's own (None: any 4xx; 200: legal there, and served)."""
 
 from __future__ import annotations
 
@@ -12,9 +9,8 @@ import json
 from dataclasses import dataclass
 
 from benchmarks.reliability.client import post
-from benchmarks.reliability.report import InputResult
-
-ROUTER_MAX_PAYLOAD = 1 << 20  # the benchmark's router runs with --max-payload-size 1 MiB
+from benchmarks.reliability.cluster import Cluster
+from benchmarks.reliability.report import MAX_PAYLOAD, InputResult
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ MORE: list[BadInput] = [
     BadInput(
         "body over the payload limit",
         "/generate",
-        json.dumps({"text": "x" * (2 * ROUTER_MAX_PAYLOAD)}).encode(),
+        json.dumps({"text": "x" * (2 * MAX_PAYLOAD)}).encode(),
         413,
         "max-payload-size",
         router_only=True,
@@ -107,32 +103,28 @@ def check(case: BadInput, base_url: str, target: str) -> InputResult:
     message = seen.body.get("message", "") if isinstance(seen.body, dict) else str(seen.body)
     status = seen.status
     if target == "router":
-        want = case.status
-        passed = status == want and (want == 200 or case.says in str(message))
-        expected = f"{want}" + (f" '{case.says}'" if case.says and want != 200 else "")
+        passed = status == case.status and (case.status == 200 or case.says in str(message))
+        expected = f"{case.status}" + (
+            f" '{case.says}'" if case.says and case.status != 200 else ""
+        )
+    elif case.worker is None:
+        passed, expected = 400 <= (status or 0) < 500, "any 4xx"
     else:
-        want_worker = case.worker
-        passed = status == want_worker if want_worker is not None else 400 <= (status or 0) < 500
-        expected = "any 4xx" if want_worker is None else str(want_worker)
+        passed, expected = status == case.worker, str(case.worker)
     if passed and status is not None and status >= 400:
         passed = seen.clear_error  # a JSON body with a message
-    health = post(base_url + "/health", method="GET", bound_s=10.0)
-    return InputResult(
-        case.name,
-        target,
-        case.route,
-        status,
-        str(message) if status != 200 else "(answered)",
-        expected,
-        passed,
-        health.status == 200,
-    )
+    serving = post(base_url + "/health", method="GET", bound_s=10.0).status == 200
+    said = str(message) if status != 200 else "(answered)"
+    return InputResult(case.name, target, case.route, status, said, expected, passed, serving)
 
 
-def run_all(router_url: str, worker_url: str) -> list[InputResult]:
+def bad_inputs(c: Cluster) -> list[InputResult]:
+    """Every case to a router (with the payload limit) and, unless router-only, its worker."""
+    (worker,) = c.workers(1)
+    router = c.colocated_router([worker], "--max-payload-size", str(MAX_PAYLOAD))
     out = []
     for case in CASES:
-        out.append(check(case, router_url, "router"))
+        out.append(check(case, router.url, "router"))
         if not case.router_only:
-            out.append(check(case, worker_url, "worker"))
+            out.append(check(case, worker.url, "worker"))
     return out

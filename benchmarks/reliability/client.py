@@ -1,17 +1,15 @@
-"""What a client sees: one request over a real socket, with a hard bound on how long it may take.
-
-Every call ends: with a status and body, with a transport error (refused, reset), or with
-"hung" once the bound passes. Nothing here retries unless asked (`until_answered`), so a
-scenario can tell a retry the router made from one the client had to make.
-"""
+"""What a client sees of one request over a real socket, with a hard bound on its time: a
+status and body, a transport error, or "hung". Nothing retries unless asked
+(`until_answered`), so a retry the router made is told from one the client had to make."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -58,20 +56,6 @@ class Seen:
         return "200"
 
 
-@dataclass
-class Target:
-    """host, port and path of a URL, for http.client."""
-
-    host: str
-    port: int
-    path: str
-
-    @classmethod
-    def of(cls, url: str) -> Target:
-        parts = urlsplit(url)
-        return cls(parts.hostname or "127.0.0.1", parts.port or 80, parts.path or "/")
-
-
 def _decode(raw: bytes) -> Any:
     text = raw.decode(errors="replace")
     try:
@@ -91,15 +75,14 @@ def post(
 ) -> Seen:
     """One request; a stream (text/event-stream) is read to its end, `on_event(n)` called
     after the n-th data event (a scenario injects its fault there)."""
-    target = Target.of(url)
+    target = urlsplit(url)
     payload = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
     started = time.monotonic()
     seen = Seen()
-    conn = http.client.HTTPConnection(target.host, target.port, timeout=bound_s)
+    conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=bound_s)
     try:
-        conn.request(
-            method, target.path, payload, {"Content-Type": "application/json", **(headers or {})}
-        )
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, target.path or "/", payload, headers)
         resp = conn.getresponse()
         seen.status = resp.status
         if resp.getheader("Content-Type", "").startswith("text/event-stream"):
@@ -147,9 +130,8 @@ def _read_stream(
 def until_answered(
     url: str, body: Any, deadline_s: float, bound_s: float = 30.0, pause_s: float = 0.2
 ) -> Seen:
-    """What a careful client does when the server is away: send again after a transport
-    error or a 5xx until an answer comes or `deadline_s` passes; the last try's outcome,
-    with every try counted."""
+    """A careful client: send again after a transport error or a 5xx until answered or
+    `deadline_s` passes; the last try's outcome, with every try counted."""
     started = time.monotonic()
     attempts = 0
     while True:
@@ -164,46 +146,32 @@ def until_answered(
     return seen
 
 
-@dataclass
-class Tally:
+class Tally(list[Seen]):
     """Many requests' outcomes, counted the way the table shows them."""
-
-    seen: list[Seen] = field(default_factory=list)
-
-    def add(self, seen: Seen) -> Seen:
-        self.seen.append(seen)
-        return seen
-
-    @property
-    def count(self) -> int:
-        return len(self.seen)
 
     @property
     def ok(self) -> int:
-        return sum(s.ok for s in self.seen)
+        return sum(s.ok for s in self)
 
     @property
     def clear_errors(self) -> int:
-        return sum(s.clear_error for s in self.seen)
+        return sum(s.clear_error for s in self)
 
     @property
     def unclear(self) -> list[Seen]:
         """Neither an answer nor a clear error: a hang, a 5xx without JSON, a cut stream."""
-        return [s for s in self.seen if not (s.ok or s.clear_error)]
+        return [s for s in self if not (s.ok or s.clear_error)]
 
     @property
     def slowest_s(self) -> float:
-        return max((s.seconds for s in self.seen), default=0.0)
+        return max((s.seconds for s in self), default=0.0)
 
     def statuses(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.seen:
-            key = (
-                "hung"
-                if s.hung
-                else "stream error"
-                if s.status == 200 and s.error
-                else str(s.status or "transport error")
-            )
-            out[key] = out.get(key, 0) + 1
-        return dict(sorted(out.items()))
+        def key(s: Seen) -> str:
+            if s.hung:
+                return "hung"
+            if s.status == 200 and s.error:
+                return "stream error"
+            return str(s.status or "transport error")
+
+        return dict(sorted(Counter(map(key, self)).items()))

@@ -1,10 +1,6 @@
-"""The processes a scenario breaks: sim workers and routers on free loopback ports.
-
-Faults are real signals to real pids: SIGKILL (a crash), SIGSTOP/SIGCONT (a process that
-keeps its sockets open and never answers), a restart on the same port (the pool heals). A
-worker's MemPool is counted through its /get_server_info: blocks in use against blocks the
-index holds, and pages still pinned; after a fault both must come back to "nothing held".
-"""
+"""The processes a scenario breaks: sim workers (launched by `localrun.cluster`) and routers
+on free loopback ports, broken by real signals to their pids; a worker's MemPool counted
+through its /get_server_info."""
 
 from __future__ import annotations
 
@@ -15,27 +11,26 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from localrun.cluster import scrape
+from localrun.cluster import Cluster as Workers
+from localrun.cluster import ClusterSpec, scrape
 from localrun.processes import Launch, Server, free_port, module_command, start_all, stop_all
 
-ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MEMSERVE_ROUTER_PROCESSES": "1"}
+ROUTER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MEMSERVE_ROUTER_PROCESSES": "1",
+}
 BOOT_S = 60.0
-# The router's health checks in every scenario: a dead or frozen worker is noticed within
-# about two seconds (2 failures, 0.5 s apart, 1 s timeout each).
+# A dead or frozen worker is noticed within about 2 s (2 failures 0.5 s apart, 1 s timeout).
 HEALTH = [
-    "--health-check-interval-secs",
-    "0.5",
-    "--health-check-timeout-secs",
-    "1",
-    "--health-failure-threshold",
-    "2",
-    "--health-success-threshold",
-    "1",
+    *("--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "1"),
+    *("--health-failure-threshold", "2", "--health-success-threshold", "1"),
 ]
+PD_TIMEOUT_S = "20"  # the PD workers' --disaggregation-timeout-secs
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:
@@ -44,8 +39,7 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
 
 
 def metric(server: Server, name: str) -> float:
-    """A counter or gauge from a server's /metrics, summed over its labels; 0 when it is not
-    exported."""
+    """A metric from a server's /metrics, summed over its labels; 0 when not exported."""
     return scrape(server.url + "/metrics").get(name, 0.0)
 
 
@@ -59,8 +53,7 @@ class PoolCount:
 
     @property
     def leaked(self) -> int:
-        """Blocks allocated that no cache entry holds, plus pinned pages: with no request
-        running, both are what a request, transfer or pull left behind."""
+        """With no request running, what a request, transfer or pull left behind."""
         return max(self.used - self.indexed, 0) + self.pinned
 
     @classmethod
@@ -68,9 +61,9 @@ class PoolCount:
         pool = get_json(worker.url + "/get_server_info")["mempool"]
         used = sum(t["used"] for t in pool["tiers"].values())
         pages = pool["cached_tokens"] // pool["page_size"]
-        per_page = 1 if pool["layout"] == "aggregated" else None
-        if per_page is None:  # discrete: 2 x layers blocks a page
-            per_page = max(used // max(pages, 1), 1) if pages else 1
+        per_page = 1  # aggregated; discrete: 2 x layers blocks a page
+        if pool["layout"] != "aggregated" and pages:
+            per_page = max(used // pages, 1)
         return cls(used, pages * per_page, pool["protected_pages"])
 
 
@@ -83,41 +76,51 @@ class Cluster:
     servers: list[Server] = field(default_factory=list)
     launches: dict[int, Launch] = field(default_factory=dict)  # by port, for restarts
 
+    def __post_init__(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+
     def start(self, launches: Sequence[Launch]) -> list[Server]:
         started = start_all(launches, BOOT_S)
         self.servers += started
         self.launches.update({launch.port: launch for launch in launches})
         return started
 
-    def worker_launch(self, *extra: str, time_scale: float = 0.02) -> Launch:
-        port = free_port()
-        args = ["--backend", "sim", "--model-path", str(self.model_dir)]
-        args += ["--time-scale", str(time_scale), "--context-length", "4096", *extra]
-        name = f"worker-{port}"
-        return Launch(
-            name, module_command("connector.worker", port, args), port, self._log(name), env=ENV
+    def plan(self, spec: ClusterSpec) -> Workers:
+        """`spec`'s workers (with a 4,096-token context), launched by localrun, not started."""
+        n = len(self.launches)
+        args = ("--context-length", "4096", *spec.worker_args)
+        return Workers.create(
+            replace(spec, name=f"w{n}", worker_args=args), self.model_dir, self.logs, first_id=n + 1
         )
 
     def workers(self, n: int, *extra: str, time_scale: float = 0.02) -> list[Server]:
-        return self.start([self.worker_launch(*extra, time_scale=time_scale) for _ in range(n)])
+        spec = ClusterSpec("", colocated=n, time_scale=time_scale, worker_args=extra)
+        return self.start([w.launch for w in self.plan(spec).workers])
 
-    def router(self, args: Sequence[str], port: int | None = None) -> Server:
-        port = port or free_port()
-        name = f"router-{port}"
-        launch = Launch(
-            name, module_command("router", port, [*args, *HEALTH]), port, self._log(name), env=ENV
-        )
-        return self.start([launch])[0]
+    def router(self, args: Sequence[str]) -> Server:
+        port = free_port()
+        command = module_command("router", port, [*args, *HEALTH])
+        log = self.logs / f"router-{port}.log"
+        return self.start([Launch(f"router-{port}", command, port, log, env=ROUTER_ENV)])[0]
 
     def colocated_router(self, workers: Sequence[Server], *extra: str) -> Server:
         urls = [w.url for w in workers]
         return self.router(["--policy", "prompt-tree", "--worker-urls", *urls, *extra])
 
-    def _log(self, name: str) -> Path:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        return self.logs / f"{name}.log"
-
-    # ----------------------------------------------------------------- faults
+    def pd(
+        self, decodes: int, *extra: str, time_scale: float, decode_extra: Sequence[str] = ()
+    ) -> tuple[Server, Server, list[Server]]:
+        """One prefill and `decodes` decodes (caching-3; `decode_extra`: the decodes' own
+        flags) behind a router in PD mode: (router, prefill, decodes)."""
+        args = ("--disaggregation-timeout-secs", PD_TIMEOUT_S, *extra)
+        spec = ClusterSpec("", prefills=1, decodes=decodes, caching="caching-3")
+        prefill, *rest = self.plan(replace(spec, time_scale=time_scale, worker_args=args)).workers
+        more = [replace(w.launch, args=[*w.launch.args, *decode_extra]) for w in rest]
+        started = self.start([prefill.launch, *more])
+        router = ["--policy", "round_robin", "--pd-caching", "caching-3", "--prefill"]
+        router += [started[0].url, str(prefill.bootstrap_port)]
+        router += [arg for d in started[1:] for arg in ("--decode", d.url)]
+        return self.router(router), started[0], started[1:]
 
     @staticmethod
     def kill(server: Server) -> None:
@@ -139,8 +142,7 @@ class Cluster:
         """The same command on the same port, healthy again (a supervisor's restart)."""
         if server.exited() is None:
             self.kill(server)
-        launch = self.launches[server.port]
-        fresh = start_all([launch], BOOT_S)[0]
+        fresh = start_all([self.launches[server.port]], BOOT_S)[0]
         self.servers = [fresh if s is server else s for s in self.servers]
         return fresh
 
@@ -150,8 +152,6 @@ class Cluster:
                 if server.exited() is None:
                     os.kill(server.proc.pid, signal.SIGCONT)
         stop_all(self.servers, timeout=5)
-
-    # ----------------------------------------------------------------- what the router sees
 
     @staticmethod
     def router_view(router: Server) -> dict[str, bool]:
@@ -172,10 +172,9 @@ class Cluster:
 
 
 def settled_leak(workers: Sequence[Server], timeout: float = 10.0) -> dict[str, int]:
-    """Blocks each live worker leaked, once its in-flight work had time to end (transfers
-    and write-backs finish after the answers): a leak is what is still held at the end."""
+    """Blocks each live worker still holds once its in-flight work had time to end
+    (transfers and write-backs finish after the answers); -1: could not be counted."""
     deadline = time.monotonic() + timeout
-    leaked: dict[str, int] = {}
     while True:
         leaked = {}
         for worker in workers:
@@ -183,7 +182,7 @@ def settled_leak(workers: Sequence[Server], timeout: float = 10.0) -> dict[str, 
                 try:
                     leaked[worker.url] = PoolCount.of(worker).leaked
                 except (OSError, ValueError, KeyError):
-                    leaked[worker.url] = -1  # could not be counted: reported, never hidden
+                    leaked[worker.url] = -1
         if all(v == 0 for v in leaked.values()) or time.monotonic() > deadline:
             return leaked
         time.sleep(0.2)

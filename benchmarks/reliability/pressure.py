@@ -1,12 +1,7 @@
-"""Pressure instead of breakage: KV memory far smaller than the running requests need, more
-requests at once than the cluster can start in time, and a PD decode instance that must
-retract what it received by transfer.
-
-Nothing is killed, so nothing may be lost: every request must end whole (retracted and
-resumed on the worker, or refused with 429 and sent again by the client), its output must
-equal a roomy worker's, the servers must count the pressure they relieved (retractions,
-429s) so a row cannot pass without it, and no block may stay held.
-"""
+"""Pressure instead of breakage: KV far smaller than the running requests need, a burst
+past what the cluster can start in time, a PD decode that must retract KV it received.
+Nothing is killed, so nothing may be lost: every answer whole and equal to a roomy worker's
+(or refused with 429 and sent again), the pressure counted by the servers, no block held."""
 
 from __future__ import annotations
 
@@ -21,15 +16,15 @@ import openai
 from benchmarks.reliability.client import Seen, Tally, post
 from benchmarks.reliability.cluster import Cluster, get_json, metric
 from benchmarks.reliability.faults import (
-    BOUND_S,
+    Scenario,
     Settings,
     finish,
     healed_after,
+    ids,
     served,
     tally_into,
 )
-from benchmarks.reliability.pd_faults import ids, pd_cluster
-from benchmarks.reliability.report import FaultResult
+from benchmarks.reliability.report import BOUND_S, FaultResult
 from localrun.processes import Server
 from router.policies import CostModel
 
@@ -42,37 +37,24 @@ COLOCATED_SHAPE = (32, 160)  # prompt tokens, max_new_tokens
 # The PD decode's device KV: two requests of 120 + 96 tokens are received, one fits.
 TIGHT_DECODE_TOKENS = 384
 PD_SHAPE = (120, 96)
-# A host tier behind the device KV (SGLang's HiCache); with it the sim stores each page's
-# stamp and checks the stamps of every page it reuses, so a request resumed on wrong KV fails.
+# A host tier (HiCache): the sim then checks the stamp of every page it reuses.
 HOST_TIER = ["--enable-hierarchical-cache", "--hicache-ratio", "4"]
-RETRACT_HOW = "running requests retracted and resumed, never aborted"
 WHOLE = ("length", "stop")  # a finish that is not an abort
-IDLE_S = 10.0
 
-# The overloaded cluster: sim workers 20x slower than the H100 they model (a 500-token
-# prefill takes about 0.4 s), the router's cost model slowed to match, a deadline of 0.1 s on
-# the expected wait (a second request on a busy worker is always past it) and a queue of 4.
-# A burst of 8 then goes 2 to the workers, 4 to the queue and 2 back with 429 (Retry-After
-# 1 s); those find a queue place on the SDK's first retry, with a second retry to spare. The
-# burst is sized by the cluster and the SDK's two retries, not by the preset: the router's
-# Retry-After does not count the requests queued ahead, so the refused clients come back
-# together every second, and a burst of 16 had 2 requests refused three times (the SDK then
-# raises RateLimitError) although the cluster would have served them all in 4 s.
+# The overloaded cluster: sim workers 20x slower (a 500-token prefill takes 0.4 s), the
+# router's cost model slowed to match, a 0.1 s deadline on the expected wait and a queue of
+# 4: a burst of 8 goes 2 to the workers, 4 to the queue and 2 back with 429, which find a
+# place on the SDK's first retry. Sized by the SDK's two retries, not the preset: refused
+# clients come back together (Retry-After ignores the queue), and a burst of 16 ran out.
 SLOW = 20.0
 DEADLINE_S = 0.1
 QUEUE = 4
 BURST = 8
 COST = CostModel()
 ADMISSION = [
-    "--max-expected-wait-secs",
-    str(DEADLINE_S),
-    "--queue-size",
-    str(QUEUE),
-    "--queue-timeout-secs",
-    "10",
-    "--prefill-secs-per-token",
-    str(COST.prefill_s_per_token * SLOW),
-    "--busy-secs-per-request",
+    *("--max-expected-wait-secs", str(DEADLINE_S), "--queue-size", str(QUEUE)),
+    *("--queue-timeout-secs", "10", "--prefill-secs-per-token"),
+    *(str(COST.prefill_s_per_token * SLOW), "--busy-secs-per-request"),
     str(COST.busy_s_per_request * SLOW),
 ]
 BURST_BOUND_S = 15.0  # the whole burst, every SDK retry included
@@ -102,22 +84,20 @@ def output_ids(seen: Seen) -> list[int] | None:
 
 
 def worker_counts(workers: list[Server]) -> dict[str, float]:
-    """Retractions and aborts the workers counted, summed: an abort the router hid by
-    retrying elsewhere still shows here."""
+    """Retractions, aborts (even those the router hid by a retry) and pages whose stamps
+    the sim checked, summed over `workers`."""
     infos = [get_json(w.url + "/get_server_info") for w in workers]
     states = [info["internal_states"][0] for info in infos]
     return {
         "retracted_reqs": sum(st["num_retracted_reqs"] for st in states),
         "retracted_output_tokens": sum(st["num_retracted_output_tokens"] for st in states),
         "aborted_reqs": sum(metric(w, "sglang:num_aborted_requests_total") for w in workers),
-        # pages of reused KV whose stamps the sim checked: a resume built on them
         "verified_pages": sum(info["backend"]["verified_pages"] for info in infos),
     }
 
 
-def wait_idle(workers: list[Server], timeout: float = IDLE_S) -> float | None:
-    """Seconds until no worker has a request running or queued (none is stuck retracting
-    and resuming); None if that never happens."""
+def wait_idle(workers: list[Server], timeout: float = 10.0) -> float | None:
+    """Seconds until no worker has a request running or queued; None if that never happens."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         states = [get_json(w.url + "/get_server_info")["internal_states"][0] for w in workers]
@@ -130,8 +110,7 @@ def wait_idle(workers: list[Server], timeout: float = IDLE_S) -> float | None:
 def relieved(
     router: Server, workers: list[Server], result: FaultResult, later: Callable[[], Tally]
 ) -> Tally:
-    """The pressure is over: every worker idle, the router sees all of them healthy, and
-    requests sent after it are answered. Sets `healed` and says how."""
+    """Healed: every worker idle, all healthy to the router, `later()` answered."""
     idle = wait_idle(workers)
     view = Cluster.router_view(router)
     tally = later()
@@ -150,31 +129,30 @@ def retracted_and_intact(
     bodies: list[dict[str, Any]],
     watched: list[Server],
 ) -> FaultResult:
-    """The shape the retraction rows share: `bodies` at once through the router, each answer
-    whole and equal to `roomy`'s, retractions counted on `watched` (none aborted), then
-    relieved and leak-counted on `workers` and `roomy`."""
+    """A retraction row: `bodies` at once, each answer whole and equal to `roomy`'s,
+    retractions (no abort) counted on `watched`, then relieved and leaks counted."""
     started = time.monotonic()
     tally = burst(router.url + "/generate", bodies)
     took = time.monotonic() - started
     tally_into(r, tally)
     reference = burst(roomy.url + "/generate", bodies)
-    whole = sum(finish_type(s) in WHOLE for s in tally.seen)
+    whole = sum(finish_type(s) in WHOLE for s in tally)
     equal = sum(
         output_ids(s) is not None and output_ids(s) == output_ids(ref)
-        for s, ref in zip(tally.seen, reference.seen, strict=True)
+        for s, ref in zip(tally, reference, strict=True)
     )
     counts = worker_counts(watched)
     r.measured = {"burst": len(bodies), "whole": whole, "equal_to_roomy": equal, **counts}
     r.measured["burst_s"] = round(took, 2)
-    finishes = sorted({str(finish_type(s)) for s in tally.seen})
+    finishes = sorted({str(finish_type(s)) for s in tally})
     r.client_saw = (
-        f"{tally.statuses()}, finish {'/'.join(finishes)}; {equal}/{tally.count} equal to the "
+        f"{tally.statuses()}, finish {'/'.join(finishes)}; {equal}/{len(tally)} equal to the "
         f"roomy worker's; {counts['retracted_reqs']:.0f} retractions "
         f"({counts['retracted_output_tokens']:.0f} output tokens), "
         f"{counts['aborted_reqs']:.0f} aborts; burst {took:.1f} s"
     )
     r.expectation_met = (
-        whole == equal == tally.count == len(bodies)
+        whole == equal == len(tally) == len(bodies)
         and counts["retracted_reqs"] > 0
         and counts["aborted_reqs"] == 0
         and counts["verified_pages"] > 0
@@ -188,33 +166,26 @@ def retracted_and_intact(
 
 
 def squeezed(name: str, n: int, shape: tuple[int, int], where: str, how: str) -> FaultResult:
-    """A retraction row's result: `n` requests of `shape` (prompt, max_new tokens) at once,
-    `where` (the KV they are sent to), the workers expected to cope `how`."""
+    """A retraction row: `n` requests of `shape` (prompt, max_new tokens) sent `where`."""
     return FaultResult(
         name,
         f"{n} concurrent requests needing {n * sum(shape)} tokens of KV {where}",
-        bound_s=BOUND_S,
         expected=f"every request answered in full, equal to a roomy worker's answer; {how}",
     )
 
 
 def tight(tokens: int) -> list[str]:
-    """A worker's flags: `tokens` of device KV, a new-token ratio that admits more than
-    fits, and a host tier."""
+    """`tokens` of device KV, a new-token ratio admitting more than fits, a host tier."""
     return ["--max-total-tokens", str(tokens), *LOW_RATIO, *HOST_TIER]
 
 
-# ----------------------------------------------------------------------------- scenarios
-
-
 def kv_exhausted(c: Cluster, s: Settings) -> FaultResult:
-    """Two workers whose KV admits two requests but holds one to the end, a burst of them
-    through the router: the workers must retract running requests mid-decode (SGLang's
-    order) and resume them from the pages they kept, never abort one, and the resumed
-    outputs must be the same tokens."""
+    """Workers whose KV admits two requests but holds one to the end: they retract
+    mid-decode and resume from the pages kept, the same tokens, never an abort."""
     n = 2 * s.requests
     where = f"on 2 workers of {TIGHT_TOKENS} tokens each (+ a host tier; new-token ratio 0.05)"
-    r = squeezed("KV exhausted mid-decode", n, COLOCATED_SHAPE, where, RETRACT_HOW)
+    how = "running requests retracted and resumed, never aborted"
+    r = squeezed("KV exhausted mid-decode", n, COLOCATED_SHAPE, where, how)
     workers = c.workers(2, *tight(TIGHT_TOKENS), time_scale=0.25)
     (roomy,) = c.workers(1, time_scale=0)
     router = c.colocated_router(workers)
@@ -223,9 +194,8 @@ def kv_exhausted(c: Cluster, s: Settings) -> FaultResult:
 
 
 def retracted_pd_decode(c: Cluster, s: Settings) -> FaultResult:
-    """A PD pair whose decode instance has room for one request's KV: it must retract
-    requests whose KV it received by transfer, keep that KV in its host tier, recompute or
-    reload the rest itself, and finish every one with the same tokens."""
+    """A PD decode with room for one request's KV retracts KV it received by transfer,
+    keeps it in its host tier and finishes every request with the same tokens."""
     n = s.requests
     where = (
         f"through a 1P1D pair (caching-3) whose decode holds {TIGHT_DECODE_TOKENS} (+ a host tier)"
@@ -233,7 +203,7 @@ def retracted_pd_decode(c: Cluster, s: Settings) -> FaultResult:
     how = "the decode retracts, keeps the KV in its host tier and resumes, never aborts"
     r = squeezed("retracted PD decode", n, PD_SHAPE, where, how)
     decode_flags = tight(TIGHT_DECODE_TOKENS)
-    router, prefill, (decode,) = pd_cluster(c, 1, time_scale=1.0, decode_extra=decode_flags)
+    router, prefill, (decode,) = c.pd(1, time_scale=1.0, decode_extra=decode_flags)
     (roomy,) = c.workers(1, time_scale=0)
     bodies = batch(23, n, *PD_SHAPE)
     retracted_and_intact(r, router, [prefill, decode], roomy, bodies, [decode])
@@ -242,14 +212,13 @@ def retracted_pd_decode(c: Cluster, s: Settings) -> FaultResult:
         host_swapped_out_tokens=host["swapped_out_tokens"],
         host_swapped_in_tokens=host["swapped_in_tokens"],
     )
-    # the KV it retracted went to its host tier and came back from there
     r.expectation_met &= host["swapped_out_tokens"] > 0 and host["swapped_in_tokens"] > 0
     return r
 
 
 async def sdk_burst(router: Server, n: int, seed: int) -> list[Seen]:
-    """`n` chat completions at once through the official OpenAI SDK with its defaults (2
-    retries, Retry-After honoured); each one's outcome, its tries counted by the SDK."""
+    """`n` chat completions at once through the OpenAI SDK's defaults (2 retries,
+    Retry-After honoured); each one's outcome and tries."""
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none")
     try:
         model = (await client.models.list()).data[0].id
@@ -284,15 +253,13 @@ async def sdk_chat(client: openai.AsyncOpenAI, model: str, i: int) -> Seen:
 
 
 def overloaded(c: Cluster, s: Settings) -> FaultResult:
-    """More requests at once than two slow workers can start within the router's deadline on
-    the expected wait: the router holds what its queue takes and refuses the rest with 429
-    and Retry-After; OpenAI SDK clients with default retries must all end in success."""
+    """A burst past the router's deadline on the expected wait: it queues what fits and
+    refuses the rest with 429; OpenAI SDK clients with default retries all succeed."""
     n = BURST  # set by the cluster's capacity and the SDK's retries, not by the preset
     r = FaultResult(
         "overloaded cluster",
         f"a burst of {n} chat requests (OpenAI SDK, default retries) on 2 sim workers slowed "
         f"{SLOW:g}x, router --max-expected-wait-secs {DEADLINE_S:g} --queue-size {QUEUE}",
-        bound_s=BOUND_S,
         expected="some requests refused with 429 + Retry-After, every one answered through "
         f"the SDK's retries, the burst over within {BURST_BOUND_S:.0f} s",
     )
@@ -304,7 +271,7 @@ def overloaded(c: Cluster, s: Settings) -> FaultResult:
     tally_into(r, tally)
     reached = sum(served(router).values())  # a refused request never reached a worker
     refusals = metric(router, "memserve_router_admission_refusals_total")
-    retried = sum(seen.attempts - 1 for seen in tally.seen)
+    retried = sum(seen.attempts - 1 for seen in tally)
     r.measured = {
         "burst": n,
         "refusals_429": refusals,
@@ -318,7 +285,7 @@ def overloaded(c: Cluster, s: Settings) -> FaultResult:
     )
     # every retry the SDK made was for a 429 from the router (no transport error, no 5xx)
     r.expectation_met = (
-        tally.ok == tally.count == reached
+        tally.ok == len(tally) == reached
         and refusals > 0
         and retried == refusals
         and took <= BURST_BOUND_S
@@ -329,13 +296,13 @@ def overloaded(c: Cluster, s: Settings) -> FaultResult:
 
     after = relieved(router, workers, r, later)
     queued = metric(router, "memserve_router_admission_queued")
-    at_once = sum(seen.attempts == 1 for seen in after.seen)
-    r.healed &= queued == 0 and at_once == after.count
+    at_once = sum(seen.attempts == 1 for seen in after)
+    r.healed &= queued == 0 and at_once == len(after)
     r.healed_how += f" ({at_once} without a 429), {queued:.0f} left in the router's queue"
     return finish(r, workers)
 
 
-SCENARIOS: list[Callable[[Cluster, Settings], FaultResult]] = [
+SCENARIOS: list[Scenario] = [
     kv_exhausted,
     overloaded,
     retracted_pd_decode,

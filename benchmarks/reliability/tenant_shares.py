@@ -1,10 +1,6 @@
-"""Tenants' shares under attack, measured through a router (the reliability table's rows, and
-tests/router/tenants): a fresh salt on every request of one tenant against another tenant's
-hit ratio, and a flooding tenant against the others' part of the computed tokens.
-
-`Generate(key, tokens, max_new_tokens, **fields)` sends one `/generate` of token ids with a
-tenant's key and returns its answer's `meta_info` (the caller counts what it wants).
-"""
+"""Tenants' shares under attack through a router, for the reliability rows and
+tests/router/tenants: a fresh salt on every request against another tenant's hit ratio, and
+a flooding tenant against the others' part of the computed tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
+from localrun.processes import auth_headers
 from router.tenants import hash_key
 
 FLOODS = 30  # the fresh-salt tenant's requests before each of the victim's rounds
@@ -52,9 +49,8 @@ def hit_ratio(
 ) -> float:
     """`a`'s hit ratio over two rounds of its eight documents, with or without `b` sending a
     fresh salt on each of FLOODS requests before each round. The documents are placed while
-    the earlier ones are still being answered, so they spread over the router's workers by
-    load; later, one at a time, a document the trees know nothing about goes wherever the
-    router would send any request, and misses where it is not."""
+    earlier ones are still answered, so they spread over the workers by load; a document the
+    trees forgot then goes where any request would, and misses where it is not."""
     docs = [ids(seed * 10 + i, 112) for i in range(8)]
     with contextlib.ExitStack() as placing:
         for doc in docs:
@@ -74,11 +70,11 @@ def hit_ratio(
 
 @contextlib.contextmanager
 def busy(url: str, key: str, tokens: list[int], out: int) -> Iterator[None]:
-    """A streamed /generate in flight while the block runs (from its first token on: the
-    router has placed it and counts it in the worker's load), then read to its end."""
+    """A streamed /generate in flight (placed: its first token came) while the block runs."""
     body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": out}, "stream": True}
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-    request = urllib.request.Request(url + "/generate", json.dumps(body).encode(), headers)
+    request = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), auth_headers(key)
+    )
     with urllib.request.urlopen(request, timeout=60) as stream:
         stream.readline()  # the first event
         yield
@@ -88,9 +84,8 @@ def busy(url: str, key: str, tokens: list[int], out: int) -> Iterator[None]:
 def computed_split(
     generate: Generate, clients: Mapping[str, tuple[str, int]], total_tokens: int
 ) -> dict[str, int]:
-    """Each tenant's computed (not cached) prompt tokens while all of them flood: tenant ->
-    (key, concurrent clients); counted until `total_tokens` were computed (the queue
-    draining after that is no longer saturated)."""
+    """Each tenant's computed (not cached) prompt tokens while all flood (`clients`: tenant
+    -> (key, concurrent clients)), until `total_tokens` (then the queue is not saturated)."""
     computed = dict.fromkeys(clients, 0)
     stop = threading.Event()
     lock = threading.Lock()

@@ -1,14 +1,6 @@
-"""Tenants kept apart: the attacks on a shared prefix cache that timing audits found at API
-providers (Gu et al., ICML 2025), sent through the router with `--tenants`.
-
-One sim worker behind a router with two tenants (A may choose its own salts, B may not) and
-a public system prompt. Each row sends real requests and reads the cached tokens the worker
-reported: B's identical prompt must never hit A's cache on any inference route, a salt
-copied from A must not either, and a public prefix must be shared while the private text
-after it is not. Two more rows: a tenant sending a fresh salt on every request must not lower
-another tenant's hit ratio (its share of the router's prompt trees), and tenants flooding a
-saturated router get their configured shares of the computed tokens.
-"""
+"""Tenants kept apart through a router with `--tenants`: the shared-prefix-cache attacks
+timing audits found at API providers (Gu et al., ICML 2025), a tenant's fresh salt on every
+request against another's hit ratio, and flooding tenants against their configured shares."""
 
 from __future__ import annotations
 
@@ -18,13 +10,12 @@ import json
 import threading
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from benchmarks.reliability.client import Seen, post
 from benchmarks.reliability.cluster import Cluster
-from benchmarks.reliability.faults import BOUND_S, Settings, finish
-from benchmarks.reliability.report import FaultResult
+from benchmarks.reliability.faults import Scenario, Settings, finish
+from benchmarks.reliability.report import BOUND_S, FaultResult
 from benchmarks.reliability.tenant_shares import (
     FLOODER_PAGES,
     FLOODS,
@@ -35,6 +26,7 @@ from benchmarks.reliability.tenant_shares import (
     hit_ratio,
     within_share,
 )
+from localrun.processes import Server, auth_headers
 from router.tenants import hash_key
 
 SECRET = "reliability-tenant-secret"
@@ -48,19 +40,18 @@ PUBLIC = (
 PAGE = 16  # the worker's default page
 
 
-def tenants_file(path: Path) -> Path:
-    path.write_text(
-        json.dumps(
-            {
-                "tenants": [
-                    {"id": "a", "keys": [hash_key(KEYS["a"])], "own_salt": True},
-                    {"id": "b", "keys": [hash_key(KEYS["b"])]},
-                ],
-                "public_prefixes": [PUBLIC],
-            }
-        )
+def unbroken(scenario: str, injected: str, expected: str) -> FaultResult:
+    """A tenants row: nothing is broken, so there is nothing to heal."""
+    return FaultResult(
+        scenario, injected, expected=expected, healed=True, healed_how="nothing to heal"
     )
-    return path
+
+
+def router_with(c: Cluster, workers: list[Server], tenants: dict[str, Any], *extra: str) -> Server:
+    """A router over `workers` with the tenants file `tenants` and the suite's secret."""
+    path = c.logs / f"tenants-{len(c.launches)}.json"
+    path.write_text(json.dumps(tenants))
+    return c.colocated_router(workers, "--tenants", str(path), "--tenant-secret", SECRET, *extra)
 
 
 def minted(tenant: str) -> str:
@@ -94,7 +85,7 @@ def cached(seen: Seen) -> int | None:
 
 def counted(result: FaultResult, url: str, body: dict[str, Any], key: str) -> Seen:
     """One request with a tenant's key, counted in the row."""
-    seen = post(url, body, BOUND_S, headers={"Authorization": f"Bearer {key}"})
+    seen = post(url, body, BOUND_S, headers=auth_headers(key))
     with _COUNTING:  # (the fairness row's clients are threads)
         result.requests += 1
         result.answered += seen.ok
@@ -117,22 +108,21 @@ def generator(result: FaultResult, url: str) -> Generate:
 
 
 def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
-    """Another tenant's identical prompt, a copied salt, and a public prefix, on every
-    route: what each tenant's requests report cached."""
-    result = FaultResult(
+    """Another tenant's identical prompt, a copied salt and a public prefix, on every route:
+    what each tenant's requests report cached."""
+    result = unbroken(
         "tenants kept apart",
         "tenant B sends tenant A's prompts on every route, then with A's salt copied; both "
         "send a public system prompt with private text after it",
-        bound_s=BOUND_S,
-        expected="B's copies report 0 cached tokens; A's own repeats hit; the public "
+        "B's copies report 0 cached tokens; A's own repeats hit; the public "
         "prompt hits across tenants, the private text after it does not",
-        healed=True,
-        healed_how="nothing to heal",
     )
     (worker,) = c.workers(1, time_scale=0)
-    c.logs.mkdir(parents=True, exist_ok=True)
-    path = tenants_file(c.logs / "tenants.json")
-    router = c.colocated_router([worker], "--tenants", str(path), "--tenant-secret", SECRET)
+    tenants = [
+        {"id": "a", "keys": [hash_key(KEYS["a"])], "own_salt": True},
+        {"id": "b", "keys": [hash_key(KEYS["b"])]},
+    ]
+    router = router_with(c, [worker], {"tenants": tenants, "public_prefixes": [PUBLIC]})
     failures: list[str] = []
 
     def send(key: str, route: str, body: dict[str, Any]) -> int | None:
@@ -178,24 +168,19 @@ def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
 
 
 def tenant_fresh_salts(c: Cluster, s: Settings) -> FaultResult:
-    """A tenant sending a fresh salt on every request, against another tenant's hit ratio
-    (its paths in the router's prompt trees, bounded by the flooder's max_tree_pages)."""
-    result = FaultResult(
+    """A tenant's fresh salt on every request against another tenant's hit ratio (its
+    paths in the prompt trees, bounded by the flooder's max_tree_pages)."""
+    result = unbroken(
         "a tenant's fresh salt on every request",
         f"tenant B (own salts) sends a new cache_salt on each of {FLOODS} requests before "
         "each of tenant A's rounds, through a router whose prompt trees hold "
         f"{MAX_TREE} pages",
-        bound_s=BOUND_S,
-        expected="A's hit ratio within 2 points of its hit ratio without the flood: B over "
+        "A's hit ratio within 2 points of its hit ratio without the flood: B over "
         f"its share ({FLOODER_PAGES} pages) loses its own paths, never A's",
-        healed=True,
-        healed_how="nothing to heal",
     )
     workers = c.workers(2, "--max-total-tokens", "65536", time_scale=2)
-    path = c.logs / "tenant-shares.json"
-    path.write_text(json.dumps(flood_tenants(SHARE_KEYS, FLOODER_PAGES)))
-    args = ["--tenants", str(path), "--tenant-secret", SECRET, "--max-tree-size", str(MAX_TREE)]
-    router = c.colocated_router(workers, *args)
+    tenants = flood_tenants(SHARE_KEYS, FLOODER_PAGES)
+    router = router_with(c, workers, tenants, "--max-tree-size", str(MAX_TREE))
     generate = generator(result, router.url)
     quiet = hit_ratio(router.url, generate, SHARE_KEYS, 1, flood=False)
     flooded = hit_ratio(router.url, generate, SHARE_KEYS, 2, flood=True)
@@ -209,27 +194,21 @@ def tenant_fresh_salts(c: Cluster, s: Settings) -> FaultResult:
 
 
 def tenant_fair_admission(c: Cluster, s: Settings) -> FaultResult:
-    """Two tenants flooding a router that admits one request at a time: the computed tokens
+    """Two tenants flooding a router admitting one request at a time: the computed tokens
     each gets, against its configured share."""
     shares = {"a": 2.0, "b": 1.0}
-    result = FaultResult(
+    result = unbroken(
         "tenants' fair share at saturation",
         "tenants A (share 2) and B (share 1, twice A's clients) flood a router admitting "
         "one request at a time (--max-concurrent-requests 1)",
-        bound_s=BOUND_S,
-        expected="each tenant's computed prompt tokens within 10% of its share (A 2/3, "
+        "each tenant's computed prompt tokens within 10% of its share (A 2/3, "
         "B 1/3); first come, first served would give B two thirds",
-        healed=True,
-        healed_how="nothing to heal",
     )
     workers = c.workers(1, time_scale=2)
     tenants = [
         {"id": t, "keys": [hash_key(SHARE_KEYS[t])], "share": shares[t]} for t in sorted(shares)
     ]
-    path = c.logs / "tenant-fair.json"
-    path.write_text(json.dumps({"tenants": tenants}))
-    args = ["--tenants", str(path), "--tenant-secret", SECRET, "--max-concurrent-requests", "1"]
-    router = c.colocated_router(workers, *args)
+    router = router_with(c, workers, {"tenants": tenants}, "--max-concurrent-requests", "1")
     clients = {"a": (SHARE_KEYS["a"], 5), "b": (SHARE_KEYS["b"], 10)}
     computed = computed_split(generator(result, router.url), clients, 90 * 128)
     total = sum(computed.values()) or 1
@@ -242,7 +221,7 @@ def tenant_fair_admission(c: Cluster, s: Settings) -> FaultResult:
     return finish(result, workers)
 
 
-SCENARIOS: list[Callable[[Cluster, Settings], FaultResult]] = [
+SCENARIOS: list[Scenario] = [
     tenants_isolated,
     tenant_fresh_salts,
     tenant_fair_admission,
