@@ -4,8 +4,7 @@
 that answer in about a millisecond, and in process our policy's decision time and the
 tokenizer's cost. docs/benchmarks/router-overhead.md has the method and the figures.
 
-Modules: `settings` (sizes, workloads, targets), `text` (the chats), `systems` (the
-processes), `phases` (the HTTP measurements, through `benchmarks.load`), `in_process`
-(tokenizer and decision time), `figures` and `targets` (from samples to results), `report`
-and `plots` (the files), `__main__` (the run).
+Modules: `settings` (sizes, targets, the workloads' text), `systems` (the processes),
+`phases` (the measurements), `profile` (py-spy at the max rate), `figures` (samples to
+results and targets), `report` (the files), `floor_proxy` (the Python floor), `__main__`.
 """

@@ -1,9 +1,9 @@
-"""`python -m benchmarks.router_overhead --out DIR [--quick]`: see the package docstring."""
+"""`python -m benchmarks.router_overhead --out DIR [--quick] [--before DIR]`: see the package
+docstring."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -16,11 +16,15 @@ import benchmarks.router_overhead as package
 from benchmarks.harness import benchmark_main, progress_bar, run_async, shown_path, step
 from benchmarks.load.bodies import CHAT, body, served_model
 from benchmarks.peers import SGLANG_ROUTER, SMG, peer_status
-from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures
-from benchmarks.router_overhead.in_process import decision_time, tokenizer_costs
-from benchmarks.router_overhead.phases import latency_phase, max_rps, rps_phase
-from benchmarks.router_overhead.plots import plot
-from benchmarks.router_overhead.profile import profile
+from benchmarks.report.seeds import median_of
+from benchmarks.router_overhead.figures import rps_ratios, scaling, system_figures, targets
+from benchmarks.router_overhead.phases import (
+    decision_time,
+    latency_phase,
+    rps_phase,
+    tokenizer_costs,
+)
+from benchmarks.router_overhead.profile import profile_ours
 from benchmarks.router_overhead.report import write
 from benchmarks.router_overhead.settings import (
     FULL,
@@ -29,26 +33,20 @@ from benchmarks.router_overhead.settings import (
     RPS_MAX_TOKENS,
     SEED,
     SMALL_MAX_TOKENS,
-    Settings,
-)
-from benchmarks.router_overhead.systems import (
-    WORKER_ARGS,
-    WORKERS,
-    System,
-    check_before,
-    cpu_sets,
-    make_systems,
-    start_systems,
-    stop_systems,
-    worker_launches,
-)
-from benchmarks.router_overhead.targets import targets
-from benchmarks.router_overhead.text import (
     SYSTEM_PROMPT,
     make_conversation,
     small_prompts,
 )
-from localrun.processes import Server, start_all
+from benchmarks.router_overhead.systems import (
+    WORKER_ARGS,
+    WORKERS,
+    check_before,
+    cpu_sets,
+    make_systems,
+    start_systems,
+    worker_launches,
+)
+from localrun.processes import Server, start_all, stop_all
 
 
 def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any]:
@@ -64,7 +62,6 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
 
     model_dir = ensure_hf_model()
     peers = {p: peer_status(p) for p in (SGLANG_ROUTER, SMG)}
-    peer = peers[SGLANG_ROUTER]
     with tempfile.TemporaryDirectory(prefix="router_overhead-") as tmp, progress_bar() as progress:
         log_dir = Path(tmp)
         launches = worker_launches(model_dir, log_dir)
@@ -78,73 +75,63 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
             # tokenizers library warns when a process that used its thread pool forks.
             tokenizer = ChatTokenizer(model_dir)
             model = served_model(workers[0].url)
-            probe = body(CHAT, small_prompts(1)[0], 1, model=model)
-            start_systems(systems, probe)
+
+            def chat(messages: list[dict[str, str]], max_tokens: int = SMALL_MAX_TOKENS) -> bytes:
+                return body(CHAT, messages, max_tokens, model=model)
+
+            start_systems(systems, chat(small_prompts(1)[0], 1))
             step(progress, boot)
 
             build = progress.add_task("build workloads", total=settings.conversations + 2)
-            small = [
-                body(CHAT, m, SMALL_MAX_TOKENS, model=model)
-                for m in small_prompts(settings.small_requests)
-            ]
-            rps_payloads = [body(CHAT, m, RPS_MAX_TOKENS, model=model) for m in small_prompts(512)]
+            small = [chat(m) for m in small_prompts(settings.small_requests)]
+            rps_payloads = [chat(m, RPS_MAX_TOKENS) for m in small_prompts(512)]
             step(progress, build)
             conversations = []
             for i in range(settings.conversations):
                 conversations.append(make_conversation(tokenizer, i, settings.turns))
                 step(progress, build)
-            warm_conv = make_conversation(tokenizer, 999_999, 2)
-            warmup = (
-                small[:5],
-                [body(CHAT, m, SMALL_MAX_TOKENS, model=model) for m in warm_conv.turns],
-            )
+            warmup = small[:5] + [chat(m) for m in make_conversation(tokenizer, 999_999, 2).turns]
             step(progress, build)
 
             run_async(
-                latency_phase(
-                    systems, workers, small, conversations, warmup, settings, progress, model
-                )
+                latency_phase(systems, workers, small, conversations, warmup, progress, model)
             )
             run_async(rps_phase(systems, rps_payloads, settings, progress))
             profiled = run_async(profile_ours(systems, rps_payloads, settings, log_dir))
         finally:
-            stop_systems(systems, workers)
-        tokenizer_conversations = conversations[: settings.tokenizer_conversations]
-        extra = settings.tokenizer_conversations + 1 - len(tokenizer_conversations)
-        tokenizer_conversations += [
-            make_conversation(tokenizer, 50_000 + i, 2) for i in range(max(extra, 0))
-        ]
-        tok = tokenizer_costs(tokenizer, tokenizer_conversations, progress)
-        decision, _ = decision_time(tokenizer, settings, progress)
+            stop_all([s.server for s in systems if s.server is not None] + workers)
+        chats = conversations[: settings.tokenizer_conversations]
+        extra = settings.tokenizer_conversations + 1 - len(chats)  # the first: the warm-up
+        chats += [make_conversation(tokenizer, 50_000 + i, 2) for i in range(extra)]
+        tok = tokenizer_costs(tokenizer, chats, progress)
+        decision = decision_time(tokenizer, settings, progress)
 
     baseline = systems[0]
+
+    def prompt_tokens(workload: str) -> list[int]:
+        return [r.prompt_tokens for r in baseline.records.get(workload, []) if r.ok]
+
+    peer = [s for s in systems if s.router == SGLANG_ROUTER]
     figures: dict[str, Any] = {
         "mode": "quick" if quick else "full",
         "seed": SEED,
-        "peer_available": all(
-            s.available for s in systems if s.kind == "peer" and s.router == SGLANG_ROUTER
-        ),
+        "peer_available": all(s.available for s in peer),
         "peer": {
             "package": SGLANG_ROUTER,
-            "version": peer.version,
-            "importable": peer.importable,
-            "reason": next(
-                (s.reason for s in systems if s.router == SGLANG_ROUTER and s.reason), None
-            ),
+            "version": peers[SGLANG_ROUTER].version,
+            "importable": peers[SGLANG_ROUTER].importable,
+            "reason": next((s.reason for s in peer if s.reason), None),
         },
-        "peers": {
-            name: {"version": status.version, "importable": status.importable}
-            for name, status in peers.items()
-        },
+        "peers": {n: {"version": p.version, "importable": p.importable} for n, p in peers.items()},
         "core_counts": [len(cpus) for cpus in cpu_sets()],
         "systems": [system_figures(s, baseline) for s in systems],
         "tokenizer": tok,
         "decision": decision,
         "profile": profiled,
         "workloads": {
-            "small_prompt_tokens_p50": _median(baseline.prompt_tokens.get("small")),
-            "cold_8k_prompt_tokens_p50": statistics.median(c.tokens for c in conversations),
-            "multi_turn_prompt_tokens_p50": _median(baseline.prompt_tokens.get("multi_turn")),
+            "small_prompt_tokens_p50": median_of(prompt_tokens("small")),
+            "cold_8k_prompt_tokens_p50": median_of(c.tokens for c in conversations),
+            "multi_turn_prompt_tokens_p50": median_of(prompt_tokens("multi_turn")),
             "system_prompt_tokens": len(tokenizer.encode(SYSTEM_PROMPT, False)),
             "conversations": settings.conversations,
             "turns_per_conversation": settings.turns,
@@ -162,29 +149,7 @@ def run(out_dir: Path, quick: bool, before: Path | None = None) -> dict[str, Any
     figures["targets"] = targets(figures)
     figures["elapsed_s"] = time.perf_counter() - started
     write(out_dir, figures, settings)
-    plot(out_dir / f"{NAME}.png", figures)
     return figures
-
-
-async def profile_ours(
-    systems: list[System], payloads: list[bytes], settings: Settings, log_dir: Path
-) -> dict[str, Any]:
-    """py-spy on ours prompt_tree, one process on the smallest CPU set, at its max rate."""
-    ours = next(
-        (s for s in systems if s.kind == "ours" and s.policy == "prompt_tree" and s.available),
-        None,
-    )
-    if ours is None:
-        return {"available": False, "reason": "ours did not run"}
-
-    async def at_max_rate(seconds: float) -> None:
-        await max_rps(ours.rps_urls, payloads, settings, seconds, None)
-
-    return await profile(ours, at_max_rate, settings, log_dir)
-
-
-def _median(values: Sequence[float] | None) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

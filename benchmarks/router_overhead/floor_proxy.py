@@ -1,18 +1,12 @@
-"""`python -m benchmarks.router_overhead.floor_proxy --port P --worker-urls URL [URL ...]
-[--server httptools|granian|uvicorn] [--client upstream|aiohttp|aiosonic]`: the least CPU a Python
-router can spend on a request, as a reference row.
+"""The python floor: the least CPU a Python router can spend on a request (a reference row).
 
-It does only what every router must: parse the client's HTTP/1.1 request, send its body to
-the next worker in turn over a pooled keep-alive connection and write the worker's answer
-back. No JSON, no tokenizing, no tree, no metrics, no retries. Whatever a Python router does
-beyond this costs more. Where this row spends more CPU a request than a Rust router, no
-Python router can match that router on the same cores; where it spends less, the difference
-between ours and this row is ours to cut.
+It parses the client's HTTP/1.1 request, sends its body to the next worker over a pooled
+keep-alive connection and writes the answer back; no JSON, tokenizing, tree, metrics or
+retries.
 
-`--server` and `--client` put the HTTP libraries side by side with nothing else around
-them: the hand-written httptools server against granian (RSGI, the router's server since
-issue 35) and uvicorn (httptools, a bare ASGI app); the router's `UpstreamPool` against
-aiohttp's client with a tuned connector and aiosonic's (an asyncio client built for speed).
+`--server` and `--client` put the HTTP libraries side by side with nothing else around them:
+the hand-written httptools server, granian (RSGI, the router's server) and uvicorn (a bare
+ASGI app); the router's `UpstreamPool`, aiohttp's client (tuned) and aiosonic's.
 """
 
 from __future__ import annotations
@@ -33,32 +27,26 @@ import uvloop
 from router.forward.upstream import UpstreamError, UpstreamPool
 
 SERVERS = ("httptools", "granian", "uvicorn")
-UNREACHABLE = b'{"error": {"message": "worker unreachable", "code": 502}}'
 CLIENTS = ("upstream", "aiohttp", "aiosonic")
-JSON_HEADERS = {"content-type": "application/json"}
+JSON = "application/json"
+UNREACHABLE = (502, b'{"error": {"message": "worker unreachable", "code": 502}}', JSON)
 
 
-def _answer(status: int, body: bytes, kind: str = "application/json") -> bytes:
+def _answer(status: int, body: bytes, kind: str = JSON) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Unknown"
     head = (
-        f"HTTP/1.1 {status} {_reason(status)}\r\nContent-Type: {kind}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("latin-1") + body
 
 
-def _reason(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
-
-
-def _error(status: int, message: str) -> bytes:
-    return _answer(status, b'{"error": {"message": "%s", "code": %d}}' % (message.encode(), status))
-
-
 _HEALTHY = _answer(200, b"{}")
-_NOT_ALLOWED = _error(405, "the python floor forwards POST requests only")
+_NOT_ALLOWED = _answer(
+    405, b'{"error": {"message": "the python floor forwards POST requests only", "code": 405}}'
+)
 
 
 class _Client(asyncio.Protocol):
@@ -101,7 +89,7 @@ class _Client(asyncio.Protocol):
         while (item := await self.queue.get()) is not None:
             method, path, body = item
             if method == b"POST":
-                answer = await self.proxy.forward(path, body)
+                answer = _answer(*await self.proxy.relay(path.decode("latin-1"), body))
             else:
                 answer = _HEALTHY if path == b"/health" else _NOT_ALLOWED
             if self.transport is None or self.transport.is_closing():
@@ -130,32 +118,22 @@ class FloorProxy:
     async def relay(self, path: str, body: bytes) -> tuple[int, bytes, str]:
         """The worker's status, body and content type (502 when it cannot be reached)."""
         url = next(self.workers) + path
-        if self.sonic is not None:
-            try:
-                answer = await self.sonic.post(url, data=body, headers=JSON_HEADERS)
+        try:
+            if self.sonic is not None:
+                answer = await self.sonic.post(url, data=body, headers={"content-type": JSON})
                 payload = await answer.content()
-            except (OSError, aiosonic.exceptions.AiosonicError):
-                return 502, UNREACHABLE, "application/json"
-            return answer.status_code, payload, answer.headers.get("content-type", "")
-        if self.session is not None:
-            try:
+                return answer.status_code, payload, answer.headers.get("content-type") or JSON
+            if self.session is not None:
                 async with self.session.post(url, data=body) as resp:
                     payload = await resp.read()
-                    return resp.status, payload, resp.headers.get("content-type", "")
-            except aiohttp.ClientError:
-                return 502, UNREACHABLE, "application/json"
-        assert self.pool is not None
-        try:
+                    return resp.status, payload, resp.headers.get("content-type") or JSON
+            assert self.pool is not None
             response = await self.pool.post(url, body)
             payload = await response.read()
             response.release()
-        except UpstreamError:
-            return 502, UNREACHABLE, "application/json"
-        return response.status, payload, response.headers.get("content-type", "application/json")
-
-    async def forward(self, path: bytes, body: bytes) -> bytes:
-        status, payload, kind = await self.relay(path.decode("latin-1"), body)
-        return _answer(status, payload, kind or "application/json")
+        except (UpstreamError, aiohttp.ClientError, OSError, aiosonic.exceptions.AiosonicError):
+            return UNREACHABLE
+        return response.status, payload, response.headers.get("content-type") or JSON
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -165,50 +143,31 @@ class FloorProxy:
         if self.sonic is not None:
             await self.sonic.aclose()
 
-
-class RSGIFloor:
-    """The floor as an RSGI app on granian (router.http_server's settings)."""
-
-    def __init__(self, proxy: FloorProxy) -> None:
-        self.proxy = proxy
-
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        """The floor as an RSGI app on granian (router.http_server's settings)."""
+        status, payload, kind = 200, b"{}", JSON
         if scope.method == "POST":
-            status, payload, kind = await self.proxy.relay(scope.path, await proto())
-            proto.response_bytes(status, [("content-type", kind or "application/json")], payload)
-        else:
-            proto.response_bytes(200, [("content-type", "application/json")], b"{}")
-
-
-class ASGIFloor:
-    """The floor as a bare ASGI app (no framework) on uvicorn with httptools."""
-
-    def __init__(self, proxy: FloorProxy) -> None:
-        self.proxy = proxy
+            status, payload, kind = await self.relay(scope.path, await proto())
+        proto.response_bytes(status, [("content-type", kind)], payload)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The floor as a bare ASGI app (no framework), for uvicorn with httptools."""
         if scope["type"] != "http":
             return
-        status, payload, kind = 200, b"{}", "application/json"
+        status, payload, kind = 200, b"{}", JSON
         if scope["method"] == "POST":
             parts, more = [], True
             while more:
                 message = await receive()
                 parts.append(message.get("body", b""))
                 more = message.get("more_body", False)
-            status, payload, kind = await self.proxy.relay(scope["path"], b"".join(parts))
+            status, payload, kind = await self.relay(scope["path"], b"".join(parts))
         headers = [(b"content-type", kind.encode()), (b"content-length", b"%d" % len(payload))]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
 
 
-async def serve(
-    host: str,
-    port: int,
-    worker_urls: Sequence[str],
-    server: str = "httptools",
-    client: str = "upstream",
-) -> None:
+async def serve(host: str, port: int, worker_urls: Sequence[str], server: str, client: str) -> None:
     proxy = FloorProxy(worker_urls, client)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -217,7 +176,7 @@ async def serve(
     if server == "granian":
         from router.http_server import HttpServer
 
-        rsgi = HttpServer(RSGIFloor(proxy), host, port)
+        rsgi = HttpServer(proxy, host, port)
         await rsgi.start()
         await stop.wait()
         await rsgi.stop()
@@ -225,7 +184,7 @@ async def serve(
         import uvicorn
 
         config = uvicorn.Config(
-            ASGIFloor(proxy),
+            proxy,
             host=host,
             port=port,
             loop="none",

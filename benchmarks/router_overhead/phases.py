@@ -1,11 +1,16 @@
-"""The two measured phases over HTTP: added latency (one sequential client, systems
-interleaved request by request) and maximum requests/s (N clients, slices interleaved)."""
+"""The measured phases: added latency (one sequential client, systems interleaved request by
+request) and maximum requests/s (N clients, slices interleaved) over HTTP, then in process
+what our router's tokenizer and routing decision cost on an 8K-token chat."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
+import time
+from array import array
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from rich.progress import Progress
@@ -16,17 +21,21 @@ from benchmarks.load.closed_loop import Window, closed_loop
 from benchmarks.load.record import Record
 from benchmarks.load.send import http_session, send
 from benchmarks.router_overhead.figures import p50_p99
-from benchmarks.router_overhead.settings import SMALL_MAX_TOKENS, Settings
+from benchmarks.router_overhead.settings import (
+    SMALL_MAX_TOKENS,
+    Conversation,
+    Settings,
+    make_conversation,
+    shared_text_prompts,
+)
 from benchmarks.router_overhead.systems import System
-from benchmarks.router_overhead.text import Conversation, shared_text_prompts
 from localrun.cluster import cpu_seconds
 from localrun.processes import Server
 
 
 def tree_cpu_s(pid: int) -> float:
-    """User + system seconds of `pid` and its live descendants (0 for a gone process), read
-    from /proc: the router's own cost, which the client and workers sharing the box do not
-    move."""
+    """User + system seconds of `pid` and its live descendants (0 once gone), from /proc: the
+    router's own cost, which the client and workers sharing the box do not move."""
     return sum(cpu_seconds(p) for p in (pid, *children(pid)))
 
 
@@ -35,6 +44,12 @@ async def timed(session: aiohttp.ClientSession, url: str, path: str, data: bytes
     record = Record(path=path)
     await send(session, url, data, record)
     return record
+
+
+def rotated(live: list[System], i: int) -> list[System]:
+    """The systems from the i-th on: no system always goes first."""
+    k = i % len(live)
+    return live[k:] + live[:k]
 
 
 async def flush_workers(session: aiohttp.ClientSession, workers: list[Server]) -> None:
@@ -69,19 +84,18 @@ async def latency_phase(
     workers: list[Server],
     small: list[bytes],
     conversations: list[Conversation],
-    warmup: tuple[list[bytes], list[bytes]],
-    settings: Settings,
+    warmup: list[bytes],
     progress: Progress,
     model: str | None = None,
 ) -> None:
-    """Sequential requests from one client, the systems interleaved (each request, or each
-    conversation, goes through every system in turn, in a rotated order), so a change in the
-    machine's speed hits every system alike and each sample pairs with the baseline's."""
+    """Sequential requests from one client, each request (or conversation) through every
+    system in a rotated order: a change in the machine's speed hits every system alike, and
+    each sample pairs with the baseline's."""
     live = [s for s in systems if s.available]
     async with http_session(120) as session:
         warm = progress.add_task("warm-up", total=len(live))
         for s in live:
-            for data in warmup[0] + warmup[1]:
+            for data in warmup:
                 await timed(session, s.url, CHAT, data)
             step(progress, warm)
         small_task = progress.add_task("latency: small chat", total=len(small) * len(live))
@@ -89,21 +103,20 @@ async def latency_phase(
         conv_task = progress.add_task(
             "latency: 8K chats (cold, turns)", total=conv_requests * len(live)
         )
-        for i, data in enumerate(small):  # one request per system, in a rotated order
-            for s in live[i % len(live) :] + live[: i % len(live)]:
+        for i, data in enumerate(small):
+            for s in rotated(live, i):
                 s.record("small", await timed(session, s.url, CHAT, data))
             progress.advance(small_task, len(live))
             if i % 20 == 0:
                 progress.refresh()
         for c, conv in enumerate(conversations):  # a whole conversation per system
-            for s in live[c % len(live) :] + live[: c % len(live)]:
+            for s in rotated(live, c):
                 await flush_workers(session, workers)
                 messages, answer = list(conv.turns[0]), ""
                 for turn in range(len(conv.turns)):
                     if turn:  # a chat client sends the answer back, then its next question
-                        question = conv.turns[turn][-1]
                         reply = {"role": "assistant", "content": answer}
-                        messages = [*messages, reply, question]
+                        messages = [*messages, reply, conv.turns[turn][-1]]
                     data = body(CHAT, messages, SMALL_MAX_TOKENS, model=model)
                     record = await timed(session, s.url, CHAT, data)
                     s.record("cold_8k" if turn == 0 else "multi_turn", record)
@@ -118,7 +131,7 @@ async def latency_phase(
                 body(COMPLETIONS, p, SMALL_MAX_TOKENS, model=model)
                 for p in shared_text_prompts(conv)
             )
-            for s in live[c % len(live) :] + live[: c % len(live)]:
+            for s in rotated(live, c):
                 await flush_workers(session, workers)
                 await timed(session, s.url, COMPLETIONS, first)
                 s.record("shared_text", await timed(session, s.url, COMPLETIONS, second))
@@ -129,42 +142,155 @@ async def latency_phase(
 async def rps_phase(
     systems: list[System], small: list[bytes], settings: Settings, progress: Progress
 ) -> None:
-    """Each system's window is cut into slices run in a rotated order across systems, so a
-    change in the machine's speed during the phase hits every system alike."""
+    """Each system's window cut into slices run in a rotated order across systems: a change
+    in the machine's speed during the phase hits every system alike."""
     live = [s for s in systems if s.available]
-    slices = settings.rps_slices
-    per_slice = settings.rps_duration_s / slices
+    slices, duration = settings.rps_slices, settings.rps_duration_s
     task = progress.add_task(
-        f"max rps ({settings.concurrency} clients, {settings.rps_duration_s:g} s each)",
-        total=len(live) * slices,
+        f"max rps ({settings.concurrency} clients, {duration:g} s each)", total=len(live) * slices
     )
-    latencies: dict[str, list[float]] = {s.name: [] for s in live}
-    errors = dict.fromkeys(latencies, 0)
-    per: dict[str, list[float]] = {s.name: [] for s in live}
-    cpu: dict[str, float | None] = dict.fromkeys(latencies, 0.0)
+    windows: dict[str, list[Window]] = {s.name: [] for s in live}
     for k in range(slices):
-        for s in live[k % len(live) :] + live[: k % len(live)]:
-            server = s.server
-            probe = functools.partial(tree_cpu_s, server.proc.pid) if server else None
-            window = await max_rps(s.rps_urls, small, settings, per_slice, probe)
-            latencies[s.name] += window.latencies
-            errors[s.name] += window.errors
-            per[s.name].append(len(window.latencies) / per_slice)
-            so_far, used = cpu[s.name], window.cpu_s
-            cpu[s.name] = None if used is None or so_far is None else so_far + used
+        for s in rotated(live, k):
+            probe = functools.partial(tree_cpu_s, s.server.proc.pid) if s.server else None
+            windows[s.name].append(
+                await max_rps(s.rps_urls, small, settings, duration / slices, probe)
+            )
             step(progress, task)
     for s in live:
-        done = latencies[s.name]
-        used = cpu[s.name]
+        done = [x for w in windows[s.name] for x in w.latencies]
+        cpu = [w.cpu_s for w in windows[s.name]]
+        # the router's own CPU (its processes) in the counted windows, per completion
+        used = None if None in cpu else sum(c for c in cpu if c is not None)
         s.rps = {
-            "rps": len(done) / settings.rps_duration_s,
+            "rps": len(done) / duration,
             "requests": len(done),
-            "errors": errors[s.name],
+            "errors": sum(w.errors for w in windows[s.name]),
             "concurrency": settings.concurrency,
-            "duration_s": settings.rps_duration_s,
-            "slices_rps": per[s.name],
+            "duration_s": duration,
+            "slices_rps": [len(w.latencies) / (duration / slices) for w in windows[s.name]],
             "latency_ms": p50_p99(done, 1e3),
-            # the router's own CPU (its processes) in the counted windows, per completion
             "router_cpu_s": used,
             "router_cpu_us_per_request": used / len(done) * 1e6 if used and done else None,
         }
+
+
+def tokenizer_costs(
+    tokenizer: Any, conversations: list[Conversation], progress: Progress
+) -> dict[str, Any]:
+    """Full encode of an 8K chat (what an engine does), and the router's own encode of a new
+    chat (cold) and of its second turn (warm), as the router runs its CachedEncoder: on its
+    encode thread, the cached part first (`encode_chat_known`), then the new text."""
+    from shared.token_cache import CachedEncoder
+
+    task = progress.add_task("tokenizer: 8K chats", total=len(conversations) - 1)
+    encoder = CachedEncoder(tokenizer)
+    encoder.start_thread()
+    encoder.encode_chat(conversations[0].turns[0])  # a running router knows the system prompt
+
+    def routed(messages: list[dict[str, str]]) -> array:
+        known = encoder.encode_chat_known(messages)
+        return encoder.complete(known.ids, known.rest)
+
+    times: dict[str, list[float]] = {}
+
+    def timed_call(kind: str, call: Callable[[Any], Any], arg: Any) -> Any:
+        t0 = time.perf_counter()
+        result = call(arg)
+        times.setdefault(kind, []).append(time.perf_counter() - t0)
+        return result
+
+    try:
+        for conv in conversations[1:]:
+            timed_call("full_encode_ms", tokenizer.encode_chat, conv.turns[0])
+            timed_call("render_ms", tokenizer.render_chat, conv.turns[0])
+            ids = timed_call("cached_cold_ms", routed, conv.turns[0])
+            timed_call("cached_warm_ms", routed, conv.turns[1])
+            if len(ids) != conv.tokens:
+                raise RuntimeError(f"the router's encode gave {len(ids)} ids, not {conv.tokens}")
+            step(progress, task)
+    finally:
+        encoder.close()
+    return {k: p50_p99(v, 1e3) for k, v in times.items()} | {
+        "conversations": len(conversations) - 1,
+        "tokens_p50": statistics.median(c.tokens for c in conversations[1:]),
+    }
+
+
+def decision_time(tokenizer: Any, settings: Settings, progress: Progress) -> dict[str, Any]:
+    """PromptTree.select for an 8K-token request over trees holding many 8K chats."""
+    from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
+    from router.trees import PromptTrees
+    from router.workers import Worker, WorkerType
+    from shared.token_cache import CachedEncoder
+
+    n = settings.tree_conversations
+    build = progress.add_task(f"decision: {n} chats into trees", total=n + 1)
+    encoder = CachedEncoder(tokenizer)
+    workers = [Worker(f"http://10.0.0.{i + 1}:30000") for i in range(settings.tree_workers)]
+    trees = PromptTrees(page_size=16)
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    kind = WorkerType.COLOCATED
+    hits: list[list[int]] = []
+    for i in range(n):
+        conv = make_conversation(tokenizer, 10_000 + i, turns=2, exact=False)
+        first = encoder.encode_chat(conv.turns[0])
+        generated = tokenizer.encode(conv.turns[1][-2]["content"], add_special_tokens=False)
+        trees.record(kind, workers[i % len(workers)].url, first + generated)  # after turn 1
+        hits.append(encoder.encode_chat(conv.turns[1]))  # turn 2: a long prefix is held
+        step(progress, build)
+    misses = [  # new chats: only the shared system prompt is held
+        encoder.encode_chat(make_conversation(tokenizer, 20_000 + i, 1, exact=False).turns[0])
+        for i in range(min(n, 20))
+    ]
+    step(progress, build)
+
+    calls = settings.decision_calls
+    timing = progress.add_task("decision: select() and record()", total=4)
+    results: dict[str, Any] = {}
+    # select() is timed on the uint32 array the router's token cache assembles; the list
+    # variant (an engine passing Python lists) shows what the conversion alone would cost.
+    arrays = [array("I", t) for t in hits]
+    for case, requests in (("hit", arrays), ("miss", [array("I", t) for t in misses])):
+        samples = []
+        reasons: dict[str, int] = {}
+        for k in range(calls):
+            request = RouteRequest(requests[k % len(requests)], "", None)
+            t0 = time.perf_counter_ns()
+            decision = policy.select(request, workers)
+            samples.append(time.perf_counter_ns() - t0)
+            reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+        results[f"select_{case}_us"] = p50_p99(samples, 1e-3)
+        results[f"select_{case}_reasons"] = reasons
+        step(progress, timing)
+    to_array, to_list, with_list, records = [], [], [], []
+    for k in range(calls):
+        tokens, ids = hits[k % len(hits)], arrays[k % len(hits)]
+        t0 = time.perf_counter_ns()
+        array("I", tokens)
+        t1 = time.perf_counter_ns()
+        ids.tolist()
+        t2 = time.perf_counter_ns()
+        policy.select(RouteRequest(tokens, "", None), workers)
+        t3 = time.perf_counter_ns()
+        to_array.append(t1 - t0)
+        to_list.append(t2 - t1)
+        with_list.append(t3 - t2)
+    step(progress, timing)
+    for k in range(calls):  # the router's optimistic record on dispatch: mostly held already
+        i = k % len(hits)
+        t0 = time.perf_counter_ns()
+        trees.record(kind, workers[i % len(workers)].url, arrays[i])
+        records.append(time.perf_counter_ns() - t0)
+    step(progress, timing)
+    return results | {
+        "list_to_uint32_us": p50_p99(to_array, 1e-3),
+        "uint32_to_list_us": p50_p99(to_list, 1e-3),
+        "select_hit_list_us": p50_p99(with_list, 1e-3),
+        "record_8k_us": p50_p99(records, 1e-3),
+        "request_tokens_p50": statistics.median(len(t) for t in hits),
+        "tree_conversations": n,
+        "tree_workers": len(workers),
+        "tree_pages": trees.size(kind),
+        "calls": calls,
+    }

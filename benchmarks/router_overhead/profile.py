@@ -1,21 +1,19 @@
-"""Where our router's CPU goes at its maximum rate: py-spy samples of the thread holding the
-GIL in the router process (`--gil`: the Python work and what it calls, not the threads that
-wait or spin), native frames included (time in the C++ decision, granian's calls and socket
-writes shows as such), while the max-rate clients keep it busy, summed by function (self
-time) and by the project's module a sample passes through (inclusive). No py-spy on the
-machine, or no permission to attach: the run says so and goes on without a profile."""
+"""Where our router's CPU goes at its maximum rate: py-spy on the thread holding the GIL
+(`--gil`: the Python work and what it calls), native frames included, summed by function
+(self time) and by project module (inclusive). Without py-spy the run says so and goes on."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import shutil
 import subprocess
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.router_overhead.phases import max_rps
 from benchmarks.router_overhead.settings import Settings
 from benchmarks.router_overhead.systems import System
 
@@ -71,33 +69,33 @@ def summarize(raw: str) -> dict[str, Any]:
     return {"samples": total, "self": shares(self_time), "inclusive": shares(inclusive)}
 
 
-async def profile(
-    system: System,
-    run_load: Callable[[float], Awaitable[None]],
-    settings: Settings,
-    out_dir: Path,
+async def profile_ours(
+    systems: list[System], payloads: list[bytes], settings: Settings, out_dir: Path
 ) -> dict[str, Any]:
-    """Sample `system`'s router process while `run_load(seconds)` keeps it at its maximum
-    rate; the raw samples go to out_dir/profile.txt (the run's log folder: megabytes)."""
+    """Sample ours prompt_tree, one process on the smallest CPU set, while max-rate clients
+    keep it busy; the raw samples go to out_dir/profile.txt (the run's log folder: MBs)."""
+    live = (s for s in systems if s.kind == "ours" and s.policy == "prompt_tree" and s.available)
+    ours = next(live, None)
+    if ours is None or ours.server is None:
+        return {"available": False, "reason": "ours did not run"}
     py_spy = shutil.which("py-spy")
-    server = system.server
-    if py_spy is None or server is None:
-        return {"available": False, "reason": "py-spy is not installed" if server else "no router"}
+    if py_spy is None:
+        return {"available": False, "reason": "py-spy is not installed"}
     seconds = max(settings.rps_duration_s, 5.0)
     out = out_dir / "profile.txt"
     command = [py_spy, "record", "--native", "--gil", "--rate", str(RATE_HZ)]
     command += ["--duration", str(int(seconds)), "--format", "raw", "--output", str(out)]
-    command += ["--pid", str(server.proc.pid)]
+    command += ["--pid", str(ours.server.proc.pid)]
     spy = await asyncio.create_subprocess_exec(
         *command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    await run_load(seconds)
+    await max_rps(ours.rps_urls, payloads, settings, seconds, None)
     _, err = await spy.communicate()
     if spy.returncode != 0 or not out.is_file():
         why = err.decode(errors="replace").strip().splitlines()
         return {"available": False, "reason": f"py-spy failed: {why[0] if why else spy.returncode}"}
     summary = summarize(out.read_text())
-    return {"available": True, "system": system.name, "seconds": seconds, **summary}
+    return {"available": True, "system": ours.name, "seconds": seconds, **summary}
 
 
 def section(fig: dict[str, Any] | None) -> list[str]:
@@ -110,16 +108,12 @@ def section(fig: dict[str, Any] | None) -> list[str]:
         f"py-spy (`--native --gil`, {RATE_HZ} Hz) on `{fig['system']}` for {fig['seconds']:g} "
         f"s at the maximum rate: {fig['samples']:,} samples of the router's thread holding the "
         "GIL (the Python work and what it calls). Self time is the function on top of the "
-        "stack; a module's "
-        "inclusive time counts every sample that passes through it.",
+        "stack; a module's inclusive time counts every sample that passes through it.",
         "",
         "| self time | share | | project module (inclusive) | share |",
         "|---|---|---|---|---|",
     ]
-    rows = max(len(fig["self"]), len(fig["inclusive"]))
-    for i in range(rows):
-        a = fig["self"][i] if i < len(fig["self"]) else None
-        b = fig["inclusive"][i] if i < len(fig["inclusive"]) else None
+    for a, b in itertools.zip_longest(fig["self"], fig["inclusive"]):
         left = f"`{a['name']}` | {a['share']:.1%}" if a else " | "
         right = f"`{b['name']}` | {b['share']:.1%}" if b else " | "
         lines.append(f"| {left} | | {right} |")

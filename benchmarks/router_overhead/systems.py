@@ -1,13 +1,6 @@
-"""The processes: two sim workers, and in front of the very same workers each system compared,
-every one on a free loopback port.
-
-Each router runs on a CPU set (taskset) of 1 and of 2 cores (as many as this machine lets
-the benchmark use): ours with one process and with a process per core (`--processes`),
-sglang-router and smg with cache_aware (their runtimes use every core they may); on the
-largest set also ours and sglang-router with round_robin, the bare proxy hop. On each set
-also the Python floor (`floor_proxy`): the least a Python router can do per request, a
-reference for what no work on ours can go below. The workers and the client are not pinned.
-"""
+"""The processes: two sim workers and, in front of the very same workers, each system
+compared, every one on a free loopback port, each router pinned (taskset) to a CPU set of
+1 and of 2 cores; the workers and the client are not pinned."""
 
 from __future__ import annotations
 
@@ -30,7 +23,6 @@ from localrun.processes import (
     free_port,
     http_ok,
     module_command,
-    stop_all,
     wait_until,
 )
 
@@ -49,11 +41,6 @@ FLOOR_MODULE = "benchmarks.router_overhead.floor_proxy"
 WORKER_ARGS = ["--backend", "sim", "--time-scale", "0", "--tokenizer-cache"]
 
 
-def launch(name: str, args: list[str], port: int, log: Path) -> Launch:
-    """A benchmark process: run from the repository root, offline, its output in `log`."""
-    return Launch(name, args, port, log, REPO_ROOT, OFFLINE_ENV)
-
-
 def worker_launches(model_dir: Path, log_dir: Path) -> list[Launch]:
     """Sim workers that answer in about a millisecond, so what a router adds dominates."""
     out = []
@@ -61,7 +48,8 @@ def worker_launches(model_dir: Path, log_dir: Path) -> list[Launch]:
         port = free_port()
         args = [*WORKER_ARGS, "--model-path", str(model_dir), "--instance-id", str(i + 1)]
         command = module_command("connector.worker", port, args)
-        out.append(launch(f"worker {i + 1}", command, port, log_dir / f"worker-{i + 1}.log"))
+        log = log_dir / f"worker-{i + 1}.log"
+        out.append(Launch(f"worker {i + 1}", command, port, log, REPO_ROOT, OFFLINE_ENV))
     return out
 
 
@@ -81,43 +69,24 @@ class System:
     server: Server | None = None  # the router, once started
     url: str = ""  # latency workloads go here
     rps_urls: list[str] = field(default_factory=list)
-    # workload -> seconds per request, None for a failed one: the i-th request is the same
-    # request for every system, so samples pair with the baseline's
-    samples: dict[str, list[float | None]] = field(default_factory=dict)
-    errors: dict[str, int] = field(default_factory=dict)
-    cached: dict[str, list[float]] = field(default_factory=dict)  # workload -> cached fraction
-    prompt_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # workload -> its timed requests: the i-th is the same request for every system, so each
+    # pairs with the baseline's
+    records: dict[str, list[Record]] = field(default_factory=dict)
     rps: dict[str, Any] | None = None
 
     def record(self, workload: str, request: Record) -> None:
-        """One timed request: its seconds (None: an error) and its cached share."""
-        self.samples.setdefault(workload, []).append(request.e2e_s if request.ok else None)
-        if not request.ok:
-            self.errors[workload] = self.errors.get(workload, 0) + 1
-            return
-        prompt = request.prompt_tokens
-        self.prompt_tokens.setdefault(workload, []).append(prompt)
-        if prompt:
-            self.cached.setdefault(workload, []).append(request.cached_tokens / prompt)
+        self.records.setdefault(workload, []).append(request)
 
 
 def cpu_sets() -> list[list[int]]:
-    """The CPU sets the routers run on: the last 1 and 2 (CORE_COUNTS) of the CPUs this
-    process may use, as many as there are."""
+    """The last 1 and 2 (CORE_COUNTS) of the CPUs this process may use, as many as there are."""
     cpus = sorted(os.sched_getaffinity(0))
     return [cpus[-n:] for n in CORE_COUNTS if n <= len(cpus)]
 
 
-def system_name(router: str, policy: str, cores: int, processes: int | None = None) -> str:
-    """`ours prompt_tree 2p @2c`: ours with --processes 2 on 2 cores; peers have no `Np`."""
-    procs = "" if processes is None else f" {processes}p"
-    return f"{router} {policy}{procs} @{cores}c"
-
-
 def before_python(before: Path) -> Path:
-    """The interpreter of `--before DIR`'s own install (DIR/.venv): an editable install maps
-    the package names to the checkout it was installed from, whatever the working directory,
-    so ours would answer in its place (and its native module is built there)."""
+    """`--before DIR`'s own interpreter: an editable install of ours would import ours
+    whatever the working directory (and DIR's native module is built in DIR)."""
     return before / ".venv" / "bin" / "python"
 
 
@@ -149,18 +118,15 @@ def make_systems(
     floor_variants: bool = True,
 ) -> list[System]:
     """Direct (the baseline), then on each CPU set: ours prompt_tree with one process and
-    with one per core, sglang-router and smg cache_aware, the Python floor; on the largest
-    set also ours and sglang-router round_robin (a peer that cannot be imported is listed,
-    unavailable, with the reason). With `before` (a checkout of an earlier commit), also
-    that commit's router, one process, on every set and policy ours runs with: a
-    before/after comparison in one run. `floor_variants`: the floor on the other HTTP
-    libraries too (full runs only: they were measured to choose the server)."""
-    urls = worker_urls
-    systems = [System("direct", "baseline", "none", "-", url=urls[0], rps_urls=urls)]
+    one per core, sglang-router and smg cache_aware, the Python floor; on the largest set
+    also ours and sglang-router round_robin. A peer that cannot be imported is listed,
+    unavailable, with the reason. `before`: an earlier commit's router beside ours, on every
+    set and policy ours runs with. `floor_variants`: the floor on the other HTTP libraries
+    (full runs only: they were measured to choose the server)."""
+    systems = [System("direct", "baseline", "none", "-", url=worker_urls[0], rps_urls=worker_urls)]
     sets = cpu_sets()
     for cpus in sets:
         n = len(cpus)
-        pin = ["taskset", "-c", ",".join(map(str, cpus))]
         runs: list[tuple[str, str, int | None]] = [("ours", "prompt_tree", 1)]
         if before is not None:
             runs.append((BEFORE, "prompt_tree", 1))
@@ -175,37 +141,33 @@ def make_systems(
         if cpus is sets[0] and floor_variants:
             runs += [(label, "round_robin", None) for label, _ in FLOOR_VARIANTS]
         for router, policy, procs in runs:
-            name = system_name(router, policy, n, procs)
-            tag = name.replace(" ", "-").replace("@", "").replace("[", "").replace("]", "")
-            port = free_port()
+            # `ours prompt_tree 2p @2c`: ours with --processes 2 on 2 cores; peers have no `Np`
+            name = f"{router} {policy}{'' if procs is None else f' {procs}p'} @{n}c"
+            port, urls, cwd = free_port(), ["--worker-urls", *worker_urls], REPO_ROOT
             if router in ("ours", BEFORE):
-                args = ["--worker-urls", *urls, "--policy", policy, "--log-level", "warning"]
+                args = [*urls, "--policy", policy, "--log-level", "warning"]
                 command = module_command("router", port, [*args, "--processes", str(procs)])
-                log = log_dir / f"{tag}.log"
-                if router == BEFORE and before is not None:
-                    command[0] = str(before_python(before))  # its own install, not ours
-                    proc = Launch(name, [*pin, *command], port, log, before, OFFLINE_ENV)
-                    system = System(name, "reference", router, policy, n, launch=proc)
-                else:
-                    proc = launch(name, [*pin, *command], port, log)
-                    system = System(name, "ours", OURS, policy, n, procs or 1, launch=proc)
+                kind = "ours"
+                if router == BEFORE and before is not None:  # run by its own install, not ours
+                    command[0], cwd, kind = str(before_python(before)), before, "reference"
             elif router.startswith(FLOOR):
                 flags = dict(FLOOR_VARIANTS).get(router, [])
-                command = module_command(FLOOR_MODULE, port, ["--worker-urls", *urls, *flags])
-                proc = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
-                system = System(name, "reference", router, policy, n, launch=proc)
+                command, kind = module_command(FLOOR_MODULE, port, [*urls, *flags]), "reference"
+            elif peers[router].importable:
+                command, kind = [*peer_command(router, policy, port, 2), *urls], "peer"
             else:
-                system = System(name, "peer", router, policy, n)
-                if peers[router].importable:
-                    command = [*peer_command(router, policy, port, 2), "--worker-urls", *urls]
-                    system.launch = launch(name, [*pin, *command], port, log_dir / f"{tag}.log")
-                else:
-                    system.available, system.reason = False, peers[router].reason
+                reason = peers[router].reason
+                systems.append(
+                    System(name, "peer", router, policy, n, available=False, reason=reason)
+                )
+                continue
+            tag = name.replace(" ", "-").replace("@", "").replace("[", "").replace("]", "")
+            pinned = ["taskset", "-c", ",".join(map(str, cpus)), *command]
+            proc = Launch(name, pinned, port, log_dir / f"{tag}.log", cwd, OFFLINE_ENV)
+            router = OURS if router == "ours" else router
+            system = System(name, kind, router, policy, n, procs or 1, launch=proc, url=proc.url)
             systems.append(system)
-    for s in systems:
-        if s.launch is not None:
-            s.url = s.launch.url
-            s.rps_urls = [s.launch.url]
+            system.rps_urls = [proc.url]
     return systems
 
 
@@ -227,8 +189,3 @@ def start_systems(systems: list[System], probe_body: bytes, timeout_s: float = 1
                 raise RuntimeError(why)
             s.available, s.reason = False, f"failed to start: {why}"
             server.stop()
-
-
-def stop_systems(systems: list[System], workers: list[Server]) -> None:
-    """Routers and workers all at once, each by its pid."""
-    stop_all([s.server for s in systems if s.server is not None] + workers)
