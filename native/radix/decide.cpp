@@ -245,15 +245,21 @@ Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, cons
 }
 
 // Where a new prefix goes (decide.hpp): of the workers expected to start it at most
-// kFreshBand times as late as the soonest, where the fewest wait, then the least work drawn,
-// then the fewest requests.
+// kFreshBand times as late as the soonest and at most kFreshSpeedBand times slower than the
+// fastest of them, where the fewest wait, then the least work drawn, then the fewest requests.
 size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<int64_t>& loads,
              const std::vector<double>& placement, size_t soonest, double now) {
     double latest = placement[soonest] * kFreshBand;
     size_t k = ws.size(), choice = k;
+    double fastest = 0;
+    for (size_t i = 0; i < k; i++) {
+        if (placement[i] <= latest && (fastest == 0 || ws[i]->token_x < fastest)) {
+            fastest = ws[i]->token_x;
+        }
+    }
     double least = 0;
     for (size_t i = 0; i < k; i++) {
-        if (placement[i] > latest) continue;
+        if (placement[i] > latest || ws[i]->token_x > fastest * kFreshSpeedBand) continue;
         double work = ws[i]->drawn_now(now) * ws[i]->token_x;
         int64_t waiting = ws[i]->waiting();
         bool better = choice == k || waiting < ws[choice]->waiting();

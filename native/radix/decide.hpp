@@ -16,6 +16,7 @@ constexpr int kRateWindow = 32;  // the last requests a worker finished, for its
 constexpr int kMinRateSamples = 4;
 constexpr double kDrawnHalfLifeS = 60.0;  // how long a worker's drawn traffic counts
 constexpr double kFreshBand = 2.0;  // a new prefix's workers: starting it <= this x the soonest
+constexpr double kFreshSpeedBand = 2.5;  // ... and at most this x slower than the fastest of them
 
 // One worker as the router sees it: counters the request path keeps, what the worker reports,
 // its learned speed over the cost model's constants (router.speed), and what it can do.
@@ -155,13 +156,17 @@ struct Settings {
 };
 
 // A new prefix (held nowhere, and no home) goes, of the workers expected to start it at most
-// kFreshBand times as late as the soonest (placement), to where the fewest requests wait,
+// kFreshBand times as late as the soonest (placement) and at most kFreshSpeedBand times
+// slower than the fastest of those (token_x), to where the fewest requests wait,
 // then where the least work was drawn lately (its drawn tokens at its speed), as cache_aware
 // sends a miss to its smallest tree, then where the fewest requests are (an empty prompt,
 // or workers that drew nothing yet). Sent to the soonest start alone, every new prefix at an
 // idle moment went to the worker the speed fit put a few percent ahead; its cache churned
-// while the others' aged. The band keeps a worker several times slower out (the fit's spread
-// over identical workers reached 2x in the 10-prefix sweep cell: 0.81-1.69). The prompt_tree
+// while the others' aged. The bands keep a worker several times slower out (the fit's spread
+// over identical workers reached 2x in the 10-prefix sweep cell: 0.81-1.69): with the start
+// band alone, a fast worker with a request queued lost new prefixes to an idle one 4x slower
+// (fewer waiting there), and every later request for them was served at a quarter speed
+// (the mixed sweep cell's p99: 0.79x cache_aware's, 0.67x with the speed band). The prompt_tree
 // rule records each choice's computed tokens on its worker (WorkerState::draw) at `heat_now`.
 //
 // The choice among `workers` (never empty) for a prompt of `num_tokens` tokens whose first

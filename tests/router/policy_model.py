@@ -18,6 +18,7 @@ from router.workers import Worker, WorkerType
 
 DRAWN_HALF_LIFE_S = 60.0  # decide.hpp: kDrawnHalfLifeS
 FRESH_BAND = 2.0  # decide.hpp: kFreshBand
+FRESH_SPEED_BAND = 2.5  # decide.hpp: kFreshSpeedBand
 
 
 class PrefixHeat:
@@ -212,6 +213,8 @@ class ReferencePolicy:
         if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn
             now, latest = self.heat.clock(), placement[soonest.url] * FRESH_BAND
             near = [w for w in workers if placement[w.url] <= latest]
+            fastest = min(w.speed.token_x for w in near)
+            near = [w for w in near if w.speed.token_x <= fastest * FRESH_SPEED_BAND]
             fresh = min(near, key=lambda w: (w.waiting, self._drawn(w, now), loads[w.url]))
             return self._draw(self._decide(o, fresh, "cache_miss"), o)
         low = min(loads.values())

@@ -252,6 +252,23 @@ def test_new_prefixes_spread_over_idle_workers_by_the_work_they_drew() -> None:
     assert "3" not in new_prefixes([1.0, 1.0, 1.0, 4.0], 6)
 
 
+def test_a_new_prefix_waits_on_a_fast_worker_rather_than_start_on_a_much_slower_one() -> None:
+    """Two workers at full speed with a request queued each, two 4x slower and idle: a new
+    prefix goes to a fast one (it starts later but finishes about as soon, and the requests
+    that reuse it later are served there at full speed)."""
+    clock = Clock()
+    ws = [Worker(f"http://127.0.0.1:{i}") for i in range(4)]
+    for w, x in zip(ws, (1.0, 1.0, 4.0, 4.0), strict=True):
+        w.speed.token_x = x
+    for w in ws[:2]:
+        w.in_flight = w.unstarted = 1
+        w.in_flight_tokens = 1024
+    policy = PromptTree(PromptTrees(page_size=PAGE, clock=clock), Thresholds(), CostModel())
+    policy.heat = Heat(PAGE, clock=clock)
+    d = policy.select(RouteRequest(array("I", [7] * 1024), "", None), ws)
+    assert (d.worker, d.reason) == (ws[0], "cache_miss")
+
+
 def test_tokens_in_any_sequence_or_iterable_decide_alike() -> None:
     """An array('I') is read in place; a list, a tuple or an iterator is converted first:
     the same prompt decides the same, and counts once for the heat."""
