@@ -10,7 +10,7 @@ from typing import Any
 
 from benchmarks.harness import percentile
 from benchmarks.load.record import EXPECTED, Record
-from benchmarks.soak.sampler import Proc, Sample
+from benchmarks.soak.cluster import Proc, Sample
 
 MAX_ERRORS_KEPT = 50
 
@@ -41,14 +41,15 @@ def windows(records: Sequence[Record], window_s: float, duration_s: float) -> li
     buckets: list[list[Record]] = [[] for _ in range(count)]
     for r in records:
         buckets[min(count - 1, int((r.sent_s or 0.0) // window_s))].append(r)
-    out = []
-    for i, bucket in enumerate(buckets):
-        row = {
+    return [
+        {
             "t0_s": round(i * window_s, 1),
             "t1_s": round(min((i + 1) * window_s, duration_s), 1),
+            "requests": len(bucket),
+            **latency(bucket),
         }
-        out.append({**row, "requests": len(bucket), **latency(bucket)})
-    return out
+        for i, bucket in enumerate(buckets)
+    ]
 
 
 def outcomes(records: Sequence[Record]) -> list[dict[str, Any]]:
@@ -61,20 +62,11 @@ def outcomes(records: Sequence[Record]) -> list[dict[str, Any]]:
 
 def error_list(records: Sequence[Record]) -> list[dict[str, Any]]:
     """The unexpected errors (the first MAX_ERRORS_KEPT), each with its status and body."""
-    failed = [r for r in records if r.failed][:MAX_ERRORS_KEPT]
     return [
-        dict(
-            t=r.sent_s,
-            api=r.path,
-            stream=r.stream,
-            kind=r.kind,
-            session=r.session,
-            turn=r.turn,
-            outcome=r.outcome,
-            status=r.status,
-            body=r.detail,
-        )
-        for r in failed
+        {"t": r.sent_s, "api": r.path}
+        | {k: getattr(r, k) for k in ("stream", "kind", "session", "turn", "outcome", "status")}
+        | {"body": r.detail}
+        for r in [r for r in records if r.failed][:MAX_ERRORS_KEPT]
     ]
 
 
@@ -123,34 +115,17 @@ def slope_mib_per_min(points: Sequence[Sequence[float]]) -> float | None:
     return round(statistics.linear_regression(xs, ys).slope, 3)
 
 
-def at(points: Sequence[Sequence[float]], t: float) -> float | None:
-    """The first sample at or after `t` (the last one if none is)."""
-    if not points:
-        return None
-    for p in points:
-        if p[0] >= t:
-            return p[1]
-    return points[-1][1]
-
-
 def memory(
-    samples: Sequence[Sample],
-    procs: Sequence[Proc],
-    warmup_s: float,
-    threshold: float,
+    samples: Sequence[Sample], procs: Sequence[Proc], warmup_s: float, threshold: float
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per process: RSS at the start, at warm-up end, at the end, its peak, and the slope
-    fitted after warm-up; the verdict over all of them."""
-    rss = series(samples)
+    """Per process: RSS first, at warm-up end (its first sample at or after it, else its
+    last), at the end, its peak, and the slope fitted after warm-up; the verdict over all."""
     roles = {p.name: p.role for p in procs}
-    cpu: dict[str, float] = {}
-    for s in samples:
-        cpu.update(s.cpu_s)
+    cpu = {name: s for sample in samples for name, s in sample.cpu_s.items()}  # the last
     rows = []
-    for name, points in rss.items():
-        after = [p for p in points if p[0] >= warmup_s]
-        slope = slope_mib_per_min(after)
-        warm = at(points, warmup_s)
+    for name, points in series(samples).items():
+        slope = slope_mib_per_min([p for p in points if p[0] >= warmup_s])
+        warm = next((p[1] for p in points if p[0] >= warmup_s), points[-1][1])
         end = points[-1][1]
         rows.append(
             {
@@ -161,7 +136,7 @@ def memory(
                 "rss_warmup_end_mib": warm,
                 "rss_end_mib": end,
                 "rss_max_mib": max(p[1] for p in points),
-                "growth_after_warmup_mib": None if warm is None else round(end - warm, 2),
+                "growth_after_warmup_mib": round(end - warm, 2),
                 "slope_mib_per_min": slope,
                 "flat": None if slope is None else slope <= threshold,
                 "cpu_s": round(cpu.get(name, 0.0), 2),

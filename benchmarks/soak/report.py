@@ -1,11 +1,12 @@
-"""results.json and results.md: the headline, outcomes, memory per process, MemPool
-accounting, latency per window, and notes that say how each figure was taken."""
+"""results.json, results.md and the two plots: latency per window, and RSS of every process
+over time with the cache gauges beneath (memory read against what the caches held)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
 from benchmarks.report.table import table_section
 
@@ -15,13 +16,9 @@ RSS_PNG = "rss.png"
 
 
 def headline(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    lat = fig["latency"]
-    verdict = fig["verdict"]
-    p99 = fig["e2e_p99_range_ms"]
-    slopes = [
-        r["slope_mib_per_min"] for r in fig["processes"] if r["slope_mib_per_min"] is not None
-    ]
-    balanced = all(w["balanced"] for w in fig["mempool"]) if fig["mempool"] else None
+    lat, p99, mempool = fig["latency"], fig["e2e_p99_range_ms"], fig["mempool"]
+    slopes = [r["slope_mib_per_min"] for r in fig["processes"]]
+    slopes = [s for s in slopes if s is not None]
     return [
         {
             "requests": fig["load"]["offered"],
@@ -31,8 +28,8 @@ def headline(fig: dict[str, Any]) -> list[dict[str, Any]]:
             "TTFT p99 ms": lat["ttft_p99_ms"],
             "e2e p99 per window ms": f"{p99[0]:.0f}..{p99[1]:.0f}" if p99 else None,
             "max RSS slope MiB/min": max(slopes) if slopes else None,
-            "memory flat": verdict["memory_flat"],
-            "MemPool balanced": balanced,
+            "memory flat": fig["verdict"]["memory_flat"],
+            "MemPool balanced": all(w["balanced"] for w in mempool) if mempool else None,
         }
     ]
 
@@ -66,11 +63,6 @@ def renamed(rows: list[dict[str, Any]], columns: dict[str, str]) -> list[dict[st
     return [{heading: row[key] for key, heading in columns.items()} for row in rows]
 
 
-def window_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = [{**w, "window": f"{w['t0_s']:g}-{w['t1_s']:g}"} for w in fig["windows"]]
-    return renamed(rows, WINDOW_COLUMNS)
-
-
 def notes(fig: dict[str, Any]) -> list[str]:
     c = fig["config"]
     v = fig["verdict"]
@@ -87,25 +79,15 @@ def notes(fig: dict[str, Any]) -> list[str]:
         f"min ({fig['load']['offered']} requests, {fig['load']['sessions']} multi-turn "
         "sessions of 2-10 turns sharing 6 system prompts, histories resent and growing); "
         f"mix: {', '.join(f'{k} {n}' for k, n in fig['load']['mix'].items())}.",
-        "Expected outcomes, not errors: deliberately malformed requests answered 400 with a "
-        "JSON error (`bad_request_rejected`), and streams the client closes after their first "
-        "chunk (`abandoned`). Everything else that is not a complete answer (a stream ending "
-        "in [DONE] after a finish reason; a body with its text and finish reason) is an "
-        "unexpected error, kept with its status and body.",
         f"Aborts: {fig['aborts']['abandoned_streams']} streams abandoned by the client, "
         f"{fig['aborts']['worker_aborted_requests']:g} requests aborted by the workers (a "
         "stream whose answer was complete before the close reached its worker is not "
         "aborted).",
-        "Latency: end to end of every complete answer, TTFT (first chunk with content) of "
-        "complete streams, per window of request start times; nearest-rank percentiles.",
         f"Memory: VmRSS of every process (and any descendant) every {c['sample_secs']:g} s. "
         f"Warm-up is the first {v['warmup_s']:.0f} s; the slope is a {v['fit']}; a process is "
         f"flat when its slope is at most {v['threshold_mib_per_min']:g} MiB/min.",
-        "MemPool accounting, once the load stopped: each worker's allocated blocks (every "
-        "tier) equal the blocks its index holds and no page is pinned, polled for up to "
-        "30 s while aborts and write-backs finish (the tests' `no_leak`).",
-        f"Plots: [{LATENCY_PNG}]({LATENCY_PNG}) (latency percentiles per window), "
-        f"[{RSS_PNG}]({RSS_PNG}) (RSS of every process, and the cache gauges).",
+        "What counts as an unexpected error, how latency and the MemPool balance are taken: "
+        "`docs/benchmarks/soak.md`.",
     ]
 
 
@@ -122,10 +104,74 @@ def write(out_dir: Path, fig: dict[str, Any]) -> tuple[Path, Path]:
         renamed(fig["processes"], MEMORY_COLUMNS),
     )
     body += table_section("MemPool accounting after the load", fig["mempool"])
-    body += table_section("Latency per window", window_rows(fig))
+    windows = [{**w, "window": f"{w['t0_s']:g}-{w['t1_s']:g}"} for w in fig["windows"]]
+    body += table_section("Latency per window", renamed(windows, WINDOW_COLUMNS))
     gauges = [{"process": name, **dict(sorted(g.items()))} for name, g in fig["gauges_end"].items()]
     body += table_section("Gauges at the end", gauges)
     if fig.get("exited"):
         body += table_section("Processes that exited during the run", fig["exited"])
     body += [f"![latency]({LATENCY_PNG})", "", f"![rss]({RSS_PNG})", ""]
-    return write_results(out_dir, NAME, fig, headline(fig), title, notes(fig), body=body)
+    written = write_results(out_dir, NAME, fig, headline(fig), title, notes(fig), body=body)
+    plot_latency(out_dir / LATENCY_PNG, fig)
+    plot_rss(out_dir / RSS_PNG, fig)
+    return written
+
+
+def plot_latency(path: Path, fig: dict[str, Any]) -> None:
+    rows, c = fig["windows"], fig["config"]
+    mids = [(w["t0_s"] + w["t1_s"]) / 2 / 60 for w in rows]
+    figure, (top, bottom) = pyplot().subplots(
+        2, 1, figsize=(10, 6.5), sharex=True, constrained_layout=True
+    )
+    for key, style, label in (
+        ("e2e_p50_ms", "C0-", "end to end p50"),
+        ("e2e_p99_ms", "C0--", "end to end p99"),
+        ("ttft_p50_ms", "C1-", "TTFT p50 (streams)"),
+        ("ttft_p99_ms", "C1--", "TTFT p99 (streams)"),
+    ):
+        xs = [x for x, w in zip(mids, rows, strict=True) if w[key] is not None]
+        ys = [w[key] for w in rows if w[key] is not None]
+        top.plot(xs, ys, style, marker=".", label=label)
+    top.axvline(fig["verdict"]["warmup_s"] / 60, color="0.5", lw=0.8, ls=":", label="warm-up end")
+    top.set(yscale="log", ylabel="ms", title="latency per window of request start times")
+    top.grid(True, which="both", alpha=0.3)
+    top.legend(fontsize=8)
+    width = (rows[0]["t1_s"] - rows[0]["t0_s"]) / 60 * 0.9 if rows else 0.1
+    bottom.bar(mids, [w["requests"] for w in rows], width, color="0.75", label="requests")
+    bottom.bar(mids, [w["errors"] for w in rows], width, color="C3", label="unexpected errors")
+    bottom.set(ylabel="per window", xlabel="minutes since the load began")
+    bottom.legend(fontsize=8)
+    figure.suptitle(f"Soak: {c['rps']:g} req/s for {c['minutes']:g} min")
+    save(figure, path)
+
+
+def plot_rss(path: Path, fig: dict[str, Any]) -> None:
+    figure, (top, bottom) = pyplot().subplots(
+        2, 1, figsize=(10, 7), sharex=True, constrained_layout=True
+    )
+    v = fig["verdict"]
+    slopes = {r["process"]: r["slope_mib_per_min"] for r in fig["processes"]}
+    for k, (name, points) in enumerate(sorted(fig["rss_series"].items())):
+        slope = slopes.get(name)
+        label = f"{name} ({slope:+.2f} MiB/min after warm-up)" if slope is not None else name
+        xs = [p[0] / 60 for p in points]
+        top.plot(xs, [p[1] for p in points], color=f"C{k % 10}", lw=1.2, label=label)
+    top.axvspan(0.0, v["warmup_s"] / 60, color="0.9", zorder=0, label="warm-up")
+    verdict = "flat" if v["memory_flat"] else "NOT flat"
+    threshold = f"threshold {v['threshold_mib_per_min']:g} MiB/min"
+    top.set(
+        ylabel="VmRSS (MiB)", title=f"RSS of every process: {verdict} after warm-up ({threshold})"
+    )
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize=7)
+    for k, (name, gauges) in enumerate(sorted(fig["gauge_series"].items())):
+        key = "tree_pages" if "tree_pages" in gauges else "used_blocks"
+        if points := gauges.get(key):
+            xs = [p[0] / 60 for p in points]
+            ys = [p[1] for p in points]
+            bottom.plot(xs, ys, color=f"C{k % 10}", lw=1, label=f"{name} {key}")
+    title = "router tree pages and workers' used KV blocks"
+    bottom.set(ylabel="pages / blocks", xlabel="minutes since the load began", title=title)
+    bottom.grid(True, alpha=0.3)
+    bottom.legend(fontsize=7)
+    save(figure, path)

@@ -1,11 +1,11 @@
-"""The cluster (two sim workers) and one cell: a document sent three times through one route
-of a fresh router, its /metrics read before and after every request."""
+"""One cell: a document sent three times through one route of a fresh router, one request at
+a time, the router's /metrics read before and after each."""
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,14 +15,12 @@ from benchmarks.load.record import Record
 from benchmarks.load.send import send_now
 from benchmarks.multiturn.cluster import RouterSpec, RunningRouter, launch, router_args, slug
 from benchmarks.peers import OURS
-from benchmarks.text_routing.documents import prompt
-from localrun.cluster import Cluster, ClusterSpec, scrape
+from localrun.cluster import Cluster, scrape
 from localrun.processes import free_port, http_ok, wait_until
 
 ROUTES = (COMPLETIONS, GENERATE)
 REQUESTS = 3  # per cell: the same document, three questions
 MAX_NEW_TOKENS = 4
-WORKERS = 2
 SETTLE_TIMEOUT_S = 5.0  # the router has learned from an answer within this
 STABLE_S = 0.2  # its counters unchanged this long: nothing more to learn
 
@@ -34,17 +32,11 @@ EVENTS = "sgl_router_load_balancing_events_total"
 TOKEN_POLICIES = ("prompt_tree", "cost")  # the policies whose trees learn from answers
 
 
-def make_cluster(model_dir: Path, log_dir: Path) -> Cluster:
-    """Two colocated sim workers with the radix cache, reading `model_dir`'s tokenizer."""
-    return Cluster.create(ClusterSpec("text_routing", colocated=WORKERS), model_dir, log_dir, None)
-
-
 def start_router(
     policy: str, cluster: Cluster, log_dir: Path, tag: str, timeout_s: float = 90
 ) -> RunningRouter:
-    """`python -m router --policy P` in front of the cluster, as the multi-turn benchmark
-    starts it (`router_args`), ready once a one-token text request goes through it (a
-    tokenizer directory need not have a chat template)."""
+    """`python -m router --policy P` as `benchmarks.multiturn` starts it, ready once a text
+    request goes through it (a tokenizer directory need not have a chat template)."""
     spec = RouterSpec(OURS, policy)
     port = free_port()
     log = log_dir / f"router-{slug(tag)}.log"
@@ -60,17 +52,13 @@ def start_router(
 
 def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
     """{label value: count} of a metric with one label (`name{label="value"}`)."""
-    out = {}
-    for key, value in counters.items():
-        if key.startswith(name + "{"):
-            out[key.split('"')[1]] = value
-    return out
+    return {k.split('"')[1]: v for k, v in counters.items() if k.startswith(name + "{")}
 
 
 def grew(before: dict[str, float], after: dict[str, float], name: str) -> list[str]:
     """The label values of `name` whose count grew between the two readings."""
-    b, a = labelled(before, name), labelled(after, name)
-    return [label for label, value in a.items() if value > b.get(label, 0.0)]
+    b = labelled(before, name)
+    return [label for label, value in labelled(after, name).items() if value > b.get(label, 0.0)]
 
 
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -78,9 +66,9 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 
 def settled(url: str, before: dict[str, float], learns: bool, cached: int) -> dict[str, float]:
-    """The router's counters once it has counted the request and learned from its answer:
-    a token policy's reported-tokens counter has grown by what the worker reported, and
-    nothing has changed for STABLE_S. The last reading if that takes SETTLE_TIMEOUT_S."""
+    """The router's counters once it has counted the request and (a token policy) learned
+    the cached tokens the worker reported, unchanged for STABLE_S; else, after
+    SETTLE_TIMEOUT_S, the last reading."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     last: dict[str, float] = {}
     since = time.monotonic()
@@ -90,9 +78,8 @@ def settled(url: str, before: dict[str, float], learns: bool, cached: int) -> di
             last, since = now, time.monotonic()
         counted = sum(labelled(now, PROCESSED).values()) > sum(labelled(before, PROCESSED).values())
         learned = not learns or delta(before, now, REPORTED) >= cached
-        if counted and learned and time.monotonic() - since >= STABLE_S:
-            return now
-        if time.monotonic() > deadline:
+        stable = counted and learned and time.monotonic() - since >= STABLE_S
+        if stable or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
 
@@ -140,24 +127,20 @@ class Cell:
 
 
 def run_cell(
-    router: RunningRouter,
+    url: str,
     workers: list[str],
     model: str,
     cell: Cell,
-    text: str,
-    language: str,
-    policy: str,
+    prompts: Sequence[str],
+    learns: bool,
     step: Callable[[], None],
-) -> Cell:
-    """Send the document three times through `cell.route`, one request at a time."""
-    url = router.url
-    learns = policy in TOKEN_POLICIES
-    for i in range(REQUESTS):
+) -> None:
+    """Send each prompt through `cell.route` in turn; `learns`: a token policy's tree."""
+    for i, prompt in enumerate(prompts):
         before = scrape(url + "/metrics")
-        data = body(cell.route, prompt(text, language, i), MAX_NEW_TOKENS, model=model)
+        data = body(cell.route, prompt, MAX_NEW_TOKENS, model=model)
         answer = send_now(url, data, Record(path=cell.route))
-        prompt_tokens, cached = answer.prompt_tokens, answer.cached_tokens
-        after = settled(url, before, learns, cached)
+        after = settled(url, before, learns, answer.cached_tokens)
         served = grew(before, after, PROCESSED)
         reasons = grew(before, after, EVENTS)
         hits = delta(before, after, CACHE_HITS)
@@ -165,8 +148,8 @@ def run_cell(
         cell.requests.append(
             RequestRecord(
                 request=i + 1,
-                prompt_tokens=prompt_tokens,
-                cached_tokens=cached,
+                prompt_tokens=answer.prompt_tokens,
+                cached_tokens=answer.cached_tokens,
                 predicted_hit=hits > 0 or reason == "cache_hit",
                 cache_hits_delta=hits,
                 reason=reason,
@@ -177,4 +160,3 @@ def run_cell(
             )
         )
         step()
-    return cell

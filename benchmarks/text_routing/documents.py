@@ -1,20 +1,12 @@
 # ruff: noqa: RUF001
 # (RUF001: fullwidth punctuation in the Chinese and Japanese texts is what they are made of.)
-"""The long documents sent as text prompts, each made the same way on every run.
-
-Nothing here is downloaded and no data file ships: the Chinese, Japanese, numeric, synthetic,
-JSON and mixed texts are generated from a seed by the code below (word lists written for this
-benchmark, `random.Random` seeded with the document's key), the English prose is the
-repository's own documentation (docs/) and the code its own source (mempool/). README.md in
-this folder says the same for a reader of the results.
-
-A document is made to about `tokens` tokens of the tokenizer in use: the fewest whole
-paragraphs (or lines, or tools) from its start that reach the target, so it is never cut
-mid-paragraph and is the same text for the same tokenizer on every run.
-"""
+"""The long documents sent as text prompts, the same text for the same tokenizer on every run:
+generated from a seed or read from this repository (no data file ships; README.md in this
+folder says how each is made, and their sizes)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -30,8 +22,6 @@ SEED = 37  # issue 37; a document's generator is seeded with f"{SEED}:{key}"
 class Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-
-# --------------------------------------------------------------------------- Chinese
 
 # Frequent modern Chinese words (function words, pronouns, verbs, nouns of everyday prose).
 _ZH_WORDS = (
@@ -64,8 +54,6 @@ def chinese_paragraphs(rng: random.Random) -> Iterator[str]:
             sentences.append(sentence + rng.choice(_ZH_END))
         yield "　　" + "".join(sentences)
 
-
-# --------------------------------------------------------------------------- Japanese
 
 _JA_NOUNS = (
     "私 彼 彼女 友達 先生 学生 家族 子供 会社 学校 駅 電車 仕事 会議 資料 問題 結果 天気 "
@@ -110,9 +98,6 @@ def japanese_paragraphs(rng: random.Random) -> Iterator[str]:
         yield "　" + "".join(japanese_sentence(rng) for _ in range(rng.randint(3, 8)))
 
 
-# --------------------------------------------------------------------------- numbers, words
-
-
 def number_lines(rng: random.Random) -> Iterator[str]:
     """Lines of 12-24 integers of 1-6 digits, separated by single spaces."""
     while True:
@@ -125,8 +110,6 @@ def synthetic_word_lines(rng: random.Random) -> Iterator[str]:
     while True:
         yield " ".join(f"w{rng.randint(0, 9999)}" for _ in range(rng.randint(16, 32)))
 
-
-# --------------------------------------------------------------------------- JSON tools
 
 _TOOL_VERBS = "get list create update delete search fetch send schedule cancel export import"
 _TOOL_NOUNS = (
@@ -186,8 +169,6 @@ def join_tools(pieces: Sequence[str]) -> str:
     return "[\n" + ",\n".join(pieces) + "\n]"
 
 
-# --------------------------------------------------------------------------- mixed
-
 _EMOJI_TEXT = "🚀 ✅ ❌ 🎉 🔥 ⚠️ 📦 🌧️ ☀️ 👍 👀 💡 🧪 📈 📉 🕒 🇯🇵 🇨🇳 😀 🙏"
 _KEYS_TEXT = "status user_id region temp retry latency_ms 状态 城市 名前 場所 level tag count ok"
 _VALUES_TEXT = "正常 异常 東京 上海 大阪 北京 ok fail true false 晴れ 雨 高 低 null"
@@ -215,8 +196,6 @@ def mixed_lines(rng: random.Random) -> Iterator[str]:
         yield " ".join(parts)
 
 
-# --------------------------------------------------------------------------- repository text
-
 ENGLISH_SOURCES = (
     "docs/architecture.md",
     "docs/router/prompt-trees.md",
@@ -237,9 +216,6 @@ def file_paragraphs(paths: Sequence[str], root: Path) -> Iterator[str]:
 def file_lines(paths: Sequence[str], root: Path) -> Iterator[str]:
     for path in paths:
         yield from (root / path).read_text().splitlines()
-
-
-# --------------------------------------------------------------------------- documents
 
 
 @dataclass(frozen=True)
@@ -271,14 +247,9 @@ class Document:
 
         if count(len(chosen)) < tokens:
             raise ValueError(f"{self.key}: not {tokens} tokens of source text")
-        low, high = 1, len(chosen)  # the smallest k with count(k) >= tokens
-        while low < high:
-            mid = (low + high) // 2
-            if count(mid) >= tokens:
-                high = mid
-            else:
-                low = mid + 1
-        return self.text(chosen[:low])
+        # the smallest k with count(k) >= tokens (count(len(chosen)) is)
+        fewest = bisect.bisect_left(range(1, len(chosen)), tokens, key=count) + 1
+        return self.text(chosen[:fewest])
 
     def text(self, pieces: Sequence[str]) -> str:
         return self.join(pieces) if self.join is not None else self.separator.join(pieces)

@@ -21,8 +21,8 @@ import pytest
 
 from benchmarks.harness import children, rss_mib
 from benchmarks.soak.analysis import memory, slope_mib_per_min
-from benchmarks.soak.sampler import Proc, Sample
-from benchmarks.soak.workload import CHAT, GENERATE, Mix, Sessions
+from benchmarks.soak.cluster import Proc, Sample
+from benchmarks.soak.load import CHAT, GENERATE, Mix, Sessions
 from tests.benchmarks.runs import PNG_MAGIC, REPO_ROOT, benchmark, finite, read_json
 
 WORKERS = 3
