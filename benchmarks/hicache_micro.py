@@ -1,12 +1,9 @@
 """HiCache L3 micro-benchmark: MemPool's SGLang storage backend against SGLang's file backend.
 
-`python -m benchmarks.hicache_micro --out DIR [--quick]` writes hicache_micro.json, .md and
-.png. Both backends are driven by SGLang's own HiCacheController paths (`_page_backup`,
-`_page_transfer`, verbatim from the wheel: connector/sglang/cpu_paths.py) on a CPU host pool:
-ours zero-copy (`interface_v1`, as docs/sglang/hicache.md configures it) and through the
-legacy tensor calls, and `HiCacheFile` on local disk (read back through the page cache).
-256 SmolLM2-135M pages of 64 tokens a round, 7 interleaved rounds after a warm-up, every page
-compared byte for byte.
+Both driven by SGLang's own HiCacheController paths (`_page_backup`, `_page_transfer`, verbatim
+from the wheel: connector/sglang/cpu_paths.py) on a CPU host pool: ours zero-copy (`interface_v1`,
+as docs/sglang/hicache.md configures it) and through the legacy tensor calls, `HiCacheFile` on
+local disk; every page compared byte for byte.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ NAME = "hicache_micro"
 FULL = {"pages": 256, "repeats": 7, "page": 64, "layers": 30, "heads": 3, "dim": 64}
 QUICK = {"pages": 16, "repeats": 2, "page": 16, "layers": 4, "heads": 2, "dim": 32}
 SYSTEMS = ("mempool v1 (zero-copy)", "mempool legacy", "sglang HiCacheFile")
+OPS = ("set", "get")
 
 
 def keys_for(pages: int, round_: int) -> list[str]:
@@ -93,7 +91,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         SYSTEMS[1]: (Controller(ours, host, zero_copy=False), ours),
         SYSTEMS[2]: (Controller(file_be, host, zero_copy=False), file_be),
     }
-    samples: dict[str, dict[str, list[float]]] = {s: {"set": [], "get": []} for s in SYSTEMS}
+    samples: dict[str, dict[str, list[float]]] = {s: {op: [] for op in OPS} for s in SYSTEMS}
     all_ok = True
     try:
         with progress_bar() as bar:
@@ -113,39 +111,33 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         tmp.cleanup()
 
     total_bytes = pages * page_bytes
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {
+        system: {
+            op: {
+                "seconds": secs,
+                "pages_per_s": spread(pages / s for s in secs),
+                "gb_per_s": spread(total_bytes / s / 1e9 for s in secs),
+            }
+            for op, secs in samples[system].items()
+        }
+        for system in SYSTEMS
+    }
     rows = []
     for system in SYSTEMS:
-        entry: dict[str, Any] = {}
-        for op in ("set", "get"):
-            secs = samples[system][op]
-            gbs = [total_bytes / s / 1e9 for s in secs]
-            pps = [pages / s for s in secs]
-            entry[op] = {
-                "seconds": secs,
-                "pages_per_s": spread(pps),
-                "gb_per_s": spread(gbs),
-            }
-        results[system] = entry
-        for op in ("set", "get"):
-            e = entry[op]
+        for op, entry in results[system].items():
+            pps, gbs = entry["pages_per_s"], entry["gb_per_s"]
             rows.append(
                 {
                     "backend": system,
                     "call": f"batch_{op}",
-                    "pages/s (median)": round(e["pages_per_s"]["median"]),
-                    "pages/s [min..max]": "{:.0f}..{:.0f}".format(
-                        e["pages_per_s"]["min"], e["pages_per_s"]["max"]
-                    ),
-                    "GB/s (median)": round(e["gb_per_s"]["median"], 2),
-                    "GB/s [min..max]": f"{e['gb_per_s']['min']:.2f}..{e['gb_per_s']['max']:.2f}",
+                    "pages/s (median)": round(pps["median"]),
+                    "pages/s [min..max]": f"{pps['min']:.0f}..{pps['max']:.0f}",
+                    "GB/s (median)": round(gbs["median"], 2),
+                    "GB/s [min..max]": f"{gbs['min']:.2f}..{gbs['max']:.2f}",
                 }
             )
-    ratios = {
-        op: results[SYSTEMS[0]][op]["gb_per_s"]["median"]
-        / results[SYSTEMS[2]][op]["gb_per_s"]["median"]
-        for op in ("set", "get")
-    }
+    v1, theirs = results[SYSTEMS[0]], results[SYSTEMS[2]]
+    ratios = {op: v1[op]["gb_per_s"]["median"] / theirs[op]["gb_per_s"]["median"] for op in OPS}
     figures = {
         "mode": "quick" if quick else "full",
         "params": p,
@@ -164,33 +156,24 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         "backend writes to local disk and reads through the page cache.",
         f"ours v1 / file, median GB/s: set {ratios['set']:.2f}x, get {ratios['get']:.2f}x.",
     ]
-    write_results(
-        out,
-        NAME,
-        figures,
-        None,
-        "HiCache L3 micro-benchmark: MemPool backend vs SGLang's file backend",
-        notes,
-        body=table_section("Throughput (median and spread over rounds)", rows),
-    )
+    title = "HiCache L3 micro-benchmark: MemPool backend vs SGLang's file backend"
+    body = table_section("Throughput (median and spread over rounds)", rows)
+    write_results(out, NAME, figures, None, title, notes, body=body)
     plot(out, results)
     return figures
 
 
 def plot(out: Path, results: dict[str, Any]) -> None:
+    """Median GB/s of each call per backend, bars from the slowest to the fastest round."""
     plt = pyplot()
-
     fig, ax = plt.subplots(figsize=(7.5, 4))
     width = 0.26
     for i, system in enumerate(SYSTEMS):
-        meds, lo, hi = [], [], []
-        for op in ("set", "get"):
-            g = results[system][op]["gb_per_s"]
-            meds.append(g["median"])
-            lo.append(g["median"] - g["min"])
-            hi.append(g["max"] - g["median"])
-        xs = [j + (i - 1) * width for j in range(2)]
-        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=4, label=system)
+        g = [results[system][op]["gb_per_s"] for op in OPS]
+        meds = [x["median"] for x in g]
+        errors = [[x["median"] - x["min"] for x in g], [x["max"] - x["median"] for x in g]]
+        xs = [j + (i - 1) * width for j in range(len(OPS))]
+        ax.bar(xs, meds, width, yerr=errors, capsize=4, label=system)
     ax.set_xticks([0, 1], ["batch_set (write)", "batch_get (read)"])
     ax.set_ylabel("GB/s (median; bars: min..max)")
     ax.set_title("SGLang HiCache L3 backends, through SGLang's controller paths")

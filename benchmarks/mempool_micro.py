@@ -1,10 +1,8 @@
 """MemPool micro-benchmarks: the analogue of MemServe's figure 9, plus layout and memory.
 
-`python -m benchmarks.mempool_micro --out DIR [--quick]` writes mempool_micro.json, .md and
-.png: block alloc/free, index insert and match of a 4K prompt into 100K cached tokens (and
-their curves), network calls per request in each layout, index memory per million tokens,
-evict and expire at 1M and 10M tokens, and the native index tree alone beside the Python
-tree it replaced. Targets are reported, never asserted: the machines are shared and noisy.
+Block alloc/free, index insert/match/evict/expire, the native index tree alone, network calls
+per layout and index memory; what each figure means: docs/benchmarks/mempool.md. Targets are
+reported, never asserted: the machines are shared and noisy.
 """
 
 from __future__ import annotations
@@ -15,16 +13,17 @@ import hashlib
 import multiprocessing
 import os
 import random
+import resource
 import statistics
 import sys
 import time
 import tracemalloc
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.progress import Progress
 
@@ -44,6 +43,7 @@ from mempool import (
 )
 
 NAME = "mempool_micro"
+T = TypeVar("T")
 SEED = 20240609
 VOCAB = 49152  # token ids are drawn from 0..VOCAB-1
 PAGE = 16
@@ -79,36 +79,60 @@ EVICT_BLOCKS = 16  # what an allocation that falls short asks the pool to free
 HOLDERS = ("w0", "w1", "w2", "w3")  # instances of the holders tree (the router's view)
 STALE_STEP = 0.01  # each timed expire drops the next-oldest 1% of the holder entries
 
+# The headline table, in page order: a figure and its unit.
+HEADLINE = (
+    ("alloc_ns_per_block", "ns/block"),
+    ("free_ns_per_block", "ns/block"),
+    ("alloc_p50_us", "µs/call (256 blocks)"),
+    ("free_p50_us", "µs/call (256 blocks)"),
+    ("insert_4k_us", "µs"),
+    ("match_4k_us", "µs"),
+    ("match_4k_partial_us", "µs"),
+    ("insert_4k_after_match_us", "µs"),
+    ("delete_4k_us", "µs"),
+    ("tree_insert_4k_us", "µs, the index tree alone, tokens as a list"),
+    ("tree_insert_4k_array_us", "µs, tokens as array('I')"),
+    ("tree_match_4k_us", "µs, the index tree alone, tokens as a list"),
+    ("tree_match_4k_array_us", "µs, tokens as array('I')"),
+    ("tree_delete_4k_us", "µs, the index tree alone"),
+    ("aggregate_calls_ratio", "calls/calls"),
+    ("layers", "layers"),
+    ("layout_roundtrip_exact", "bool"),
+    ("index_rss_mib_per_million_tokens", "MiB/M tokens"),
+    ("index_tracemalloc_mib_per_million_tokens", "MiB/M tokens"),
+    ("memory_tokens_measured", "tokens"),
+)
+# Then per index size, each named with its size (evict_16_us_1m); {t}: the size in tokens.
+PER_SIZE = (
+    ("evict_16_us", "µs, MemPool.evict(16) at {t}"),
+    ("evict_16_p90_us", "µs"),
+    ("expire_us", "µs, expire 1% of entries at {t}"),
+    ("scale_build_s", "s, both indexes built"),
+    ("scale_peak_rss_mib", "MiB, the process's peak"),
+    ("tree_evict_16_us", "µs, the index tree's evict(16) at {t}"),
+    ("tree_bytes_per_page", "B per cached page, native tree"),
+    ("holders_tree_bytes_per_page", "B per page, holders tree"),
+    ("python_tree_bytes_per_page", "B per page, Python tree"),  # with the repository's tests
+)
+
 
 @dataclass(frozen=True)
 class Settings:
-    """Repetition counts: quick mode trades precision for a run of a few seconds."""
+    """Repetition counts, the full run's by default: quick mode trades precision for speed."""
 
-    quick: bool
-    alloc_batches: int  # batches per alloc/free point; the median batch is reported
-    alloc_calls: int  # calls per batch (32 x 1024 blocks still fits the pool)
-    single_reps: int  # individually timed alloc/free calls, for p50/p99 per call
-    index_reps: int  # insert and match repetitions per prompt length
-    memory_tokens: int  # cached tokens the memory test builds
-    scale_tokens: tuple[int, ...] = (1_000_000,)  # index sizes for evict/expire at scale
-    evict_reps: int = 51  # individually timed evict(16) calls per size
-    expire_reps: int = 5  # individually timed expire calls per size
+    quick: bool = False
+    alloc_batches: int = 101  # batches per alloc/free point; the median batch is reported
+    alloc_calls: int = 32  # calls per batch (32 x 1024 blocks still fits the pool)
+    single_reps: int = 5000  # individually timed alloc/free calls, for p50/p99 per call
+    index_reps: int = 1000  # insert and match repetitions per prompt length
+    memory_tokens: int = 1_000_000  # cached tokens the memory test builds
+    scale_tokens: tuple[int, ...] = (1_000_000, 10_000_000)  # sizes for evict/expire at scale
+    evict_reps: int = 101  # individually timed evict(16) calls per size
+    expire_reps: int = 10  # individually timed expire calls per size
 
 
-QUICK = Settings(
-    True, alloc_batches=15, alloc_calls=32, single_reps=1000, index_reps=80, memory_tokens=200_000
-)
-FULL = Settings(
-    False,
-    alloc_batches=101,
-    alloc_calls=32,
-    single_reps=5000,
-    index_reps=1000,
-    memory_tokens=1_000_000,
-    scale_tokens=(1_000_000, 10_000_000),
-    evict_reps=101,
-    expire_reps=10,
-)
+FULL = Settings()
+QUICK = Settings(True, 15, 32, 1000, 80, 200_000, (1_000_000,), evict_reps=51, expire_reps=5)
 
 
 # --------------------------------------------------------------------------- workload
@@ -124,6 +148,14 @@ class Traffic:
         """`n` random token ids as a Python list, which is what an engine passes."""
         return [v % VOCAB for v in array("I", self.rng.randbytes(4 * n))]
 
+    def prompt(self, prefix: list[int], n: int) -> list[int]:
+        """A fresh `n`-token prompt after `prefix`."""
+        return prefix + self.tokens(n - len(prefix))
+
+    def systems(self) -> list[list[int]]:
+        """The system prompts of the memory and scale tests' applications."""
+        return [self.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+
     def conversation(self, system: list[int]) -> Iterator[list[int]]:
         """The successive prompts of one chat: each turn extends the previous prompt."""
         prompt = system + self.tokens(self.rng.randrange(512, 2048))
@@ -132,29 +164,47 @@ class Traffic:
             prompt = prompt + self.tokens(self.rng.randrange(64, 768))
 
 
+def shared_prefix(system: list[int], n: int) -> list[int]:
+    """A quarter of the prompt (at most the whole system prompt) is shared, as in the 4K case."""
+    return system[: min(len(system), n // 4)]
+
+
 def cached_tokens(pool: MemPool) -> int:
     return int(pool.stats()["cached_tokens"])
 
 
+def blocks_for(pool: MemPool, tokens: int) -> int:
+    """The blocks of a prompt's whole pages."""
+    return tokens // PAGE * pool.blocks_per_page
+
+
 def fill_index(
     pool: MemPool, traffic: Traffic, systems: Sequence[list[int]], target_tokens: int
-) -> int:
-    """Insert whole conversations until the index caches `target_tokens`; returns how many.
-
-    Each turn allocates blocks for all its pages and inserts them, as an engine does without
-    a prior match; the pool frees the blocks of pages it had cached already.
-    """
+) -> tuple[int, float]:
+    """Insert whole conversations until the index caches `target_tokens`: how many, and the
+    seconds it took. Each turn allocates blocks for all its pages and inserts them, as an
+    engine does without a prior match (the pool frees those of pages it had cached)."""
+    started = time.perf_counter()
     conversations = 0
     while (before := cached_tokens(pool)) < target_tokens:
         for prompt in traffic.conversation(traffic.rng.choice(systems)):
-            pool.insert(prompt, pool.alloc_blocks(len(prompt) // PAGE * pool.blocks_per_page))
+            pool.insert(prompt, pool.alloc_blocks(blocks_for(pool, len(prompt))))
         conversations += 1
         if cached_tokens(pool) <= before:  # a broken index would otherwise loop for ever
             raise RuntimeError(f"the index stopped growing at {before} cached tokens")
-    return conversations
+    return conversations, time.perf_counter() - started
 
 
-# --------------------------------------------------------------------------- statistics
+def fill_tree(tree: Any, traffic: Traffic, systems: Sequence[list[int]], target: int) -> int:
+    """`fill_index` for a bare index tree (one address per page); returns the next unused
+    address."""
+    addr = 0
+    while tree.num_pages * PAGE < target:
+        for prompt in traffic.conversation(traffic.rng.choice(systems)):
+            pages = len(prompt) // PAGE
+            tree.insert(prompt, range(addr, addr + pages))
+            addr += pages
+    return addr
 
 
 def median_us(samples_ns: Sequence[float]) -> float:
@@ -165,12 +215,20 @@ def percentile_us(samples_ns: Sequence[float], q: float) -> float:
     return percentile(samples_ns, q) / 1e3
 
 
-def calibration_us(reps: int = 300) -> float:
-    """Median time to turn a 4,096-int list into a uint32 array, a fixed pure-C workload.
+def columns(rows: Sequence[Sequence[float]]) -> list[list[float]]:
+    """One list per timed call from one tuple of timings per repetition."""
+    return [list(column) for column in zip(*rows, strict=True)]
 
-    Recorded before and after the timed phases: on shared VMs the same code can run at half
-    speed for seconds at a time, and this says whether a run was taken in such a spell.
-    """
+
+def summary(samples: Mapping[str, Sequence[float]], p90: Sequence[str] = ()) -> dict[str, float]:
+    """`{name}_us`: the median of each name's samples (ns); then `{name}_p90_us` for `p90`."""
+    medians = {f"{name}_us": median_us(ns) for name, ns in samples.items()}
+    return medians | {f"{name}_p90_us": percentile_us(samples[name], 0.9) for name in p90}
+
+
+def calibration_us(reps: int = 300) -> float:
+    """Median time of a fixed C workload (a 4,096-int list to array('I')), taken between the
+    phases: on shared VMs the same code can run at half speed for seconds at a time."""
     tokens = list(range(1000, 1000 + PROMPT_TOKENS))
     samples = []
     for _ in range(reps):
@@ -180,26 +238,14 @@ def calibration_us(reps: int = 300) -> float:
     return median_us(samples)
 
 
-# --------------------------------------------------------------------------- allocation
+# --------------------------------------------------------------------------- allocation and index
 
 
-@dataclass(frozen=True)
-class AllocPoint:
-    """Median latency per call of alloc_blocks(blocks) and of free_mem of its result."""
-
-    blocks: int
-    alloc_us: float
-    free_us: float
-
-
-def time_alloc_free(pool: MemPool, blocks: int, settings: Settings) -> AllocPoint:
-    """Batches of `alloc_calls` allocations, then their frees; the median batch per call.
-
-    Batching keeps the clock's own cost (tens of ns) out of sub-microsecond calls.
-    """
+def time_alloc_free(pool: MemPool, blocks: int, settings: Settings) -> dict[str, float]:
+    """Per call, the median batch of `alloc_calls` allocations, then of their frees (batches
+    keep the clock's own cost, tens of ns, out of sub-microsecond calls)."""
     calls = settings.alloc_calls
-    alloc_ns: list[float] = []
-    free_ns: list[float] = []
+    rows = []
     for batch in range(settings.alloc_batches + 1):
         t0 = time.perf_counter_ns()
         held = [pool.alloc_blocks(blocks) for _ in range(calls)]
@@ -208,113 +254,73 @@ def time_alloc_free(pool: MemPool, blocks: int, settings: Settings) -> AllocPoin
             pool.free_mem(addrs)
         t2 = time.perf_counter_ns()
         if batch:  # the first batch warms caches and is dropped
-            alloc_ns.append((t1 - t0) / calls)
-            free_ns.append((t2 - t1) / calls)
-    return AllocPoint(blocks, median_us(alloc_ns), median_us(free_ns))
+            rows.append(((t1 - t0) / calls, (t2 - t1) / calls))
+    alloc_ns, free_ns = columns(rows)
+    return {"blocks": blocks, "alloc_us": median_us(alloc_ns), "free_us": median_us(free_ns)}
 
 
-def time_single_calls(pool: MemPool, blocks: int, reps: int) -> tuple[list[int], list[int]]:
+def time_single_calls(pool: MemPool, blocks: int, reps: int) -> list[list[float]]:
     """Each alloc and free timed on its own, for the per-call distribution (p50, p99)."""
-    alloc_ns: list[int] = []
-    free_ns: list[int] = []
+    rows = []
     for _ in range(reps):
         t0 = time.perf_counter_ns()
         addrs = pool.alloc_blocks(blocks)
         t1 = time.perf_counter_ns()
         pool.free_mem(addrs)
         t2 = time.perf_counter_ns()
-        alloc_ns.append(t1 - t0)
-        free_ns.append(t2 - t1)
-    return alloc_ns, free_ns
+        rows.append((t1 - t0, t2 - t1))
+    return columns(rows)
 
 
-# --------------------------------------------------------------------------- index
-
-
-@dataclass(frozen=True)
-class IndexPoint:
-    """Median latencies for one prompt length against the preloaded index."""
-
-    tokens: int
-    insert_us: float
-    delete_us: float
-    match_us: float
-    match_partial_us: float
-    insert_p90_us: float
-    match_p90_us: float
-
-
-def shared_prefix(system: list[int], n: int) -> list[int]:
-    """A quarter of the prompt (at most the whole system prompt) is shared, as in the 4K case."""
-    return system[: min(len(system), n // 4)]
-
-
-def time_insert(
+def index_point(
     pool: MemPool, traffic: Traffic, system: list[int], n: int, reps: int
-) -> tuple[list[int], list[int]]:
-    """Insert fresh n-token prompts (allocation untimed), then delete each to restore the index.
-
-    The first quarter (at most 1,024 tokens) is the shared system prompt, so each insert walks
-    the cached prefix, hands back the duplicate blocks and adds a new leaf, like real traffic.
-    """
+) -> dict[str, float]:
+    """Median latencies for n-token prompts against the preloaded index: insert fresh ones,
+    deleting each after (allocation untimed), then match a cached one (full hit) and one
+    sharing its first half. The shared prefix makes an insert walk a cached path and add a
+    leaf; the untimed first partial match splits the cached node, as repeated traffic would."""
     prefix = shared_prefix(system, n)
-    insert_ns: list[int] = []
-    delete_ns: list[int] = []
+    edits = []
     for _ in range(reps):
-        tokens = prefix + traffic.tokens(n - len(prefix))
-        addrs = pool.alloc_blocks(n // PAGE * pool.blocks_per_page)
+        tokens = traffic.prompt(prefix, n)
+        addrs = pool.alloc_blocks(blocks_for(pool, n))
         t0 = time.perf_counter_ns()
         pool.insert(tokens, addrs)
         t1 = time.perf_counter_ns()
         pool.delete(tokens)
         t2 = time.perf_counter_ns()
-        insert_ns.append(t1 - t0)
-        delete_ns.append(t2 - t1)
-    return insert_ns, delete_ns
-
-
-def time_match(
-    pool: MemPool, traffic: Traffic, system: list[int], n: int, reps: int
-) -> tuple[list[int], list[int]]:
-    """Match a cached n-token prompt (full hit) and one sharing only its first half.
-
-    The untimed first partial match splits the cached node where the prompts diverge; later
-    matches find the split in place, as repeated traffic would.
-    """
-    prefix = shared_prefix(system, n)
-    cached = prefix + traffic.tokens(n - len(prefix))
-    pool.insert(cached, pool.alloc_blocks(n // PAGE * pool.blocks_per_page))
+        edits.append((t1 - t0, t2 - t1))
+    cached = traffic.prompt(prefix, n)
+    pool.insert(cached, pool.alloc_blocks(blocks_for(pool, n)))
     partial = cached[: n // 2] + traffic.tokens(n - n // 2)
     hits = (pool.match(cached).num_tokens, pool.match(partial).num_tokens)
     if hits != (n, n // 2):
         raise RuntimeError(f"match of {n}-token prompts hit {hits}, expected {(n, n // 2)}")
-    full_ns: list[int] = []
-    partial_ns: list[int] = []
+    matches = []
     for _ in range(reps):
         t0 = time.perf_counter_ns()
         pool.match(cached)
         t1 = time.perf_counter_ns()
         pool.match(partial)
         t2 = time.perf_counter_ns()
-        full_ns.append(t1 - t0)
-        partial_ns.append(t2 - t1)
+        matches.append((t1 - t0, t2 - t1))
     pool.delete(cached)
-    return full_ns, partial_ns
+    names = ("insert", "delete", "match", "match_partial")
+    timed = dict(zip(names, columns(edits) + columns(matches), strict=True))
+    return {"tokens": n, **summary(timed, p90=("insert", "match"))}
 
 
 def time_insert_after_match(
     pool: MemPool, traffic: Traffic, system: list[int], n: int, reps: int
 ) -> list[int]:
-    """The prefix-caching engine's path: match, allocate only the uncached pages, insert all.
-
-    The insert then names blocks the index holds already, which MemPool re-checks.
-    """
+    """The prefix-caching engine's path: match, allocate only the uncached pages, insert all
+    (blocks the index holds already, which MemPool re-checks)."""
     prefix = shared_prefix(system, n)
     samples: list[int] = []
     for _ in range(reps):
-        tokens = prefix + traffic.tokens(n - len(prefix))
+        tokens = traffic.prompt(prefix, n)
         hit = pool.match(tokens)
-        addrs = hit.addrs + pool.alloc_blocks(n // PAGE * pool.blocks_per_page - len(hit.addrs))
+        addrs = hit.addrs + pool.alloc_blocks(blocks_for(pool, n) - len(hit.addrs))
         t0 = time.perf_counter_ns()
         pool.insert(tokens, addrs)
         samples.append(time.perf_counter_ns() - t0)
@@ -322,34 +328,21 @@ def time_insert_after_match(
     return samples
 
 
-def fill_tree(tree: Any, traffic: Traffic, systems: Sequence[list[int]], target: int) -> int:
-    """Insert whole conversations into a bare index tree (one address per page) until it
-    caches `target` tokens; returns the next unused address."""
-    addr = 0
-    while tree.num_pages * PAGE < target:
-        for prompt in traffic.conversation(traffic.rng.choice(systems)):
-            pages = len(prompt) // PAGE
-            tree.insert(prompt, range(addr, addr + pages))
-            addr += pages
-    return addr
-
-
 def time_tree(reps: int) -> dict[str, float]:
-    """The index tree alone on the same traffic as the pool's figures: insert (then delete)
-    a fresh 4K prompt and match a cached one, token ids passed as a Python list (what an
-    engine passes) and as an array('I') (what the router holds)."""
+    """The index tree alone on the pool's traffic: insert (then delete) a fresh 4K prompt and
+    match a cached one, ids as a Python list (an engine's) and as array('I') (the router's)."""
     traffic = Traffic(SEED)
     system = traffic.tokens(SYSTEM_TOKENS)
     tree = RadixTree(PAGE, slots_per_page=1)
     addr = fill_tree(tree, traffic, [system], PRELOAD_TOKENS)
     n = PROMPT_TOKENS
     prefix = shared_prefix(system, n)
-    samples: dict[str, list[int]] = {k: [] for k in ("ins", "ins_a", "del", "match", "match_a")}
-    cached = prefix + traffic.tokens(n - len(prefix))
+    cached = traffic.prompt(prefix, n)
     tree.insert(cached, range(addr, addr + n // PAGE))
     cached_array = array("I", cached)
+    rows = []
     for _ in range(reps):
-        tokens = prefix + traffic.tokens(n - len(prefix))
+        tokens = traffic.prompt(prefix, n)
         addrs = list(range(addr, addr + n // PAGE))
         as_array, addrs_array = array("I", tokens), array("Q", addrs)
         t0 = time.perf_counter_ns()
@@ -365,23 +358,10 @@ def time_tree(reps: int) -> dict[str, float]:
         t5 = time.perf_counter_ns()
         tree.match(cached_array)
         t6 = time.perf_counter_ns()
-        for key, ns in (
-            ("ins", t1 - t0),
-            ("del", t2 - t1),
-            ("ins_a", t3 - t2),
-            ("match", t5 - t4),
-            ("match_a", t6 - t5),
-        ):
-            samples[key].append(ns)
-    return {
-        "tree_insert_4k_us": median_us(samples["ins"]),
-        "tree_insert_4k_array_us": median_us(samples["ins_a"]),
-        "tree_delete_4k_us": median_us(samples["del"]),
-        "tree_match_4k_us": median_us(samples["match"]),
-        "tree_match_4k_array_us": median_us(samples["match_a"]),
-        "tree_insert_4k_p90_us": percentile_us(samples["ins"], 0.9),
-        "tree_match_4k_p90_us": percentile_us(samples["match"], 0.9),
-    }
+        rows.append((t1 - t0, t3 - t2, t2 - t1, t5 - t4, t6 - t5))
+    names = ("insert_4k", "insert_4k_array", "delete_4k", "match_4k", "match_4k_array")
+    timed = {f"tree_{name}": ns for name, ns in zip(names, columns(rows), strict=True)}
+    return summary(timed, p90=("tree_insert_4k", "tree_match_4k"))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -391,11 +371,9 @@ def layout_figures() -> dict[str, Any]:
     """Transfer calls for one 4K-token Llama-2-13B request in each layout (plain-int addresses)."""
     spec = LLAMA2_13B
     pages = PROMPT_TOKENS // spec.page_size
-    discrete = transfer_segments(
-        spec, Layout.DISCRETE, range(pages * spec.blocks_per_page(Layout.DISCRETE))
-    )
-    aggregated = transfer_segments(
-        spec, Layout.AGGREGATED, range(pages * spec.blocks_per_page(Layout.AGGREGATED))
+    discrete, aggregated = (
+        transfer_segments(spec, layout, range(pages * spec.blocks_per_page(layout)))
+        for layout in (Layout.DISCRETE, Layout.AGGREGATED)
     )
     discrete_bytes = sum(size for _, size in discrete)
     return {
@@ -437,35 +415,40 @@ def _roundtrip(spec: KVBlockSpec, agg: MemPool, disc: MemPool) -> bool:
     )
 
 
-# --------------------------------------------------------------------------- memory
+# --------------------------------------------------------------------------- memory and scale
 
 
 def rss_bytes() -> int:
     return round((rss_mib(os.getpid()) or 0.0) * 2**20)
 
 
-def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
-    """Build an index of >= `tokens` cached tokens in this (fresh) process; report its growth.
+def fresh_processes(workers: int) -> ProcessPoolExecutor:
+    """Freshly spawned interpreters, one task each: no earlier heap in what they measure."""
+    spawn = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(workers, mp_context=spawn, max_tasks_per_child=1)
 
-    The arena is mapped before the first reading and the build never touches its pages, so
-    the growth is the index plus the pool's bookkeeping (allocated and indexed block sets).
-    With `trace`, tracemalloc runs during the build (slower) and attributes bytes per file.
-    """
-    pool = MemPool(0, TINY_SPEC, host_blocks=tokens // PAGE + 16384, huge_pages="off")
+
+def tiny_pool(tokens: int) -> MemPool:
+    """A pool of 64-byte blocks with room for an index of `tokens`: its arena stays small."""
+    return MemPool(0, TINY_SPEC, host_blocks=tokens // PAGE + 16384, huge_pages="off")
+
+
+def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
+    """Build an index of >= `tokens` cached tokens in this (fresh) process; report its growth:
+    the index plus the pool's block sets (the arena is mapped before and never touched). With
+    `trace`, tracemalloc runs during the build (slower) and attributes bytes per file."""
+    pool = tiny_pool(tokens)
     traffic = Traffic(seed)
-    systems = [traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    systems = traffic.systems()
     gc.collect()
     if trace:
         tracemalloc.start()
     rss_before = rss_bytes()
-    started = time.perf_counter()
-    conversations = fill_index(pool, traffic, systems, tokens)
-    build_s = time.perf_counter() - started
+    conversations, build_s = fill_index(pool, traffic, systems, tokens)
     gc.collect()
     grown = rss_bytes() - rss_before
-    measured = cached_tokens(pool)
     result: dict[str, Any] = {
-        "tokens": measured,
+        "tokens": cached_tokens(pool),
         "conversations": conversations,
         "nodes": sum(1 for _ in pool.index.nodes()),
         "build_s": build_s,
@@ -486,28 +469,22 @@ def index_memory(tokens: int, trace: bool, seed: int) -> dict[str, Any]:
 
 
 def measure_index_memory(tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """RSS and tracemalloc passes, each in its own freshly spawned interpreter, side by side.
-
-    A fresh process keeps the earlier benchmarks' heap out of the RSS reading; one task per
-    process guarantees the RSS pass never inherits the tracemalloc pass's heap.
-    """
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
+    """The RSS and the tracemalloc pass, side by side, each in its own fresh interpreter."""
+    with fresh_processes(2) as pool:
         rss = pool.submit(index_memory, tokens, False, SEED)
         traced = pool.submit(index_memory, tokens, True, SEED)
         return rss.result(), traced.result()
 
 
 def memory_figures(rss: dict[str, Any], traced: dict[str, Any]) -> dict[str, Any]:
-    mib = 1024 * 1024
+    def per_mtok(nbytes: float, run: dict[str, Any]) -> float:
+        return nbytes / 2**20 / (run["tokens"] / 1e6)
+
     return {
-        "index_rss_mib_per_million_tokens": rss["rss_bytes"] / mib / (rss["tokens"] / 1e6),
-        "index_tracemalloc_mib_per_million_tokens": (
-            traced["traced_bytes"] / mib / (traced["tokens"] / 1e6)
-        ),
+        "index_rss_mib_per_million_tokens": per_mtok(rss["rss_bytes"], rss),
+        "index_tracemalloc_mib_per_million_tokens": per_mtok(traced["traced_bytes"], traced),
         "index_tracemalloc_by_file_mib_per_million_tokens": {
-            name: size / mib / (traced["tokens"] / 1e6)
-            for name, size in sorted(traced["traced_by_file"].items())
+            name: per_mtok(size, traced) for name, size in sorted(traced["traced_by_file"].items())
         },
         "memory_tokens_measured": float(rss["tokens"]),
         "memory_tree_nodes": rss["nodes"],
@@ -517,35 +494,21 @@ def memory_figures(rss: dict[str, Any], traced: dict[str, Any]) -> dict[str, Any
     }
 
 
-# --------------------------------------------------------------------------- at scale
-
-
 def size_label(tokens: int) -> str:
     """1m, 10m, 200k: the suffix of the per-size figure names."""
     return f"{tokens // 1_000_000}m" if tokens % 1_000_000 == 0 else f"{tokens // 1000}k"
 
 
-def peak_rss_bytes() -> int:
-    import resource  # Unix only, like the VmRSS reading
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> dict[str, Any]:
-    """evict(16) on a MemPool caching `tokens`, then expiry on a holders tree of that size.
-
-    Runs in a fresh process, so its build time and RSS are this size's alone. Each evict
-    removes the least recently used leaf (whole nodes go, so it frees more than 16 blocks);
-    each expire drops the next-oldest 1% of the tree's (node, holder) entries.
-    """
+    """evict(16) on a MemPool caching `tokens`, then expiry on a holders tree of that size, in
+    a fresh process (its build time and RSS are this size's alone). An evict removes the least
+    recently used leaf whole (more than 16 blocks); an expire drops the next-oldest 1% of the
+    tree's (node, holder) entries."""
     gc.collect()
     rss_before = rss_bytes()
-    pool = MemPool(0, TINY_SPEC, host_blocks=tokens // PAGE + 16384, huge_pages="off")
+    pool = tiny_pool(tokens)
     traffic = Traffic(seed)
-    systems = [traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
-    started = time.perf_counter()
-    conversations = fill_index(pool, traffic, systems, tokens)
-    build_s = time.perf_counter() - started
+    conversations, build_s = fill_index(pool, traffic, traffic.systems(), tokens)
     gc.collect()
     rss_index = rss_bytes() - rss_before
     cached = cached_tokens(pool)
@@ -559,10 +522,10 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
         freed.append(len(blocks))
     cached_after = cached_tokens(pool)
     index_bytes_per_page = pool.index._memory_bytes / pool.index.num_pages
-    # the index alone: evict(16 blocks' pages) on the pool's tree, values dropped (the pool
+    # the index alone: evict 16 blocks' pages from the pool's tree, values dropped (the pool
     # is closed right after, its block sets no longer matter)
-    tree_evict_ns: list[int] = []
     pages = -(-EVICT_BLOCKS // pool.blocks_per_page)
+    tree_evict_ns: list[int] = []
     for _ in range(evict_reps):
         t0 = time.perf_counter_ns()
         pool.index.evict(pages)
@@ -574,7 +537,7 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
     now = [0.0]  # the holders tree's clock: one tick per insert, so expiry is reproducible
     tree = RadixTree(PAGE, slots_per_page=0, clock=lambda: now[0])
     traffic = Traffic(seed)
-    systems = [traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    systems = traffic.systems()
     started = time.perf_counter()
     while tree.num_pages * PAGE < tokens:
         for prompt in traffic.conversation(traffic.rng.choice(systems)):
@@ -622,23 +585,21 @@ def scale_point(tokens: int, evict_reps: int, expire_reps: int, seed: int) -> di
         "index_bytes_per_page": index_bytes_per_page,
         "holders_tree_bytes_per_page": holders_bytes_per_page,
         **tree_memory(tokens, seed),
-        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB
     }
 
 
 def tree_memory(tokens: int, seed: int) -> dict[str, Any]:
-    """Bytes per cached page of the index tree alone (one address per page), native and the
-    Python tree it replaced, built by the same inserts. Native: the bytes its structures
-    hold (vector capacities, nodes, heaps); Python: tracemalloc's traced bytes for the build.
-    """
-    out: dict[str, Any] = {}
-    systems_traffic = Traffic(seed)
-    systems = [systems_traffic.tokens(SYSTEM_TOKENS) for _ in range(MEMORY_SYSTEM_PROMPTS)]
+    """Bytes per cached page of the index tree alone (one address per page), native (what its
+    structures hold) and the Python tree it replaced (tracemalloc), from the same inserts."""
+    systems = Traffic(seed).systems()
     tree = RadixTree(PAGE, slots_per_page=1)
     fill_tree(tree, Traffic(seed + 1), systems, tokens)
-    out["tree_pages"] = tree.num_pages
-    out["tree_nodes"] = tree._live_nodes - 1
-    out["tree_bytes_per_page"] = tree._memory_bytes / tree.num_pages
+    out: dict[str, Any] = {
+        "tree_pages": tree.num_pages,
+        "tree_nodes": tree._live_nodes - 1,
+        "tree_bytes_per_page": tree._memory_bytes / tree.num_pages,
+    }
     del tree
     try:
         from tests.mempool.radix_model import RadixTree as PythonTree
@@ -661,10 +622,9 @@ def measure_scale(settings: Settings, progress: Progress) -> list[dict[str, Any]
         f"evict/expire at {', '.join(map(size_label, settings.scale_tokens))} tokens",
         total=len(settings.scale_tokens),
     )
-    context = multiprocessing.get_context("spawn")
     points = []
     for tokens in settings.scale_tokens:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        with fresh_processes(1) as pool:
             job = pool.submit(scale_point, tokens, settings.evict_reps, settings.expire_reps, SEED)
             points.append({"size": size_label(tokens), **job.result()})
         step(progress, task)
@@ -675,46 +635,35 @@ def scale_figures(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The per-size headline figures, named by size (evict_16_us_1m, ...), and every point."""
     figures: dict[str, Any] = {"scale": list(points)}
     for p in points:
-        size = p["size"]
-        figures[f"evict_16_us_{size}"] = p["evict_16_us"]
-        figures[f"evict_16_p90_us_{size}"] = p["evict_16_p90_us"]
-        figures[f"expire_us_{size}"] = p["expire_us"]
-        figures[f"scale_build_s_{size}"] = p["build_s"] + p["holder_tree_build_s"]
-        figures[f"scale_peak_rss_mib_{size}"] = p["peak_rss_mib"]
-        figures[f"tree_evict_16_us_{size}"] = p["tree_evict_16_us"]
-        figures[f"tree_bytes_per_page_{size}"] = p["tree_bytes_per_page"]
-        figures[f"holders_tree_bytes_per_page_{size}"] = p["holders_tree_bytes_per_page"]
-        if "python_tree_bytes_per_page" in p:
-            figures[f"python_tree_bytes_per_page_{size}"] = p["python_tree_bytes_per_page"]
+        build_s = p["build_s"] + p["holder_tree_build_s"]
+        values = {**p, "scale_build_s": build_s, "scale_peak_rss_mib": p["peak_rss_mib"]}
+        figures.update({f"{k}_{p['size']}": values[k] for k, _ in PER_SIZE if k in values})
     return figures
 
 
-# --------------------------------------------------------------------------- targets
+# --------------------------------------------------------------------------- report
 
 
 def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
     """Our targets with whether each is met, and MemServe's published figures beside them."""
-    targets = {
-        "alloc_ns_per_block": check(fig["alloc_ns_per_block"], "<=", TARGET_ALLOC_NS_PER_BLOCK),
-        "insert_4k_us": check(fig["insert_4k_us"], "<=", TARGET_INSERT_4K_US),
-        "match_4k_us": check(fig["match_4k_us"], "<=", TARGET_MATCH_4K_US),
-        "index_rss_mib_per_million_tokens": check(
-            fig["index_rss_mib_per_million_tokens"], "<", TARGET_INDEX_MIB_PER_MTOK
-        ),
-        "aggregate_calls_ratio": check(fig["aggregate_calls_ratio"], "==", 2.0 * fig["layers"]),
-        "memserve_published": {
-            "alloc_ns_per_block": MEMSERVE_ALLOC_NS_PER_BLOCK,
-            "insert_4k_us_max": MEMSERVE_INSERT_4K_US,
-            "source": "MemServe (arXiv 2406.17565), figure 9",
-        },
+    bounds = {
+        "alloc_ns_per_block": ("<=", TARGET_ALLOC_NS_PER_BLOCK),
+        "insert_4k_us": ("<=", TARGET_INSERT_4K_US),
+        "match_4k_us": ("<=", TARGET_MATCH_4K_US),
+        "index_rss_mib_per_million_tokens": ("<", TARGET_INDEX_MIB_PER_MTOK),
+        "aggregate_calls_ratio": ("==", 2.0 * fig["layers"]),
+        "tree_insert_4k_us": ("<=", TARGET_TREE_INSERT_4K_US),
+        "tree_match_4k_us": ("<=", TARGET_TREE_MATCH_4K_US),
     }
-    for point in fig["scale"]:
-        name = f"evict_16_us_{point['size']}"
-        targets[name] = check(fig[name], "<", TARGET_EVICT_16_US)
-        name = f"tree_evict_16_us_{point['size']}"
-        targets[name] = check(fig[name], "<=", TARGET_TREE_EVICT_16_US)
-    targets["tree_insert_4k_us"] = check(fig["tree_insert_4k_us"], "<=", TARGET_TREE_INSERT_4K_US)
-    targets["tree_match_4k_us"] = check(fig["tree_match_4k_us"], "<=", TARGET_TREE_MATCH_4K_US)
+    for p in fig["scale"]:
+        bounds[f"evict_16_us_{p['size']}"] = ("<", TARGET_EVICT_16_US)
+        bounds[f"tree_evict_16_us_{p['size']}"] = ("<=", TARGET_TREE_EVICT_16_US)
+    targets: dict[str, Any] = {k: check(fig[k], op, limit) for k, (op, limit) in bounds.items()}
+    targets["memserve_published"] = {
+        "alloc_ns_per_block": MEMSERVE_ALLOC_NS_PER_BLOCK,
+        "insert_4k_us_max": MEMSERVE_INSERT_4K_US,
+        "source": "MemServe (arXiv 2406.17565), figure 9",
+    }
     ratios = {
         "alloc": fig["alloc_ns_per_block"] / MEMSERVE_ALLOC_NS_PER_BLOCK,
         "insert": fig["insert_4k_us"] / MEMSERVE_INSERT_4K_US,
@@ -724,86 +673,36 @@ def targets_and_ratios(fig: dict[str, Any]) -> tuple[dict[str, Any], dict[str, f
 
 def table_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per headline figure: name, value, unit, target, met."""
-    targets = fig["targets"]
-    rows: list[tuple[str, str]] = [
-        ("alloc_ns_per_block", "ns/block"),
-        ("free_ns_per_block", "ns/block"),
-        ("alloc_p50_us", "µs/call (256 blocks)"),
-        ("free_p50_us", "µs/call (256 blocks)"),
-        ("insert_4k_us", "µs"),
-        ("match_4k_us", "µs"),
-        ("match_4k_partial_us", "µs"),
-        ("insert_4k_after_match_us", "µs"),
-        ("delete_4k_us", "µs"),
-        ("tree_insert_4k_us", "µs, the index tree alone, tokens as a list"),
-        ("tree_insert_4k_array_us", "µs, tokens as array('I')"),
-        ("tree_match_4k_us", "µs, the index tree alone, tokens as a list"),
-        ("tree_match_4k_array_us", "µs, tokens as array('I')"),
-        ("tree_delete_4k_us", "µs, the index tree alone"),
-        ("aggregate_calls_ratio", "calls/calls"),
-        ("layers", "layers"),
-        ("layout_roundtrip_exact", "bool"),
-        ("index_rss_mib_per_million_tokens", "MiB/M tokens"),
-        ("index_tracemalloc_mib_per_million_tokens", "MiB/M tokens"),
-        ("memory_tokens_measured", "tokens"),
-    ]
-    for point in fig["scale"]:
-        tokens = f"{point['tokens'] / 1e6:.1f}M tokens"
-        rows += [
-            (f"evict_16_us_{point['size']}", f"µs, MemPool.evict(16) at {tokens}"),
-            (f"evict_16_p90_us_{point['size']}", "µs"),
-            (f"expire_us_{point['size']}", f"µs, expire 1% of entries at {tokens}"),
-            (f"scale_build_s_{point['size']}", "s, both indexes built"),
-            (f"scale_peak_rss_mib_{point['size']}", "MiB, the process's peak"),
-            (f"tree_evict_16_us_{point['size']}", f"µs, the index tree's evict(16) at {tokens}"),
-            (f"tree_bytes_per_page_{point['size']}", "B per cached page, native tree"),
-            (f"holders_tree_bytes_per_page_{point['size']}", "B per page, holders tree"),
-        ]
-        if f"python_tree_bytes_per_page_{point['size']}" in fig:
-            rows.append((f"python_tree_bytes_per_page_{point['size']}", "B per page, Python tree"))
+    rows = list(HEADLINE)
+    for p in fig["scale"]:
+        tokens = f"{p['tokens'] / 1e6:.1f}M tokens"
+        rows += [(f"{k}_{p['size']}", unit.format(t=tokens)) for k, unit in PER_SIZE]
     out = []
     for name, unit in rows:
-        target = targets.get(name)
-        out.append(
-            {
-                "name": name,
-                "value": fig[name],
-                "unit": unit,
-                "target": f"{target['op']} {target['limit']:g}" if target else None,
-                "met": target["met"] if target else None,
-            }
-        )
+        if name not in fig:  # the Python tree's bytes, without the repository's tests
+            continue
+        target = fig["targets"].get(name)
+        bound = f"{target['op']} {target['limit']:g}" if target else None
+        met = target["met"] if target else None
+        out.append({"name": name, "value": fig[name], "unit": unit, "target": bound, "met": met})
     for name, published in (("alloc", "800 ns/block"), ("insert", "700 µs")):
-        out.append(
-            {
-                "name": f"memserve_ratio.{name}",
-                "value": fig["memserve_ratio"][name],
-                "unit": f"ours / MemServe ({published})",
-                "target": None,
-                "met": None,
-            }
-        )
+        value = fig["memserve_ratio"][name]
+        unit = f"ours / MemServe ({published})"
+        out.append({"name": f"memserve_ratio.{name}", "value": value, "unit": unit})
     return out
 
 
-# --------------------------------------------------------------------------- plot
-
-
-def plot(
-    path: Path,
-    alloc_curve: Sequence[AllocPoint],
-    index_curve: Sequence[IndexPoint],
-    scale: Sequence[dict[str, Any]],
-) -> None:
+def plot(path: Path, fig: dict[str, Any]) -> None:
     """Latency curves in the manner of MemServe's figure 9, with its figures and our targets;
     then eviction and expiry against the size of the index."""
     plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.4), constrained_layout=True)
-    blocks = [p.blocks for p in alloc_curve]
-    left.plot(blocks, [p.alloc_us for p in alloc_curve], "o-", label="alloc_blocks")
-    left.plot(blocks, [p.free_us for p in alloc_curve], "s-", label="free_mem")
+    figure, (left, right, third) = plt.subplots(1, 3, figsize=(16, 4.4), constrained_layout=True)
+    alloc, index, scale = fig["alloc_curve"], fig["index_curve"], fig["scale"]
+    blocks = [p["blocks"] for p in alloc]
+    left.plot(blocks, [p["alloc_us"] for p in alloc], "o-", label="alloc_blocks")
+    left.plot(blocks, [p["free_us"] for p in alloc], "s-", label="free_mem")
     for ns, style, label in (
         (MEMSERVE_ALLOC_NS_PER_BLOCK, "k--", "MemServe, ~800 ns/block"),
         (TARGET_ALLOC_NS_PER_BLOCK, "k:", "alloc target, 100 ns/block"),
@@ -811,57 +710,44 @@ def plot(
         left.plot(blocks, [b * ns / 1e3 for b in blocks], style, lw=0.8, label=label)
     left.set(xlabel="blocks per call", title="(a) block allocation")
 
-    tokens = [p.tokens for p in index_curve]
-    right.plot(tokens, [p.insert_us for p in index_curve], "o-", label="insert")
-    right.plot(tokens, [p.match_us for p in index_curve], "s-", label="match (full hit)")
-    right.plot(tokens, [p.match_partial_us for p in index_curve], "^-", label="match (half hit)")
+    tokens = [p["tokens"] for p in index]
+    right.plot(tokens, [p["insert_us"] for p in index], "o-", label="insert")
+    right.plot(tokens, [p["match_us"] for p in index], "s-", label="match (full hit)")
+    right.plot(tokens, [p["match_partial_us"] for p in index], "^-", label="match (half hit)")
     right.plot([PROMPT_TOKENS], [MEMSERVE_INSERT_4K_US], "kx", ms=9, label="MemServe insert 4K")
     for target, colour, what in (
         (TARGET_INSERT_4K_US, "C0", "insert"),
         (TARGET_MATCH_4K_US, "C1", "match"),
     ):
-        right.plot(
-            [PROMPT_TOKENS],
-            [target],
-            "D",
-            color=colour,
-            mfc="none",
-            ms=9,
-            label=f"{what} target 4K",
-        )
+        label = f"{what} target 4K"
+        right.plot([PROMPT_TOKENS], [target], "D", color=colour, mfc="none", ms=9, label=label)
     right.set(xlabel="prompt length (tokens)", title=f"(b) index, {PRELOAD_TOKENS:,} tokens cached")
     for axes, ticks in ((left, blocks), (right, tokens)):
         axes.set_xscale("log", base=2)
-        axes.set_yscale("log")
         axes.set_xticks(ticks)
         axes.xaxis.set_major_formatter(ScalarFormatter())
         axes.xaxis.set_minor_formatter(NullFormatter())
-        axes.set_ylabel("latency per call (µs)")
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend(fontsize=8)
+
     sizes = [p["tokens"] for p in scale]
     third.plot(sizes, [p["evict_16_us"] for p in scale], "o-", label="MemPool.evict(16)")
     third.plot(sizes, [p["evict_16_p90_us"] for p in scale], "o:", label="evict(16), p90")
     third.plot(sizes, [p["expire_us"] for p in scale], "s-", label="expire 1% (holders tree)")
     third.axhline(TARGET_EVICT_16_US, color="k", ls=":", lw=0.8, label="evict target, 20 µs")
-    third.set(
-        xlabel="cached tokens",
-        ylabel="latency per call (µs)",
-        title="(c) eviction and expiry at scale",
-        xscale="log",
-        yscale="log",
-    )
+    third.set(xlabel="cached tokens", title="(c) eviction and expiry at scale", xscale="log")
     third.set_xlim(min(sizes) / 2, max(sizes) * 2)
-    third.grid(True, which="both", alpha=0.3)
-    third.legend(fontsize=8)
-    fig.suptitle("MemPool micro-benchmarks (cf. MemServe figure 9); medians")
-    save(fig, path, dpi=120)
+    for axes in (left, right, third):
+        axes.set_yscale("log")
+        axes.set_ylabel("latency per call (µs)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle("MemPool micro-benchmarks (cf. MemServe figure 9); medians")
+    save(figure, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def bench_alloc(settings: Settings, progress: Progress) -> tuple[dict[str, Any], list[AllocPoint]]:
+def bench_alloc(settings: Settings, progress: Progress) -> dict[str, Any]:
     task = progress.add_task("alloc/free (8..1024 blocks)", total=len(ALLOC_SWEEP) + 1)
     pool = MemPool(0, BENCH_SPEC, host_blocks=POOL_BLOCKS)
     try:
@@ -874,61 +760,63 @@ def bench_alloc(settings: Settings, progress: Progress) -> tuple[dict[str, Any],
         backing = pool.stats()["tiers"]["host"]["backing"]
     finally:
         pool.close()
-    head = next(p for p in curve if p.blocks == ALLOC_BLOCKS)
-    figures = {
-        "alloc_ns_per_block": head.alloc_us * 1e3 / ALLOC_BLOCKS,
-        "free_ns_per_block": head.free_us * 1e3 / ALLOC_BLOCKS,
+    head = next(p for p in curve if p["blocks"] == ALLOC_BLOCKS)
+    return {
+        "alloc_ns_per_block": head["alloc_us"] * 1e3 / ALLOC_BLOCKS,
+        "free_ns_per_block": head["free_us"] * 1e3 / ALLOC_BLOCKS,
         "alloc_p50_us": median_us(alloc_ns),
         "free_p50_us": median_us(free_ns),
         "alloc_p99_us": percentile_us(alloc_ns, 0.99),
         "free_p99_us": percentile_us(free_ns, 0.99),
         "alloc_blocks_per_call": ALLOC_BLOCKS,
         "alloc_arena_backing": backing,
-        "alloc_curve": [asdict(p) for p in curve],
+        "alloc_curve": curve,
     }
-    return figures, curve
 
 
-def bench_index(settings: Settings, progress: Progress) -> tuple[dict[str, Any], list[IndexPoint]]:
+def bench_index(settings: Settings, progress: Progress) -> dict[str, Any]:
     preload = progress.add_task(f"preload {PRELOAD_TOKENS:,} tokens", total=1)
     sweep = progress.add_task("insert/match (256..16384 tokens)", total=len(PROMPT_SWEEP) + 1)
     pool = MemPool(0, BENCH_SPEC, host_blocks=POOL_BLOCKS)
     traffic = Traffic(SEED)
     try:
         system = traffic.tokens(SYSTEM_TOKENS)
-        conversations = fill_index(pool, traffic, [system], PRELOAD_TOKENS)
+        conversations, _ = fill_index(pool, traffic, [system], PRELOAD_TOKENS)
         preloaded = cached_tokens(pool)
         step(progress, preload)
         reps = settings.index_reps
         curve = []
         for n in PROMPT_SWEEP:
-            insert_ns, delete_ns = time_insert(pool, traffic, system, n, reps)
-            match_ns, partial_ns = time_match(pool, traffic, system, n, reps)
-            medians = (median_us(x) for x in (insert_ns, delete_ns, match_ns, partial_ns))
-            p90s = (percentile_us(x, 0.9) for x in (insert_ns, match_ns))
-            curve.append(IndexPoint(n, *medians, *p90s))
+            curve.append(index_point(pool, traffic, system, n, reps))
             step(progress, sweep)
         after_match_ns = time_insert_after_match(pool, traffic, system, PROMPT_TOKENS, reps)
         step(progress, sweep)
         restored = cached_tokens(pool) == preloaded
     finally:
         pool.close()
-    head = next(p for p in curve if p.tokens == PROMPT_TOKENS)
-    figures = {
-        "insert_4k_us": head.insert_us,
-        "match_4k_us": head.match_us,
-        "match_4k_partial_us": head.match_partial_us,
-        "delete_4k_us": head.delete_us,
-        "insert_4k_p90_us": head.insert_p90_us,
-        "match_4k_p90_us": head.match_p90_us,
+    head = next(p for p in curve if p["tokens"] == PROMPT_TOKENS)
+    return {
+        "insert_4k_us": head["insert_us"],
+        "match_4k_us": head["match_us"],
+        "match_4k_partial_us": head["match_partial_us"],
+        "delete_4k_us": head["delete_us"],
+        "insert_4k_p90_us": head["insert_p90_us"],
+        "match_4k_p90_us": head["match_p90_us"],
         "insert_4k_after_match_us": median_us(after_match_ns),
         "index_reps": reps,
         "preload_cached_tokens": preloaded,
         "preload_conversations": conversations,
         "index_size_restored": restored,
-        "index_curve": [asdict(p) for p in curve],
+        "index_curve": curve,
     }
-    return figures, curve
+
+
+def once(progress: Progress, label: str, measure: Callable[..., T], *args: Any) -> T:
+    """`measure(*args)` as one step of the progress bar."""
+    task = progress.add_task(label, total=1)
+    result = measure(*args)
+    step(progress, task)
+    return result
 
 
 def run(out_dir: Path, quick: bool) -> dict[str, Any]:
@@ -937,19 +825,16 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     started = time.perf_counter()
     calibration = [calibration_us()]
     with progress_bar(34) as progress:
-        alloc_figures, alloc_curve = bench_alloc(settings, progress)
+        alloc = bench_alloc(settings, progress)
         calibration.append(calibration_us())
-        index_figures, index_curve = bench_index(settings, progress)
-        tree = progress.add_task("the index tree alone (4K insert/match)", total=1)
-        index_figures.update(time_tree(settings.index_reps))
-        step(progress, tree)
+        index = bench_index(settings, progress)
+        tree = once(
+            progress, "the index tree alone (4K insert/match)", time_tree, settings.index_reps
+        )
         calibration.append(calibration_us())
-        layouts = progress.add_task("layouts (Llama-2-13B, round trip)", total=1)
-        layout = layout_figures()
-        step(progress, layouts)
-        memory = progress.add_task(f"index memory ({settings.memory_tokens:,} tokens)", total=1)
-        rss, traced = measure_index_memory(settings.memory_tokens)
-        step(progress, memory)
+        layout = once(progress, "layouts (Llama-2-13B, round trip)", layout_figures)
+        memory = f"index memory ({settings.memory_tokens:,} tokens)"
+        rss, traced = once(progress, memory, measure_index_memory, settings.memory_tokens)
         scale = measure_scale(settings, progress)
 
     figures: dict[str, Any] = {
@@ -957,8 +842,9 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
         "seed": SEED,
         "mempool_sources_sha256": mempool_sources_digest(),
         "calibration_array4k_us": calibration,
-        **alloc_figures,
-        **index_figures,
+        **alloc,
+        **index,
+        **tree,
         **layout,
         **memory_figures(rss, traced),
         **scale_figures(scale),
@@ -974,15 +860,9 @@ def run(out_dir: Path, quick: bool) -> dict[str, Any]:
     }
     figures["targets"], figures["memserve_ratio"] = targets_and_ratios(figures)
     figures["elapsed_s"] = time.perf_counter() - started
-    write_results(
-        out_dir,
-        NAME,
-        figures,
-        table_rows(figures),
-        "MemPool micro-benchmarks",
-        notes(figures, settings),
-    )
-    plot(out_dir / f"{NAME}.png", alloc_curve, index_curve, scale)
+    title = "MemPool micro-benchmarks"
+    write_results(out_dir, NAME, figures, table_rows(figures), title, notes(figures, settings))
+    plot(out_dir / f"{NAME}.png", figures)
     return figures
 
 

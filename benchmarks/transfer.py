@@ -1,12 +1,8 @@
 """Transfer benchmark: one request's KV cache moved between two MemPools on loopback.
 
-`python -m benchmarks.transfer --out DIR [--quick]` writes transfer.json, .md and .png. One
-2,048-token request in the shapes of SmolLM2-135M (47 MB) and Llama-2-13B (1.68 GB), sender
-here and receiver in a child process, moved in turn by a raw socket copy (the ceiling of a
-socket data plane), our TcpTransport (discrete, aggregated, merged, aggregated read) and
-Mooncake's engine over TCP; every transfer CRC-checked against the source. Mooncake listens
-on every interface, so when it is installed the run moves into a private network namespace
-whose only interface is loopback (the child follows), and every case runs there alike.
+A raw socket copy (the ceiling of a socket data plane), our TcpTransport and Mooncake's engine
+move the same request from this process to a child, every transfer CRC-checked; with Mooncake
+installed the run moves into a private network namespace (Mooncake listens on every interface).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import multiprocessing
 import socket
 import statistics
 import struct
-import sys
 import threading
 import time
 import zlib
@@ -28,10 +23,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import parse_args, percentile, progress_bar, step
+from benchmarks.harness import benchmark_main, percentile, progress_bar, step
 from benchmarks.report.figures import pyplot, save
 from benchmarks.report.page import write_results
-from benchmarks.report.table import table_section
+from benchmarks.report.table import rounded, table_section
 from mempool import KVBlockSpec, Layout, MemPool, MemType
 from mempool.transfer.base import DataTransport, PeerInfo, Segment
 from mempool.transfer.rdma import coalesce
@@ -109,17 +104,26 @@ def make_pool(instance: int, spec: KVBlockSpec, layout: Layout, tokens: int) -> 
 
 
 def request_segments(pool: MemPool) -> list[Segment]:
-    """Every block of the (full) pool to the same offset on the peer, in allocation order.
-
-    Both pools allocate all their blocks in the same order, so block i lands at offset i and
-    the destination arena must end up equal to the source arena byte for byte.
-    """
+    """Every block of the (full) pool to the same offset on the peer: both pools allocate in
+    the same order, so the destination arena must end up equal to the source's."""
     addrs = pool.alloc_blocks(pool.allocators[MemType.HOST].num_blocks)
-    out = []
-    for addr in addrs:
-        _, offset = pool.offset_of(addr)
-        out.append(Segment(HOST, offset, HOST, offset, pool.block_size))
-    return out
+    offsets = (pool.offset_of(addr)[1] for addr in addrs)
+    return [Segment(HOST, offset, HOST, offset, pool.block_size) for offset in offsets]
+
+
+def systems(mooncake: bool) -> tuple[str, ...]:
+    return ("tcp", "mooncake") if mooncake else ("tcp",)
+
+
+def transport(system: str, pool: MemPool) -> DataTransport:
+    """Our TcpTransport or Mooncake's engine on `pool`; the benchmark decides what is merged."""
+    if system == "tcp":
+        from mempool.transfer.tcp import TcpTransport
+
+        return TcpTransport(pool, "127.0.0.1", 0, streams=TCP_STREAMS)
+    from mempool.transfer.mooncake import MooncakeConfig, MooncakeTransport
+
+    return MooncakeTransport(pool, MooncakeConfig(merge=False))
 
 
 def fill_random(view: memoryview, seed: int) -> None:
@@ -134,10 +138,6 @@ def fill_random(view: memoryview, seed: int) -> None:
 
 def zero(view: memoryview) -> None:
     ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(view)), 0, len(view))
-
-
-def crc(view: memoryview) -> int:
-    return zlib.crc32(view)
 
 
 def mooncake_status() -> tuple[bool, str | None]:
@@ -183,8 +183,6 @@ class Receiver:
                 return
 
     async def cmd_setup(self, spec: KVBlockSpec, tokens: int, mooncake: bool) -> dict[str, Any]:
-        from mempool.transfer.tcp import TcpTransport
-
         await self.cmd_teardown()
         out: dict[str, Any] = {}
         for instance, layout in ((2, Layout.DISCRETE), (3, Layout.AGGREGATED)):
@@ -192,15 +190,10 @@ class Receiver:
             request_segments(pool)  # allocate everything, as the sender does
             self.pools[layout] = pool
             endpoints: dict[str, Any] = {}
-            tcp = TcpTransport(pool, "127.0.0.1", 0, streams=TCP_STREAMS)
-            endpoints["tcp"] = await tcp.start()
-            self.transports.append(tcp)
-            if mooncake:
-                from mempool.transfer.mooncake import MooncakeTransport
-
-                mc = MooncakeTransport(pool)
-                endpoints["mooncake"] = await mc.start()
-                self.transports.append(mc)
+            for system in systems(mooncake):
+                receiving = transport(system, pool)
+                endpoints[system] = await receiving.start()
+                self.transports.append(receiving)
             out[layout.value] = {"instance": instance, "endpoints": endpoints}
         self.raw_target = self.pools[Layout.AGGREGATED].region(MemType.HOST)
         self.raw_listener = socket.create_server(("127.0.0.1", 0))
@@ -236,7 +229,7 @@ class Receiver:
 
     async def cmd_crc(self, layout: str) -> int:
         view = self.pools[Layout(layout)].region(MemType.HOST)
-        return await asyncio.get_running_loop().run_in_executor(None, crc, view)
+        return await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, view)
 
     async def cmd_teardown(self) -> None:
         for t in self.transports:
@@ -250,8 +243,7 @@ class Receiver:
             pool.close()
         self.pools.clear()
 
-    async def cmd_exit(self) -> None:
-        await self.cmd_teardown()
+    cmd_exit = cmd_teardown
 
 
 def receiver_main(conn: Connection) -> None:
@@ -298,16 +290,12 @@ class Sender:
     """This process's pools and transports for one model, and how each case is run."""
 
     def __init__(self, spec: KVBlockSpec, tokens: int, remote: Remote, mooncake: bool) -> None:
-        from mempool.transfer.tcp import TcpTransport
-
-        self.spec = spec
         self.remote = remote
-        self.mooncake = mooncake
         self.pools: dict[Layout, MemPool] = {}
         self.segments: dict[Layout, list[Segment]] = {}
         self.src_crc: dict[Layout, int] = {}
         self.transports: dict[tuple[str, Layout], DataTransport] = {}
-        self.peers: dict[tuple[str, Layout], PeerInfo] = {}
+        self.peers: dict[Layout, PeerInfo] = {}
         info = remote.call("setup", spec, tokens, mooncake)
         for i, layout in enumerate((Layout.DISCRETE, Layout.AGGREGATED)):
             pool = make_pool(10 + i, spec, layout, tokens)
@@ -315,31 +303,19 @@ class Sender:
             self.segments[layout] = request_segments(pool)
             region = pool.region(MemType.HOST)
             fill_random(region, SEED + i)
-            self.src_crc[layout] = crc(region)
+            self.src_crc[layout] = zlib.crc32(region)
             peer = info[layout.value]
-            systems: list[tuple[str, Any]] = [
-                ("tcp", lambda p: TcpTransport(p, "127.0.0.1", 0, streams=TCP_STREAMS))
-            ]
-            if mooncake:
-                from mempool.transfer.mooncake import MooncakeConfig, MooncakeTransport
-
-                # The benchmark decides what is merged, as it does for TCP.
-                systems.append(
-                    ("mooncake", lambda p: MooncakeTransport(p, MooncakeConfig(merge=False)))
-                )
-            for system, factory in systems:
-                self.transports[(system, layout)] = factory(pool)
-                self.peers[(system, layout)] = PeerInfo(
-                    peer["instance"], "127.0.0.1", 0, (), peer["endpoints"]
-                )
+            self.peers[layout] = PeerInfo(peer["instance"], "127.0.0.1", 0, (), peer["endpoints"])
+            for system in systems(mooncake):
+                self.transports[(system, layout)] = transport(system, pool)
         self.raw = socket.create_connection(("127.0.0.1", info["raw_port"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     async def start(self) -> None:
-        for (system, layout), transport in self.transports.items():
-            await transport.start()
+        for (_, layout), moving in self.transports.items():
+            await moving.start()
             warm = self.segments[layout][:1]  # connect and touch the path once, untimed
-            await transport.write(self.peers[(system, layout)], warm)
+            await moving.write(self.peers[layout], warm)
 
     def raw_copy(self) -> float:
         view = self.pools[Layout.AGGREGATED].region(MemType.HOST)
@@ -351,34 +327,33 @@ class Sender:
         return time.perf_counter() - t0
 
     async def run(self, case: Case) -> Sample:
+        """One transfer into a zeroed destination, then its CRC against the source's; a read
+        pulls the peer's copy (the case before wrote it) over our own."""
         layout = case.layout
-        if case.system == "raw":
-            self.remote.call("zero", layout.value)
-            seconds = self.raw_copy()
-            return Sample(seconds, 1, self.remote.call("crc", layout.value) == self.src_crc[layout])
-        transport = self.transports[(case.system, layout)]
-        peer = self.peers[(case.system, layout)]
-        segs = coalesce(self.segments[layout]) if case.merge else self.segments[layout]
-        before = transport.calls
-        if case.op == "write":
-            self.remote.call("zero", layout.value)
-            t0 = time.perf_counter()
-            await transport.write(peer, segs)
-            seconds = time.perf_counter() - t0
-            ok = self.remote.call("crc", layout.value) == self.src_crc[layout]
-        else:  # pull the peer's copy (written by the case before) over our own, zeroed
-            region = self.pools[layout].region(MemType.HOST)
+        region = self.pools[layout].region(MemType.HOST)
+        reading = case.op == "read"
+        if reading:
             zero(region)
+        else:
+            self.remote.call("zero", layout.value)
+        if case.system == "raw":
+            seconds, calls = self.raw_copy(), 1
+        else:
+            moving = self.transports[(case.system, layout)]
+            move, peer = getattr(moving, case.op), self.peers[layout]
+            segs = coalesce(self.segments[layout]) if case.merge else self.segments[layout]
+            before = moving.calls
             t0 = time.perf_counter()
-            await transport.read(peer, segs)
+            await move(peer, segs)
             seconds = time.perf_counter() - t0
-            ok = crc(region) == self.src_crc[layout]
-        return Sample(seconds, transport.calls - before, ok)
+            calls = moving.calls - before
+        got = zlib.crc32(region) if reading else self.remote.call("crc", layout.value)
+        return Sample(seconds, calls, got == self.src_crc[layout])
 
     async def close(self) -> None:
         self.raw.close()
-        for transport in self.transports.values():
-            await transport.close()
+        for moving in self.transports.values():
+            await moving.close()
         for pool in self.pools.values():
             pool.close()
         self.remote.call("teardown")
@@ -404,23 +379,20 @@ def summarize(samples: list[Sample], nbytes: int) -> dict[str, Any]:
     }
 
 
-def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
-    cases = model["cases"]
+def ratios(cases: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Ratios of median GB/s (NaN where a case did not run), of call counts, and the targets."""
 
     def gbps(key: str) -> float:
         return cases[key]["gbps_median"] if key in cases else math.nan
 
+    tcp = gbps("tcp_aggregated")
+    pushed = (gbps(k) for k in cases if k.startswith("mooncake") and "read" not in k)
     out: dict[str, Any] = {
-        "tcp_aggregated_over_raw": gbps("tcp_aggregated") / gbps("raw_socket"),
-        "tcp_aggregated_over_mooncake_aggregated": gbps("tcp_aggregated")
-        / gbps("mooncake_aggregated"),
-        "tcp_aggregated_over_mooncake_best": gbps("tcp_aggregated")
-        / max(
-            (gbps(k) for k in cases if k.startswith("mooncake") and "read" not in k),
-            default=math.nan,
-        ),
+        "tcp_aggregated_over_raw": tcp / gbps("raw_socket"),
+        "tcp_aggregated_over_mooncake_aggregated": tcp / gbps("mooncake_aggregated"),
+        "tcp_aggregated_over_mooncake_best": tcp / max(pushed, default=math.nan),
         "tcp_merged_over_raw": gbps("tcp_merged") / gbps("raw_socket"),
-        "tcp_aggregated_over_discrete": gbps("tcp_aggregated") / gbps("tcp_discrete"),
+        "tcp_aggregated_over_discrete": tcp / gbps("tcp_discrete"),
     }
     for system in ("tcp", "mooncake"):
         d, a = cases.get(f"{system}_discrete"), cases.get(f"{system}_aggregated")
@@ -433,7 +405,7 @@ def ratios(model: dict[str, Any], spec: KVBlockSpec) -> dict[str, Any]:
         for key, limit, value, met in (
             ("tcp_aggregated_over_raw", TARGET_RAW_FRACTION, raw, raw >= TARGET_RAW_FRACTION),
             ("tcp_aggregated_over_mooncake_aggregated", 1.0, mooncake, mooncake >= 1.0),
-            ("discrete_over_aggregated_calls", 2 * spec.layers, calls, calls == 2 * spec.layers),
+            ("discrete_over_aggregated_calls", 2 * layers, calls, calls == 2 * layers),
         )
     }
     return out
@@ -471,6 +443,7 @@ def plot(path: Path, models: dict[str, Any]) -> None:
 
 
 async def measure(settings: Settings, mooncake: bool) -> dict[str, Any]:
+    """Every case on each model, interleaved (drifts hit every case alike), summarised."""
     cases = [c for c in CASES if c.system != "mooncake" or mooncake]
     models: dict[str, Any] = {}
     remote = Remote()
@@ -478,88 +451,79 @@ async def measure(settings: Settings, mooncake: bool) -> dict[str, Any]:
         with progress_bar(30) as progress:
             for name, spec in MODELS.items():
                 tokens = settings.tokens[name]
-                task = progress.add_task(
-                    f"{name}, {tokens} tokens", total=settings.reps * len(cases)
-                )
+                total = settings.reps * len(cases)
+                task = progress.add_task(f"{name}, {tokens} tokens", total=total)
                 progress.refresh()
                 sender = Sender(spec, tokens, remote, mooncake)
+                samples: dict[str, list[Sample]] = {c.key: [] for c in cases}
                 try:
                     await sender.start()
-                    samples: dict[str, list[Sample]] = {c.key: [] for c in cases}
-                    for _ in range(settings.reps):  # interleaved: drifts hit every case alike
+                    for _ in range(settings.reps):
                         for case in cases:
                             samples[case.key].append(await sender.run(case))
                             step(progress, task)
                 finally:
                     await sender.close()
                 nbytes = tokens * spec.bytes_per_token
-                model: dict[str, Any] = {
-                    "layers": spec.layers,
-                    "kv_heads": spec.kv_heads,
-                    "head_dim": spec.head_dim,
-                    "dtype": spec.dtype,
-                    "page_size": spec.page_size,
+                shape = ("layers", "kv_heads", "head_dim", "dtype", "page_size")
+                summary = {k: summarize(v, nbytes) for k, v in samples.items()}
+                models[name] = {
+                    **{k: getattr(spec, k) for k in shape},
                     "tokens": tokens,
                     "bytes": nbytes,
                     "pages": tokens // spec.page_size,
-                    "cases": {k: summarize(v, nbytes) for k, v in samples.items()},
+                    "cases": summary,
+                    "ratios": ratios(summary, spec.layers),
                 }
-                model["ratios"] = ratios(model, spec)
-                models[name] = model
     finally:
         remote.close()
     return models
 
 
 def table_rows(models: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
-    for name, model in models.items():
-        for case in CASES:
-            c = model["cases"].get(case.key)
-            if c is None:
-                continue
-            rows.append(
-                {
-                    "model": name,
-                    "case": case.label,
-                    "network calls": c["calls"],
-                    "MB": round(model["bytes"] / 1e6, 1),
-                    "GB/s median": round(c["gbps_median"], 3),
-                    "min": round(c["gbps_min"], 3),
-                    "max": round(c["gbps_max"], 3),
-                    "verified": c["verified"],
-                }
-            )
-    return rows
+    return [
+        {
+            "model": name,
+            "case": case.label,
+            "network calls": c["calls"],
+            "MB": round(model["bytes"] / 1e6, 1),
+            "GB/s median": round(c["gbps_median"], 3),
+            "min": round(c["gbps_min"], 3),
+            "max": round(c["gbps_max"], 3),
+            "verified": c["verified"],
+        }
+        for name, model in models.items()
+        for case in CASES
+        if (c := model["cases"].get(case.key)) is not None
+    ]
 
 
 def ratio_rows(models: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
+    """The targets (value, bound, met), then the other ratios (values alone)."""
+    rows: list[dict[str, Any]] = []
+    others = (
+        "tcp_merged_over_raw",
+        "tcp_aggregated_over_mooncake_best",
+        "mooncake_discrete_over_aggregated_calls",
+    )
     for name, model in models.items():
         for key, t in model["ratios"]["targets"].items():
+            bound = f"{'==' if 'calls' in key else '>='} {t['target']}"
+            value = rounded(t["value"], 3)
             rows.append(
-                {
-                    "model": name,
-                    "figure": key,
-                    "value": round(t["value"], 3) if isinstance(t["value"], float) else t["value"],
-                    "target": f">= {t['target']}" if "calls" not in key else f"== {t['target']}",
-                    "met": t["met"],
-                }
+                {"model": name, "figure": key, "value": value, "target": bound, "met": t["met"]}
             )
-        for key in ("tcp_merged_over_raw", "tcp_aggregated_over_mooncake_best"):
-            rows.append({"model": name, "figure": key, "value": round(model["ratios"][key], 3)})
-        if "mooncake_discrete_over_aggregated_calls" in model["ratios"]:
-            value = model["ratios"]["mooncake_discrete_over_aggregated_calls"]
-            rows.append(
-                {"model": name, "figure": "mooncake_discrete_over_aggregated_calls", "value": value}
-            )
+        for key in others:
+            if key in model["ratios"]:
+                rows.append(
+                    {"model": name, "figure": key, "value": rounded(model["ratios"][key], 3)}
+                )
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    description = (__doc__ or NAME).splitlines()[0]
-    args = parse_args(argv, description, "fewer repetitions, smaller Llama request")
-    settings = QUICK if args.quick else FULL
+def run(out: Path, quick: bool) -> dict[str, Any]:
+    """Every case on both models, then the JSON, Markdown and PNG files; returns the figures."""
+    settings = QUICK if quick else FULL
     # Before any thread exists: only the calling thread changes namespace.
     mooncake, why_not = mooncake_status()
     started = time.perf_counter()
@@ -590,27 +554,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch (larger batches to one peer fail in 0.3.13); it busy-polls its batch status, "
         "which costs it one of the two cores while it waits, and a single large entry (merged) "
         "does not go faster than many page-sized ones.",
+        "Every case ran inside a private network namespace (loopback only), because "
+        "Mooncake's listeners bind every interface."
+        if mooncake
+        else f"Mooncake not measured: {why_not}",
     ]
-    if mooncake:
-        notes.append(
-            "Every case ran inside a private network namespace (loopback only), because "
-            "Mooncake's listeners bind every interface."
-        )
-    else:
-        notes.append(f"Mooncake not measured: {why_not}")
-    json_path, md_path = write_results(
-        args.out,
-        NAME,
-        figures,
-        table_rows(models),
-        "MemPool transfers on loopback",
-        notes,
-        body=table_section("Ratios and targets", ratio_rows(models)),
-    )
-    plot(args.out / f"{NAME}.png", models)
-    print(md_path.read_text())
-    print(f"wrote {json_path}, {md_path}, {args.out / f'{NAME}.png'}", file=sys.stderr)
-    return 0
+    title = "MemPool transfers on loopback"
+    ratio_table = table_section("Ratios and targets", ratio_rows(models))
+    write_results(out, NAME, figures, table_rows(models), title, notes, body=ratio_table)
+    plot(out / f"{NAME}.png", models)
+    return figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    quick = "fewer repetitions, smaller Llama request"
+    return benchmark_main(argv, NAME, __doc__, run, quick)
 
 
 if __name__ == "__main__":
