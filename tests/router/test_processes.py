@@ -328,7 +328,12 @@ def test_replay_hits_as_often_through_two_processes_as_through_one(
         with router([w.url for w in workers], tmp_path, "--processes", n) as r:
             ratios[n] = Replay().run(r.url)
     print(f"\nhit ratio: one process {ratios['1']:.3f}, two {ratios['2']:.3f}")
-    assert abs(ratios["1"] - ratios["2"]) <= 0.02, ratios
+    # Two processes sharing their trees lose at most the timing of a few turns: measured
+    # 0.000-0.011 below one process on a quiet machine and up to 0.023 with both cores busy
+    # (a CI run, and two CPU hogs beside the test). Processes that shared nothing would send a
+    # later turn to a worker without its history about half the time the other process took
+    # it: routers sharing nothing hit 0.09-0.18 below one router in tests/router/replicas.
+    assert ratios["2"] >= ratios["1"] - 0.04, ratios
 
 
 @pytest.mark.parametrize(
