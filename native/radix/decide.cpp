@@ -251,11 +251,9 @@ size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<int64_
              const std::vector<double>& placement, size_t soonest, double now) {
     double latest = placement[soonest] * kFreshBand;
     size_t k = ws.size(), choice = k;
-    double fastest = 0;
+    double fastest = ws[soonest]->token_x;  // the soonest is in the band
     for (size_t i = 0; i < k; i++) {
-        if (placement[i] <= latest && (fastest == 0 || ws[i]->token_x < fastest)) {
-            fastest = ws[i]->token_x;
-        }
+        if (placement[i] <= latest) fastest = std::min(fastest, ws[i]->token_x);
     }
     double least = 0;
     for (size_t i = 0; i < k; i++) {
@@ -353,7 +351,8 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         }
     }
     if (most == 0) {
-        return choose(s, ws, o, fresh(ws, o.loads, placement, soonest, heat_now), Reason::CacheMiss);
+        size_t choice = fresh(ws, o.loads, placement, soonest, heat_now);
+        return choose(s, ws, o, choice, Reason::CacheMiss);
     }
     int64_t low = *std::min_element(o.loads.begin(), o.loads.end());
     if (s.thresholds.imbalanced(o.loads[best], low)) {  // sglang-router's rule: the lightest
