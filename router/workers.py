@@ -2,8 +2,9 @@
 
 Load is what the router itself has in flight to each worker (requests and prompt tokens),
 refreshed with what the worker reports on /get_load, so a router that just started, or
-one of several replicas, still sees work it did not send; replicas sharing state through
-Redis (router.replicas) also add each other's in-flight counts.
+one of several replicas, still sees work it did not send (less its own requests that ended
+since the report was asked for: a report is up to a load interval old); replicas sharing
+state through Redis (router.replicas) also add each other's in-flight counts.
 
 The queue a new request joins is measured, not only modelled: requests whose first byte
 tells when the worker began them (streamed answers, prefill sides) count as waiting until
@@ -219,13 +220,15 @@ class Worker:
         answer, a prefill), so until then it is counted as waiting."""
         return InFlight(self, prefill_tokens, begins_at_first_byte)
 
-    def apply_load(self, loads: object) -> None:
-        """The worker's own report (SGLang's /v1/loads or /get_load body)."""
+    def apply_load(self, loads: object, ended_at: int | None = None) -> None:
+        """The worker's own report (SGLang's /v1/loads or /get_load body); `ended_at`: this
+        router's count of its ended requests when the report was asked for (None: now)."""
         if isinstance(loads, dict):
             loads = loads.get("loads", [loads])
         if not isinstance(loads, list):
             return
         entries = [x for x in loads if isinstance(x, dict)]
+        self.state.ended_at_report = self.state.ended if ended_at is None else ended_at
         self.reported_reqs = sum(int(x.get("num_reqs", 0) or 0) for x in entries)
         self.reported_waiting = sum(int(x.get("num_waiting_reqs", 0) or 0) for x in entries)
         self.reported_pending_tokens = sum(
@@ -270,6 +273,7 @@ class InFlight:
         state.unstarted -= self._waiting
         self._tokens, self._waiting = 0, False
         state.in_flight -= 1
+        state.ended += 1
         self.worker.processed += 1
         if not exc or exc[0] is None:  # a failure is not service (it may be instant)
             state.finish()
@@ -457,10 +461,11 @@ class WorkerRegistry:
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
+                asked = worker.state.ended
                 async with session.get(worker.url + path, timeout=timeout) as resp:
                     if resp.status == 200:
                         report = await resp.json(content_type=None)
-                        worker.apply_load(report)
+                        worker.apply_load(report, asked)
                         for callback in self._on_report:
                             callback(worker, report)
                         return

@@ -17,6 +17,7 @@ from router.tenants import hash_key
 FLOODS = 30  # the fresh-salt tenant's requests before each of the victim's rounds
 MAX_TREE = 128  # the router's pages per tree: the victim's paths and the shares fit
 FLOODER_PAGES = 16  # the flooding tenant's max_tree_pages
+DOCS, DOC_TOKENS = 8, 112  # the victim's documents, each asked in two rounds
 
 
 class Generate(Protocol):
@@ -47,11 +48,11 @@ def flood_tenants(keys: Mapping[str, str], flooder_pages: int) -> dict[str, Any]
 def hit_ratio(
     url: str, generate: Generate, keys: Mapping[str, str], seed: int, flood: bool
 ) -> float:
-    """`a`'s hit ratio over two rounds of its eight documents, with or without `b` sending a
+    """`a`'s hit ratio over two rounds of its DOCS documents, with or without `b` sending a
     fresh salt on each of FLOODS requests before each round. The documents are placed while
     earlier ones are still answered, so they spread over the workers by load; a document the
     trees forgot then goes where any request would, and misses where it is not."""
-    docs = [ids(seed * 10 + i, 112) for i in range(8)]
+    docs = [ids(seed * 10 + i, DOC_TOKENS) for i in range(DOCS)]
     with contextlib.ExitStack() as placing:
         for doc in docs:
             placing.enter_context(busy(url, keys["a"], doc, 30))
@@ -60,7 +61,7 @@ def hit_ratio(
         if flood:
             for i in range(FLOODS):
                 salt = f"fresh-{seed}-{r}-{i}"
-                generate(keys["b"], ids(seed * 1000 + r * 100 + i, 112), 1, cache_salt=salt)
+                generate(keys["b"], ids(seed * 1000 + r * 100 + i, DOC_TOKENS), 1, cache_salt=salt)
         for doc in docs:
             meta = generate(keys["a"], doc, 2)
             prompt += meta["prompt_tokens"]

@@ -254,6 +254,8 @@ void radix_py::bind_decide(nb::module_& m) {
         MEMSERVE_FIELD(reported_reqs)
         MEMSERVE_FIELD(reported_waiting)
         MEMSERVE_FIELD(reported_pending_tokens)
+        MEMSERVE_FIELD(ended)
+        MEMSERVE_FIELD(ended_at_report)
         MEMSERVE_FIELD(unstarted)
         MEMSERVE_FIELD(pulls_served)
         MEMSERVE_FIELD(has_agent)

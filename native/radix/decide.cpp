@@ -47,15 +47,32 @@ Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64
 
 // ------------------------------------------------------------------ a worker's figures
 
+// A report is a snapshot: each of this router's requests that ended since it was asked for
+// took one request out of it, and let one that waited begin.
+static int64_t ended_since_report(const WorkerState& w) {
+    return std::max<int64_t>(w.ended - w.ended_at_report, 0);
+}
+
+int64_t WorkerState::reported_left() const {
+    return std::max<int64_t>(reported_reqs + reported_waiting - ended_since_report(*this), 0);
+}
+
 int64_t WorkerState::load() const {
-    return std::max(in_flight + peer_in_flight, reported_reqs + reported_waiting);
+    return std::max(in_flight + peer_in_flight, reported_left());
 }
 
+// The reported queued tokens in the share of the reported requests still there.
 int64_t WorkerState::queued_tokens() const {
-    return std::max(in_flight_tokens + peer_in_flight_tokens, reported_pending_tokens);
+    int64_t reported = reported_reqs + reported_waiting, pending = reported_pending_tokens;
+    if (reported > 0 && pending > 0) pending = pending * reported_left() / reported;
+    return std::max(in_flight_tokens + peer_in_flight_tokens, pending);
 }
 
-int64_t WorkerState::waiting() const { return std::max(unstarted, reported_waiting); }
+static int64_t reported_waiting_left(const WorkerState& w) {
+    return std::max<int64_t>(w.reported_waiting - ended_since_report(w), 0);
+}
+
+int64_t WorkerState::waiting() const { return std::max(unstarted, reported_waiting_left(*this)); }
 
 void WorkerState::finish(double at) {
     if (finished_n_ < kRateWindow) {
@@ -85,7 +102,7 @@ bool WorkerState::service_rate(double now, double& rate) const {
 // The requests waiting ahead of a new one over the rate it serves them; of this router's
 // requests not begun, the oldest is taken as being prefilled.
 double WorkerState::measured_wait_s(double now) const {
-    int64_t waiting = std::max(unstarted - 1, reported_waiting);
+    int64_t waiting = std::max(unstarted - 1, reported_waiting_left(*this));
     if (waiting <= 0) return 0.0;
     double rate = 0;
     if (!service_rate(now, rate) || rate == 0) return 0.0;

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from router.policies import CostModel
+from router.policies import CostModel, PromptTree, RouteRequest, Thresholds
+from router.trees import PromptTrees
 from router.workers import Worker, WorkerType
 
 
@@ -87,3 +88,40 @@ def test_a_pd_prefills_expected_wait_is_the_work_sent_there() -> None:
         assert cost.queue_s(prefill) < 0.1
     with colocated.request(100, True), colocated.request(100, True):
         assert cost.queue_s(colocated) == pytest.approx(0.5)  # the longer: the measurement
+
+
+def test_a_report_stops_counting_the_requests_of_ours_that_ended_since_it_was_asked() -> None:
+    """A worker's load report is up to a load interval old: a sequential client's request
+    that it counted has ended here before the client's next one comes."""
+    worker = Worker("http://127.0.0.1:1")
+    with worker.request(112):
+        asked = worker.state.ended
+        worker.apply_load({"num_reqs": 1, "num_waiting_reqs": 2, "num_pending_tokens": 300}, asked)
+        assert (worker.load, worker.waiting, worker.queued_tokens) == (3, 2, 300)
+    assert (worker.load, worker.waiting, worker.queued_tokens) == (2, 1, 200)
+    with worker.request(10), worker.request(10):
+        pass
+    assert (worker.load, worker.waiting, worker.queued_tokens) == (0, 0, 0)
+    worker.apply_load({"num_reqs": 1})  # asked now: nothing of ours ended since
+    assert worker.load == 1
+    worker.apply_load({"num_reqs": 1}, worker.state.ended - 1)  # one ended since it was asked
+    assert worker.load == 0
+
+
+def test_a_holders_stale_report_of_our_last_request_does_not_move_the_next_off_it() -> None:
+    """Measured with a sequential client: one in 5-20 of its requests left the holder of its
+    prefix for the load interval after the worker reported the client's previous one."""
+    trees = PromptTrees(page_size=16)
+    holder, other = Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")
+    now = time.monotonic()
+    for worker in (holder, other):
+        finish(worker, [now - 2.0 + 0.5 * i for i in range(5)])  # 2 requests a second
+    doc = list(range(1000, 1112))
+    trees.record(WorkerType.COLOCATED, holder.url, doc[:96])
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    report = {"num_waiting_reqs": 1, "num_pending_tokens": 112}  # not yet scheduled
+    with holder.request(112):  # the client's previous request, reported while it ran
+        holder.apply_load(report, holder.state.ended)
+        assert policy.select(RouteRequest(doc, "", None), [holder, other]).reason == "overload"
+    decision = policy.select(RouteRequest(doc, "", None), [holder, other])
+    assert (decision.worker, decision.reason) == (holder, "cache_hit")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,15 +14,19 @@ from typing import Any
 import pytest
 
 from benchmarks.reliability.tenant_shares import (
+    DOC_TOKENS,
+    DOCS,
     FLOODER_PAGES,
     MAX_TREE,
     Generate,
     flood_tenants,
     hit_ratio,
 )
+from localrun.processes import auth_headers
 from router.trees import PromptTrees
 from router.workers import WorkerType
 from shared.path_shares import PathShares
+from tests.http_client import metric
 from tests.procs import Server, running
 from tests.router.test_tenants import post
 
@@ -103,6 +109,7 @@ def test_a_path_already_gone_is_not_counted_again() -> None:
 # ----------------------------------------------------------------- end to end
 
 KEYS = {"a": "sk-share-a", "b": "sk-share-b"}
+OPERATOR = "sk-share-operator"
 
 
 @pytest.fixture(scope="module")
@@ -125,23 +132,52 @@ def sender(url: str) -> Generate:
     return generate
 
 
+def counts(url: str) -> tuple[float, float]:
+    """The router's (predicted, reported) cached tokens so far, every tenant's (the flooder's
+    fresh salts are predicted and reported nothing)."""
+    request = urllib.request.Request(url + "/metrics", headers=auth_headers(OPERATOR))
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        text = answer.read().decode()
+    return tuple(  # type: ignore[return-value]
+        metric(text, f"memserve_router_{name}_cached_tokens_total")
+        for name in ("predicted", "reported")
+    )
+
+
+def rounds(url: str, shared: bool, flood: bool) -> tuple[float, float]:
+    """A's (hit ratio, predicted tokens per prompt token) over hit_ratio's rounds. The trees
+    learn from an answer after it is sent: the counts are read once they hold every answer."""
+    predicted, reported = counts(url)
+    seed = (1 if shared else 3) + flood
+    ratio = hit_ratio(url, sender(url), KEYS, seed, flood=flood)
+    prompt = 2 * DOCS * DOC_TOKENS
+    deadline = time.monotonic() + 10
+    while (now := counts(url))[1] - reported < round(ratio * prompt):
+        assert time.monotonic() < deadline, (now, reported, ratio)
+        time.sleep(0.02)
+    return ratio, (now[0] - predicted) / prompt
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["share", "no-share"])
 def test_a_fresh_salt_flood_does_not_lower_another_tenants_hit_ratio(
     workers: list[Server], tmp_path: Path, shared: bool
 ) -> None:
-    """Issue 38's security test: with B's share of the trees, A's hit ratio under B's flood
-    stays within 2 points of A's without it. Without the share (B's bound larger than the
-    trees) the same flood evicts A's paths from the trees and A's hit ratio falls: the test
-    can fail."""
+    """Issue 38's security test: with B's share of the trees, A's paths stay in them under
+    B's flood and A's hit ratio stays within 2 points of A's without it. Without the share
+    (B's bound larger than the trees) the same flood evicts A's paths from the trees: the
+    test can fail. That is asserted on the trees' predictions, not the engines' hits: a
+    document the trees forgot may still be placed where it was by chance (both workers idle)."""
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(flood_tenants(KEYS, FLOODER_PAGES if shared else 100 * MAX_TREE)))
     args = ["--worker-urls", *(w.url for w in workers), "--max-tree-size", str(MAX_TREE)]
     args += ["--tenants", str(path), "--tenant-secret", "s", "--policy", "prompt_tree"]
+    args += ["--api-key", OPERATOR]
     with running("router", args, tmp_path) as r:
-        quiet = hit_ratio(r.url, sender(r.url), KEYS, 1 if shared else 3, flood=False)
-        flooded = hit_ratio(r.url, sender(r.url), KEYS, 2 if shared else 4, flood=True)
-    assert quiet > 0.8, quiet
+        quiet, quiet_seen = rounds(r.url, shared, flood=False)
+        flooded, flooded_seen = rounds(r.url, shared, flood=True)
+    assert quiet > 0.8 and quiet_seen > 0.45, (quiet, quiet_seen)
     if shared:
         assert flooded >= quiet - 0.02, (quiet, flooded)
+        assert flooded_seen >= quiet_seen - 0.02, (quiet_seen, flooded_seen)
     else:
-        assert flooded < quiet - 0.1, (quiet, flooded)
+        assert flooded_seen < quiet_seen - 0.3, (quiet_seen, flooded_seen)
