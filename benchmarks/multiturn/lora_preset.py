@@ -37,7 +37,7 @@ from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.versus import Column
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
-from benchmarks.report.seeds import ratio
+from benchmarks.report.seeds import configs, ratio
 from benchmarks.report.table import markdown_table
 
 LORA = "lora"
@@ -236,8 +236,7 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     runs = figures["runs"]
     lines: list[str] = []
     tables: dict[str, Any] = {}
-    configs = list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
-    for config in configs:
+    for config in configs(runs):
         rows, per_system = system_rows(runs, config)
         tables[config] = per_system
         lines += [

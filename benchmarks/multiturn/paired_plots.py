@@ -14,13 +14,10 @@ from typing import Any
 
 from benchmarks.harness import finite
 from benchmarks.report.figures import color, pyplot, save
+from benchmarks.report.seeds import configs
 
 CDF_PLOT = "ttft_cdf.png"
 BUSY_PLOT = "worker_busy.png"
-
-
-def _configs(runs: Sequence[dict[str, Any]]) -> list[str]:
-    return list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
 
 
 def plot_paired(
@@ -30,13 +27,13 @@ def plot_paired(
     label: Callable[[dict[str, Any]], str],
 ) -> list[str]:
     """Both plots when the runs have anything to show; the file names written."""
-    configs = _configs([r for r in runs if r.get("available")])
-    if not configs:
+    names = configs([r for r in runs if r.get("available")])
+    if not names:
         return []
     written = []
-    if plot_cdf(out_dir / CDF_PLOT, runs, configs, label):
+    if plot_cdf(out_dir / CDF_PLOT, runs, names, label):
         written.append(CDF_PLOT)
-    if plot_busy(out_dir / BUSY_PLOT, summary, configs):
+    if plot_busy(out_dir / BUSY_PLOT, summary, names):
         written.append(BUSY_PLOT)
     return written
 

@@ -34,7 +34,7 @@ from benchmarks.multiturn.targets import (
 )
 from benchmarks.peers import PeerStatus
 from benchmarks.report.page import publish
-from benchmarks.report.seeds import Run, ratio, spread, spread_text
+from benchmarks.report.seeds import Run, configs, ratio, spread, spread_text
 from benchmarks.report.table import markdown_table, rounded
 from benchmarks.report.targets import check, target_rows
 
@@ -155,10 +155,6 @@ FIGURES = (
     "foreseen_share",
     "share_deviation",  # runs of tenants with configured shares (per_tenant.fairness)
 )
-
-
-def configs(runs: Sequence[Run]) -> list[str]:
-    return list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
 
 
 def runs_of(runs: Sequence[Run], config: str, system: str) -> dict[int, Run]:

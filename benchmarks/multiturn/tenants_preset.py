@@ -41,6 +41,7 @@ from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
+from benchmarks.report.seeds import configs
 from benchmarks.report.table import markdown_table
 from router.tenants.config import hash_key
 
@@ -201,9 +202,9 @@ def make_plan(
     cluster = sized.cluster("tn-c4", SHAPE, preset.time_scale, features, colocated=INSTANCES)
     key = f"{name}, {SHAPE}, {tenants} tenants"
     labels = {"shape": SHAPE, "instance_kv_tokens": kv, "hot_set_tokens": hot_set}
-    configs = []
+    planned = []
     if specs:
-        configs.append(
+        planned.append(
             Config(
                 key,
                 name,
@@ -219,7 +220,7 @@ def make_plan(
     fair_key = f"{name} {FAIRNESS}, {SHAPE}, {tenants} tenants"
     if run_fair:
         shares = dict(zip(preset.workload.tenant_names, SHARES, strict=True))
-        configs.append(
+        planned.append(
             Config(
                 fair_key,
                 name,
@@ -259,8 +260,8 @@ def make_plan(
             ),
         },
     }
-    setup = {k: v for k, v in setup.items() if any(c.key == k for c in configs)}
-    return PairedPlan(preset.name, configs, preset.search, features.missing(), setup)
+    setup = {k: v for k, v in setup.items() if any(c.key == k for c in planned)}
+    return PairedPlan(preset.name, planned, preset.search, features.missing(), setup)
 
 
 def targets_for(config: str, runs: Sequence[Run]) -> list[Target]:
@@ -355,8 +356,7 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     runs = figures["runs"]
     lines: list[str] = []
     tables: dict[str, Any] = {}
-    configs = list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
-    for config in configs:
+    for config in configs(runs):
         if f" {FAIRNESS}, " in config:
             rows, per_tenant = fairness_rows(runs, config)
             tables[config] = per_tenant

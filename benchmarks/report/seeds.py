@@ -12,6 +12,11 @@ from benchmarks.harness import finite
 Run = dict[str, Any]
 
 
+def configs(runs: Iterable[Run]) -> list[str]:
+    """The configs the runs name, in the order they first appear."""
+    return list(dict.fromkeys(r["config"] for r in runs if r.get("config")))
+
+
 def ratio(a: Any, b: Any) -> float | None:
     """a / b where both were measured and b is not zero."""
     return a / b if finite(a) and finite(b) and b else None
