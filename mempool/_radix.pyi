@@ -185,8 +185,8 @@ class WorkerState:
     reported_reqs: int
     reported_waiting: int
     reported_pending_tokens: int
-    ended: int  # this router's requests to it that ended, ever
-    ended_at_report: int  # ... when its last report was asked for (those since left it)
+    report_asks: int  # reports asked of it (a request records the count when sent)
+    reported_ended: int  # of ours in flight at the last ask, those answered since
     unstarted: int
     pulls_served: int
     has_agent: bool

@@ -371,6 +371,7 @@ class Siblings:
         if worker is None or self.config.checks:
             return
         with self.following():
+            worker.ask_load()  # taken as asked now: the checking process read it just before
             worker.apply_load(message.report)
             if message.healthy != worker.healthy:
                 self.registry.set_health(worker, message.healthy)

@@ -2,9 +2,10 @@
 
 Load is what the router itself has in flight to each worker (requests and prompt tokens),
 refreshed with what the worker reports on /get_load, so a router that just started, or
-one of several replicas, still sees work it did not send (less its own requests that ended
-since the report was asked for: a report is up to a load interval old); replicas sharing
-state through Redis (router.replicas) also add each other's in-flight counts.
+one of several replicas, still sees work it did not send (less its own requests in the
+report that were answered since it was asked for: a report is up to a load interval old);
+replicas sharing state through Redis (router.replicas) also add each other's in-flight
+counts.
 
 The queue a new request joins is measured, not only modelled: requests whose first byte
 tells when the worker began them (streamed answers, prefill sides) count as waiting until
@@ -161,7 +162,8 @@ class Worker:
     @property
     def load(self) -> int:
         """Requests in flight: the routers' count (this one's plus its replicas') or the
-        worker's, whichever is larger."""
+        worker's report (less this router's requests in it answered since), whichever is
+        larger."""
         return self.state.load
 
     @property
@@ -171,7 +173,8 @@ class Worker:
     @property
     def waiting(self) -> int:
         """Requests waiting to begin on it: this router's not begun, or the worker's own
-        count of waiting requests, whichever is larger."""
+        count of waiting requests (less one per request of this router's in its report
+        answered since), whichever is larger."""
         return self.state.waiting
 
     def service_rate(self, now: float | None = None) -> float | None:
@@ -220,15 +223,21 @@ class Worker:
         answer, a prefill), so until then it is counted as waiting."""
         return InFlight(self, prefill_tokens, begins_at_first_byte)
 
-    def apply_load(self, loads: object, ended_at: int | None = None) -> None:
-        """The worker's own report (SGLang's /v1/loads or /get_load body); `ended_at`: this
-        router's count of its ended requests when the report was asked for (None: now)."""
+    def ask_load(self) -> None:
+        """A report is being asked for: of the requests in flight now, those answered from
+        here on leave it (InFlight)."""
+        state = self.state
+        state.report_asks += 1
+        state.reported_ended = 0
+
+    def apply_load(self, loads: object) -> None:
+        """The worker's own report (SGLang's /v1/loads or /get_load body), asked for by
+        `ask_load` just before (without it, no answer of this router's is taken out of it)."""
         if isinstance(loads, dict):
             loads = loads.get("loads", [loads])
         if not isinstance(loads, list):
             return
         entries = [x for x in loads if isinstance(x, dict)]
-        self.state.ended_at_report = self.state.ended if ended_at is None else ended_at
         self.reported_reqs = sum(int(x.get("num_reqs", 0) or 0) for x in entries)
         self.reported_waiting = sum(int(x.get("num_waiting_reqs", 0) or 0) for x in entries)
         self.reported_pending_tokens = sum(
@@ -242,13 +251,14 @@ class InFlight:
     compute counted as queued prefill work until its first byte (`prefill_done`), and, when
     its first byte marks its beginning, counted as waiting until then."""
 
-    __slots__ = ("_state", "_tokens", "_waiting", "worker")
+    __slots__ = ("_asks", "_state", "_tokens", "_waiting", "worker")
 
     def __init__(self, worker: Worker, prefill_tokens: int, waiting: bool = False) -> None:
         self.worker = worker
         self._state = worker.state
         self._tokens = max(prefill_tokens, 0)
         self._waiting = waiting
+        self._asks = self._state.report_asks  # a report asked for later may count it
 
     def __enter__(self) -> InFlight:
         state = self._state
@@ -273,10 +283,11 @@ class InFlight:
         state.unstarted -= self._waiting
         self._tokens, self._waiting = 0, False
         state.in_flight -= 1
-        state.ended += 1
         self.worker.processed += 1
         if not exc or exc[0] is None:  # a failure is not service (it may be instant)
             state.finish()
+            if self._asks != state.report_asks:  # in flight when the report was asked for
+                state.reported_ended += 1
         self.worker.changed()
 
 
@@ -461,11 +472,11 @@ class WorkerRegistry:
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             for path in ("/v1/loads", "/get_load"):  # SGLang's current name, then the old
-                asked = worker.state.ended
+                worker.ask_load()
                 async with session.get(worker.url + path, timeout=timeout) as resp:
                     if resp.status == 200:
                         report = await resp.json(content_type=None)
-                        worker.apply_load(report, asked)
+                        worker.apply_load(report)
                         for callback in self._on_report:
                             callback(worker, report)
                         return

@@ -47,14 +47,10 @@ Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64
 
 // ------------------------------------------------------------------ a worker's figures
 
-// A report is a snapshot: each of this router's requests that ended since it was asked for
-// took one request out of it, and let one that waited begin.
-static int64_t ended_since_report(const WorkerState& w) {
-    return std::max<int64_t>(w.ended - w.ended_at_report, 0);
-}
-
+// A report is a snapshot: each of this router's requests in it answered since took one
+// request out of it, and let one that waited begin.
 int64_t WorkerState::reported_left() const {
-    return std::max<int64_t>(reported_reqs + reported_waiting - ended_since_report(*this), 0);
+    return std::max<int64_t>(reported_reqs + reported_waiting - reported_ended, 0);
 }
 
 int64_t WorkerState::load() const {
@@ -64,12 +60,15 @@ int64_t WorkerState::load() const {
 // The reported queued tokens in the share of the reported requests still there.
 int64_t WorkerState::queued_tokens() const {
     int64_t reported = reported_reqs + reported_waiting, pending = reported_pending_tokens;
-    if (reported > 0 && pending > 0) pending = pending * reported_left() / reported;
+    if (reported > 0 && pending > 0 && reported_ended > 0) {
+        double left = static_cast<double>(reported_left()) / static_cast<double>(reported);
+        pending = static_cast<int64_t>(static_cast<double>(pending) * left);
+    }
     return std::max(in_flight_tokens + peer_in_flight_tokens, pending);
 }
 
 static int64_t reported_waiting_left(const WorkerState& w) {
-    return std::max<int64_t>(w.reported_waiting - ended_since_report(w), 0);
+    return std::max<int64_t>(w.reported_waiting - w.reported_ended, 0);
 }
 
 int64_t WorkerState::waiting() const { return std::max(unstarted, reported_waiting_left(*this)); }

@@ -24,10 +24,11 @@ struct WorkerState {
     int64_t in_flight = 0, in_flight_tokens = 0;            // this router's requests
     int64_t peer_in_flight = 0, peer_in_flight_tokens = 0;  // other replicas' (router.replicas)
     int64_t reported_reqs = 0, reported_waiting = 0, reported_pending_tokens = 0;
-    // This router's requests to it that ended, ever and when its last report was asked for:
-    // those that ended since have left what the report counts (a sequential client's last
-    // request still counted for up to a load interval moved its next one off its holder).
-    int64_t ended = 0, ended_at_report = 0;
+    // The reports asked of it (a request in flight records the count when it is sent), and
+    // of this router's requests in flight when the last one was asked for, those answered
+    // since: they have left what the report counts (a sequential client's last request,
+    // still counted for up to a load interval, moved its next one off its holder).
+    int64_t report_asks = 0, reported_ended = 0;
     int64_t unstarted = 0;     // this router's requests not begun (first byte not seen)
     int64_t pulls_served = 0;  // requests in flight pulling a prefix from it
     bool prefill = false;      // a PD prefill: its queue is the model alone

@@ -90,22 +90,29 @@ def test_a_pd_prefills_expected_wait_is_the_work_sent_there() -> None:
         assert cost.queue_s(colocated) == pytest.approx(0.5)  # the longer: the measurement
 
 
-def test_a_report_stops_counting_the_requests_of_ours_that_ended_since_it_was_asked() -> None:
+def test_a_report_stops_counting_the_requests_of_ours_in_it_answered_since() -> None:
     """A worker's load report is up to a load interval old: a sequential client's request
-    that it counted has ended here before the client's next one comes."""
+    that it counted has ended here before the client's next one comes. Only requests in
+    flight when the report was asked for can be in it."""
     worker = Worker("http://127.0.0.1:1")
+    report = {"num_reqs": 1, "num_waiting_reqs": 2, "num_pending_tokens": 300}
     with worker.request(112):
-        asked = worker.state.ended
-        worker.apply_load({"num_reqs": 1, "num_waiting_reqs": 2, "num_pending_tokens": 300}, asked)
+        worker.ask_load()
+        worker.apply_load(report)
         assert (worker.load, worker.waiting, worker.queued_tokens) == (3, 2, 300)
     assert (worker.load, worker.waiting, worker.queued_tokens) == (2, 1, 200)
-    with worker.request(10), worker.request(10):
+    with worker.request(10), worker.request(10):  # sent after the ask: not in the report
         pass
-    assert (worker.load, worker.waiting, worker.queued_tokens) == (0, 0, 0)
-    worker.apply_load({"num_reqs": 1})  # asked now: nothing of ours ended since
-    assert worker.load == 1
-    worker.apply_load({"num_reqs": 1}, worker.state.ended - 1)  # one ended since it was asked
-    assert worker.load == 0
+    assert (worker.load, worker.waiting, worker.queued_tokens) == (2, 1, 200)
+    with pytest.raises(OSError), worker.request(10):
+        worker.ask_load()
+        worker.apply_load(report)
+        raise OSError("refused")  # never answered: it may still be counted there
+    assert worker.load == 3
+    never_asked = Worker("http://127.0.0.1:2")
+    with never_asked.request(10):
+        never_asked.apply_load({"num_reqs": 1})
+    assert never_asked.load == 1  # not asked for: nothing of ours is taken out of it
 
 
 def test_a_holders_stale_report_of_our_last_request_does_not_move_the_next_off_it() -> None:
@@ -121,7 +128,8 @@ def test_a_holders_stale_report_of_our_last_request_does_not_move_the_next_off_i
     policy = PromptTree(trees, Thresholds(), CostModel())
     report = {"num_waiting_reqs": 1, "num_pending_tokens": 112}  # not yet scheduled
     with holder.request(112):  # the client's previous request, reported while it ran
-        holder.apply_load(report, holder.state.ended)
+        holder.ask_load()
+        holder.apply_load(report)
         assert policy.select(RouteRequest(doc, "", None), [holder, other]).reason == "overload"
     decision = policy.select(RouteRequest(doc, "", None), [holder, other])
     assert (decision.worker, decision.reason) == (holder, "cache_hit")
