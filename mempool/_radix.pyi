@@ -196,6 +196,7 @@ class WorkerState:
     queue_x: float
     token_x: float
     pair_x: float
+    transfer_x: float  # x the constants' transfer time of a pull into it
     drawn: float  # prompt tokens the prompt_tree rule sent it to compute, decayed since drawn_at
     drawn_at: float  # on the traffic clock (the heat's)
     @property
@@ -232,7 +233,9 @@ class Heat:
     def page_size(self) -> int: ...
     def __len__(self) -> int: ...
 
-_Choice = tuple[int, str, int, list[tuple[int, int]], int | None, tuple[float, float, float, float]]
+# the work terms: queue, own tokens, their attention pairs, a pull's transfer, the modelled rest
+_Work = tuple[float, float, float, float, float]
+_Choice = tuple[int, str, int, list[tuple[int, int]], int | None, _Work]
 
 class Decider:
     """The prompt_tree or cost rule with the cost model's constants."""
@@ -285,5 +288,5 @@ class Decider:
         source: WorkerState | None = None,
         best: int = 0,
         load: int | None = None,
-    ) -> tuple[float, int, bool, tuple[float, float, float, float]]: ...
+    ) -> tuple[float, int, bool, _Work]: ...
     def queue_s(self, worker: WorkerState, host: int = 0, load: int | None = None) -> float: ...

@@ -389,7 +389,7 @@ class RouterMetrics:
         speed = GaugeMetricFamily(
             "memserve_router_worker_speed",
             "Learned multiple of the cost model's constant per term (queue, per_token, "
-            "per_pair) on the worker; 1 is as the constants say",
+            "per_pair, transfer) on the worker; 1 is as the constants say",
             labels=["worker", "term"],
         )
         overhead = GaugeMetricFamily(
@@ -406,6 +406,7 @@ class RouterMetrics:
                 ("queue", s.queue_x),
                 ("per_token", s.token_x),
                 ("per_pair", s.pair_x),
+                ("transfer", s.transfer_x),
             ):
                 speed.add_metric([w.url, term], value)
             overhead.add_metric([w.url], s.overhead_s)

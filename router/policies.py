@@ -115,6 +115,13 @@ class Decision:
     # None: the policy has no cost model): the worker's speed is fitted to its measured time
     work: Work | None = None
 
+    @property
+    def planned_pull(self) -> int:
+        """Prompt tokens the plan pulls from a holder rather than computing (0: no pull)."""
+        if self.pull_from is None or not self.holders:
+            return 0
+        return max(self.holders[0][1] - self.predicted_cached, 0)
+
 
 @dataclass(slots=True)
 class Thresholds:
@@ -226,6 +233,22 @@ class CostModel:
             worker.state, tokens, cached, host, state, best, load
         )
         return Plan(seconds, computed, pull, Work(*work))
+
+    def served_work(self, decision: Decision, num_tokens: int, cached: int, pulled: int) -> Work:
+        """The work of a request priced at `decision.work`, as its engine's answer says it
+        went: `cached` prompt tokens reused from its own cache and `pulled` from a peer's,
+        the rest computed. The queue stays as the decision saw it; a pull's transfer per
+        token as planned (its link shared with the other pulls from that holder then)."""
+        priced = decision.work or Work()
+        reused = min(max(cached, 0) + max(pulled, 0), num_tokens)
+        fresh = num_tokens - reused
+        planned = decision.planned_pull
+        per_token = priced.moved_s / planned if planned else self.transfer_s_per_token
+        return priced._replace(
+            tokens_s=fresh * self.prefill_s_per_token,
+            pairs_s=fresh * (reused + fresh / 2) * self.prefill_s_per_token_pair,
+            moved_s=max(pulled, 0) * per_token,
+        )
 
 
 def least_loaded(workers: list[Worker]) -> Worker:

@@ -149,7 +149,7 @@ class Router:
             idle=lambda: self._active <= PRIME_WHEN_ACTIVE_AT_MOST,
             exact=config.kv_events_endpoint is not None or config.kv_events_subscribe,
         )
-        sender = Sender(self.upstream, learner, self.metrics, config.request_timeout_s)
+        sender = Sender(self.upstream, learner, self.metrics, config.request_timeout_s, config.cost)
         self.strategy: Strategy = (
             Colocated(policy, registry, sender)
             if pd is None

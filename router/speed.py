@@ -5,13 +5,19 @@ sim's Llama-3.1-8B on an H100). A cluster of other GPUs, another model, or two G
 generations mixed would be priced for a machine it is not. So each worker carries its own
 coefficients over those constants, fitted online; the constants are only the starting point.
 
-What is measured: a request whose first byte marks its first token (a streamed answer, a PD
-prefill's answer) took `measured` seconds from its send. The policy priced it in terms
-(`Work`, at the constants): the work queued and running ahead of it, its own uncached tokens
-and their attention pairs, and what is not learned here (host-tier loads, a pull's
-transfer). The model is
+What is measured: a request whose first byte marks its first token (a streamed answer)
+took `measured` seconds from its send. Its terms (`Work`, at the constants) are the work the
+policy saw queued and running ahead of it, and what the engine's answer says it did: the
+tokens it computed and their attention pairs, and the tokens it pulled from a peer (their
+transfer), and what is not learned here (host-tier loads). The model is
 
     measured - fixed = overhead + queue_x * queue + token_x * tokens + pair_x * pairs
+                       + transfer_x * moved
+
+Priced as planned instead, a request planned as a pull whose holder had lost the prefix
+(recomputed whole) or as a hit on pages evicted since read as a worker 20x slower: under the
+cost rule, which plans pulls often, equal workers were fitted at 0.4-7x the constants and
+the ones fitted slow starved (the sweep's 10-prefix cell, issue 37).
 
 with `overhead` the seconds every request pays whatever its size (the network, the engine's
 scheduling and first step). Fitting it as one ratio, measured over modelled, was biased where
@@ -24,7 +30,8 @@ weighted by the inverse square of each request's work at the constants plus 10 m
 errors: a 10 ms request's error weighs as much as a 1 s one's), and held toward a prior: the
 constants, with the queue and attention coefficients tied to the per-token one (what is
 queued is mostly other prompts' prefill, on the same engine). A term the traffic never
-exercises follows the per-token one.
+exercises follows the per-token one; the transfer's, another link's, is held to its constant
+alone.
 """
 
 from __future__ import annotations
@@ -43,10 +50,10 @@ COEF_RANGE = (0.05, 50.0)  # each multiplier's bounds after a fit
 MAX_OVERHEAD_S = 1.0
 # the prior: overhead (in T_REF), queue_x, token_x, pair_x; its weight in samples per term
 # (queue_x and pair_x are held by their ties to token_x alone), and those ties' strength
-PRIOR = (0.0, 1.0, 1.0, 1.0)
-PRIOR_WEIGHT = (0.5, 0.0, 0.5, 0.0)
+PRIOR = (0.0, 1.0, 1.0, 1.0, 1.0)
+PRIOR_WEIGHT = (0.5, 0.0, 0.5, 0.0, 0.5)
 TIE_WEIGHT = 2.0
-N = 4
+N = 5
 
 
 class Work(NamedTuple):
@@ -56,11 +63,12 @@ class Work(NamedTuple):
     queue_s: float = 0.0  # the work queued and running on the worker ahead of it
     tokens_s: float = 0.0  # its own uncached tokens, the per-token part
     pairs_s: float = 0.0  # their attention pairs
-    fixed_s: float = 0.0  # modelled, not learned: host-tier loads, a pull's transfer
+    moved_s: float = 0.0  # a pull's transfer of a peer's prefix (shared with its other pulls)
+    fixed_s: float = 0.0  # modelled, not learned: host-tier loads, an adapter's load
 
     @property
     def total_s(self) -> float:
-        return self.queue_s + self.tokens_s + self.pairs_s + self.fixed_s
+        return self.queue_s + self.tokens_s + self.pairs_s + self.moved_s + self.fixed_s
 
 
 def _prior_matrix() -> list[list[float]]:
@@ -108,6 +116,7 @@ class EngineSpeed:
     queue_x = delegated("coefficients", "queue_x", "x the constants' queued work")
     token_x = delegated("coefficients", "token_x", "x the constants' per-token prefill")
     pair_x = delegated("coefficients", "pair_x", "x the constants' attention pairs")
+    transfer_x = delegated("coefficients", "transfer_x", "x the constants' pull transfer")
 
     @property
     def slowness(self) -> float:
@@ -122,7 +131,11 @@ class EngineSpeed:
 
     def expected_s(self, work: Work) -> float:
         c = self.coefficients
-        return c.queue_x * work.queue_s + self.prefill_s(work.tokens_s, work.pairs_s)
+        return (
+            c.queue_x * work.queue_s
+            + c.transfer_x * work.moved_s
+            + self.prefill_s(work.tokens_s, work.pairs_s)
+        )
 
     def observe(self, measured_s: float, work: Work) -> None:
         """A request priced at `work` took `measured_s` to its first token."""
@@ -133,9 +146,9 @@ class EngineSpeed:
         y = min(max(measured_s - work.fixed_s, expected * low), expected * high)
         # relative to the work at the constants (not at the fit: the weights, and so the
         # prior's pull, stay the same however slow the engine turns out to be)
-        scale = work.queue_s + work.tokens_s + work.pairs_s + T_REF
+        scale = work.queue_s + work.tokens_s + work.pairs_s + work.moved_s + T_REF
         weight = 1.0 / (scale * scale)
-        x = (T_REF, work.queue_s, work.tokens_s, work.pairs_s)
+        x = (T_REF, work.queue_s, work.tokens_s, work.pairs_s, work.moved_s)
         xx, xy = self._xx, self._xy
         for i in range(N):
             wi = weight * x[i]
@@ -153,7 +166,8 @@ class EngineSpeed:
         theta = _solve(a, b)
         low, high = COEF_RANGE
         self.overhead_s = min(max(theta[0] * T_REF, 0.0), MAX_OVERHEAD_S)
-        self.queue_x, self.token_x, self.pair_x = (min(max(t, low), high) for t in theta[1:])
+        c = self.coefficients
+        c.queue_x, c.token_x, c.pair_x, c.transfer_x = (min(max(t, low), high) for t in theta[1:])
 
     def as_json(self) -> dict[str, float | int]:
         return {
@@ -161,6 +175,7 @@ class EngineSpeed:
             "queue": round(self.queue_x, 4),
             "per_token": round(self.token_x, 4),
             "per_pair": round(self.pair_x, 4),
+            "transfer": round(self.transfer_x, 4),
             "samples": self.samples,
         }
 

@@ -145,7 +145,7 @@ struct Decider {
         nb::object pull = c.pull_from < 0 ? nb::object(nb::none()) : nb::object(nb::int_(c.pull_from));
         return nb::make_tuple(c.worker, reason_str(c.reason), c.predicted_cached, holders, pull,
                               nb::make_tuple(c.work.queue_s, c.work.tokens_s, c.work.pairs_s,
-                                             c.work.fixed_s));
+                                             c.work.moved_s, c.work.fixed_s));
     }
 
     // One walk of `tree` for every candidate, then the rule.
@@ -265,6 +265,7 @@ void radix_py::bind_decide(nb::module_& m) {
         MEMSERVE_FIELD(queue_x)
         MEMSERVE_FIELD(token_x)
         MEMSERVE_FIELD(pair_x)
+        MEMSERVE_FIELD(transfer_x)
         MEMSERVE_FIELD(drawn)
         MEMSERVE_FIELD(drawn_at)
 #undef MEMSERVE_FIELD
@@ -400,7 +401,8 @@ void radix_py::bind_decide(nb::module_& m) {
                                             monotonic_now());
                 return nb::make_tuple(p.seconds, p.computed, p.pull,
                                       nb::make_tuple(p.work.queue_s, p.work.tokens_s,
-                                                     p.work.pairs_s, p.work.fixed_s));
+                                                     p.work.pairs_s, p.work.moved_s,
+                                                     p.work.fixed_s));
             },
             nb::arg("worker"), nb::arg("num_tokens"), nb::arg("cached"), nb::arg("host") = 0,
             nb::arg("source") = nb::none(), nb::arg("best") = 0, nb::arg("load") = nb::none())

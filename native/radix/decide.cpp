@@ -35,14 +35,14 @@ Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64
     double loading = static_cast<double>(host) * c.host_load_s_per_token;
     Terms own_t = prefill_terms(c, n - cached, cached);
     Plan own{queue + w.prefill_s(own_t.tokens_s, own_t.pairs_s), n - cached, false,
-             {work, own_t.tokens_s, own_t.pairs_s, loading}};
+             {work, own_t.tokens_s, own_t.pairs_s, 0.0, loading}};
     if (source == nullptr || best <= cached || !w.can_pull) return own;
     double moved = static_cast<double>(best - cached) * c.transfer_s_per_token *
                    static_cast<double>(1 + source->pulls_served);
     Terms t = prefill_terms(c, n - best, best);
-    double pull = queue + moved + w.prefill_s(t.tokens_s, t.pairs_s);
+    double pull = queue + moved * w.transfer_x + w.prefill_s(t.tokens_s, t.pairs_s);
     if (pull >= own.seconds) return own;
-    return Plan{pull, n - best, true, {work, t.tokens_s, t.pairs_s, loading + moved}};
+    return Plan{pull, n - best, true, {work, t.tokens_s, t.pairs_s, moved, loading}};
 }
 
 // ------------------------------------------------------------------ a worker's figures

@@ -36,6 +36,7 @@ struct WorkerState {
     bool can_pull = false;     // pulls a longer prefix when a request names one
     int64_t free_tokens = -1;  // device KV it has free, as its KV events tell (-1: not known)
     double overhead_s = 0.0, queue_x = 1.0, token_x = 1.0, pair_x = 1.0;
+    double transfer_x = 1.0;  // x the constants' transfer time of a pull into it
     // Prompt tokens the prompt_tree rule sent it to compute, decayed with a half-life of
     // kDrawnHalfLifeS on the traffic clock (the heat's) since `drawn_at`.
     double drawn = 0.0, drawn_at = 0.0;
@@ -69,8 +70,10 @@ struct Costs {
     double prefill_s_per_token_pair = 1.3e-9;
 };
 
+// A plan's terms at the constants: what router.speed learns each worker's coefficients of
+// (moved_s: a pull's transfer), and fixed_s, modelled and not learned (host-tier loads).
 struct Work {
-    double queue_s = 0, tokens_s = 0, pairs_s = 0, fixed_s = 0;
+    double queue_s = 0, tokens_s = 0, pairs_s = 0, moved_s = 0, fixed_s = 0;
 };
 
 struct Plan {

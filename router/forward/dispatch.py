@@ -25,9 +25,8 @@ from router.forward.relay import Outcome, RetryConfig, WorkerUnavailable, forwar
 from router.forward.reply import ClientSide, Stream, Whole
 from router.forward.upstream import UpstreamPool
 from router.metrics import RouterMetrics
-from router.policies import Decision, Policy, RouteRequest
+from router.policies import CostModel, Decision, Policy, RouteRequest
 from router.request import RequestError
-from router.speed import Work
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
@@ -105,6 +104,7 @@ class Sender:
         learner: Learner,
         metrics: RouterMetrics,
         timeout_s: float,
+        cost: CostModel | None = None,
     ) -> None:
         self.upstream = upstream
         self.learner = learner  # the one writer to the trees: what is sent, what came back
@@ -112,13 +112,28 @@ class Sender:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.uses_tokens = learner.uses_tokens
+        self.cost = cost  # to price an answer's work as the engine reports it went
 
     def pending(self, prompt: RouteRequest, decision: Decision) -> int:
         """Prompt tokens the worker is expected to compute (none of a prefix it pulls)."""
-        reused = decision.predicted_cached
-        if decision.pull_from is not None and decision.holders:
-            reused = max(reused, decision.holders[0][1])
+        reused = decision.predicted_cached + decision.planned_pull
         return max(prompt.num_tokens - reused, 0)
+
+    def _observe_speed(
+        self, prompt: RouteRequest, decision: Decision, answer: Outcome, seconds: float
+    ) -> None:
+        """Tell the worker's speed (router.speed) how long the answer's first byte took
+        against the work it turned out to be: the engine's reported cached and pulled
+        tokens where it reports them (a planned pull may find its holder evicted, a
+        predicted hit its pages gone), else the work the decision priced."""
+        work = decision.work
+        if work is None or answer.status != 200:
+            return
+        if answer.cached_tokens is not None and self.cost is not None:
+            work = self.cost.served_work(
+                decision, prompt.num_tokens, answer.cached_tokens, answer.pulled_tokens or 0
+            )
+        decision.worker.speed.observe(seconds, work)
 
     def _first_token(self, call: Call, then: Callable[[], None]) -> Callable[[], None]:
         """`then`, after observing the request's time to first token (a streamed answer's
@@ -165,6 +180,7 @@ class Sender:
         holding = worker.adapters.serving(adapter) if adapter else contextlib.nullcontext()
         try:
             begins = call.streamed or side == "prefill"  # its first byte marks its start
+            timed = None
             with (
                 pulling,
                 holding,
@@ -173,10 +189,11 @@ class Sender:
                 first_byte = flight.prefill_done
                 if begins and side != "decode" and decision.work is not None:
                     # (a decode's first byte waits for its prefill: not its own speed)
-                    first_byte = _timed(worker, decision.work, first_byte)
+                    timed = FirstByte(first_byte)
+                    first_byte = timed
                 if side != "prefill" and call.streamed:  # the first token reaches the client
                     first_byte = self._first_token(call, first_byte)
-                return await forward(
+                answer = await forward(
                     self.upstream,
                     call.client,
                     worker.url + call.route,
@@ -187,26 +204,29 @@ class Sender:
                     inspect=self.uses_tokens,  # only token policies learn from answers
                     watch=worker.exchanges,
                 )
+            if timed is not None and timed.seconds is not None:
+                self._observe_speed(call.prompt, decision, outcome, timed.seconds)
+            return answer
         except WorkerUnavailable as exc:
             raise AttemptFailed(worker, exc, side) from None
         finally:
             self.metrics.for_worker(worker.url).inc()
 
 
-def _timed(worker: Worker, work: Work, then: Callable[[], None]) -> Callable[[], None]:
-    """`then`, after telling the worker's speed how long its first byte took from now
-    against the `work` the policy priced it at (router.speed)."""
-    sent = time.perf_counter()
-    told = False
+class FirstByte:
+    """Calls `then` at an answer's first byte, noting how long it took from now."""
 
-    def first_byte() -> None:
-        nonlocal told
-        if not told:
-            told = True
-            worker.speed.observe(time.perf_counter() - sent, work)
-        then()
+    __slots__ = ("_sent", "_then", "seconds")
 
-    return first_byte
+    def __init__(self, then: Callable[[], None]) -> None:
+        self._sent = time.perf_counter()
+        self._then = then
+        self.seconds: float | None = None  # from the send to the first byte, once seen
+
+    def __call__(self) -> None:
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self._sent
+        self._then()
 
 
 class Colocated(Strategy):

@@ -57,6 +57,7 @@ class Outcome:
 
     status: int = 0
     cached_tokens: int | None = None
+    pulled_tokens: int | None = None  # of the prompt, pulled from a peer (reported apart)
     completion_tokens: int | None = None  # as the answer's usage (or meta_info) counts them
     output_ids: list[int] | None = None
     output_text: str = ""
@@ -128,6 +129,9 @@ def read_result(body: Any, outcome: Outcome) -> None:
     cached = reported_tokens(body, "cached_tokens")
     if cached is not None:
         outcome.cached_tokens = cached
+    pulled = reported_tokens(body, "pulled_tokens")
+    if pulled is not None:
+        outcome.pulled_tokens = pulled
     generated = reported_tokens(body, "completion_tokens", top=True)
     if generated is not None:
         outcome.completion_tokens = generated

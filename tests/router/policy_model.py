@@ -95,16 +95,16 @@ def plan(
         queue + speed.prefill_s(tokens_s, pairs_s),
         tokens - cached,
         False,
-        Work(work, tokens_s, pairs_s, loading),
+        Work(work, tokens_s, pairs_s, fixed_s=loading),
     )
     if source is None or best <= cached or not worker.can_pull:
         return own
     moved = (best - cached) * c.transfer_s_per_token * (1 + source.pulls_served)
     tokens_s, pairs_s = _terms(c, tokens - best, best)
-    pull = queue + moved + speed.prefill_s(tokens_s, pairs_s)
+    pull = queue + moved * speed.transfer_x + speed.prefill_s(tokens_s, pairs_s)
     if pull >= own.seconds:
         return own
-    return Plan(pull, tokens - best, True, Work(work, tokens_s, pairs_s, loading + moved))
+    return Plan(pull, tokens - best, True, Work(work, tokens_s, pairs_s, moved, loading))
 
 
 @dataclass(slots=True)

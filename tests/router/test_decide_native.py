@@ -47,7 +47,7 @@ worker_st = st.fixed_dictionaries(
         "free_tokens": st.one_of(st.just(-1), st.integers(0, 48)),  # -1: not known
         # LoRA adapters loaded (router.adapters) and how many it holds (None: not known)
         "adapters": st.tuples(st.sets(st.sampled_from("ab")), st.sampled_from([None, 1, 2])),
-        "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05)),
+        "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05), st.floats(0.2, 5.0)),
     }
 )
 
@@ -71,7 +71,8 @@ def make_worker(i: int, spec: dict) -> Worker:
         w.agent = Agent(i + 1, "127.0.0.1", 7000 + i, pulls=spec["agent"])
     for k in range(spec["finished"]):
         w.state.finish(FUTURE + k * 0.25)
-    w.speed.queue_x, w.speed.token_x, w.speed.pair_x, w.speed.overhead_s = spec["x"]
+    speed = w.speed
+    speed.queue_x, speed.token_x, speed.pair_x, speed.overhead_s, speed.transfer_x = spec["x"]
     loaded, w.adapters.capacity = spec["adapters"]
     for name in sorted(loaded):
         w.adapters.sent(name)

@@ -10,9 +10,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router.policies import CostModel
+from router.policies import CostModel, Decision
 from router.speed import EngineSpeed, Work
-from router.workers import Worker
+from router.workers import Agent, Worker
 from tests.http_client import call
 from tests.procs import running
 
@@ -77,13 +77,59 @@ def test_a_stall_is_clamped_and_fixed_speeds_do_not_learn() -> None:
 
 
 def test_what_is_not_learned_is_taken_out_of_the_measurement() -> None:
-    """A pull's transfer and host-tier loads are modelled, not learned: a request that spent
-    most of its time pulling does not make the engine look slow."""
+    """Host-tier loads (and adapter loads) are modelled, not learned: a request that spent
+    most of its time loading does not make the engine look slow."""
     speed = EngineSpeed()
     for _ in range(100):
         work = Work(0.0, 0.01, 0.0, fixed_s=0.2)
         speed.observe(0.2 + 0.01, work)
     assert 0.7 < speed.slowness < 1.3, speed.as_json()
+
+
+def test_a_pull_transfer_is_learned_apart_from_the_prefill() -> None:
+    """A link 2.5x slower than the constant, under an engine at the constants' speed: the
+    pulls' time is put on the transfer, not on the prefill."""
+    speed, rng = EngineSpeed(), random.Random(3)
+    for _ in range(300):
+        new = rng.randint(20, 3000)
+        moved = rng.randint(1000, 8000) * 5.2e-6 if rng.random() < 0.4 else 0.0
+        work = Work(rng.random() * 0.02, new * 4e-5, new * new / 2 * 1.3e-9, moved)
+        true = 0.01 + work.queue_s + work.tokens_s + work.pairs_s + 2.5 * moved
+        speed.observe(true * rng.lognormvariate(0, 0.1), work)
+    assert math.isclose(speed.transfer_x, 2.5, rel_tol=0.2), speed.as_json()
+    assert 0.8 < speed.slowness < 1.25, speed.as_json()
+    cost, worker, source = CostModel(), Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")
+    worker.agent, source.agent = Agent(1, "127.0.0.1", 7101), Agent(2, "127.0.0.1", 7102)
+    plain = cost.plan(worker, 8192, 0, source=source, best=8000)
+    worker.speed.transfer_x = 40.0  # a pull over this link takes longer than the prefill
+    assert plain.pull and not cost.plan(worker, 8192, 0, source=source, best=8000).pull
+
+
+def test_an_answer_is_priced_as_the_engine_reports_it_went() -> None:
+    """A request planned to pull 4,096 tokens whose holder had lost them is recomputed whole:
+    learned against the plan, an engine at the constants' speed reads as twice as slow, with
+    tens of ms of overhead (the cost rule plans such pulls often, and equal workers were
+    fitted at 0.4-7x and starved); against what the engine reported, at the constants."""
+    cost = CostModel()
+    worker, holder = Worker("http://127.0.0.1:1"), Worker("http://127.0.0.1:2")
+    worker.agent, holder.agent = Agent(1, "127.0.0.1", 7101), Agent(2, "127.0.0.1", 7102)
+    plan = cost.plan(worker, 4200, 0, source=holder, best=4096)
+    assert plan.pull and plan.work is not None
+    decision = Decision(worker, 0, [(holder, 4096)], "pull", holder, plan.work)
+    assert decision.planned_pull == 4096
+    pulled = cost.served_work(decision, 4200, 0, 4096)
+    assert math.isclose(pulled.moved_s, plan.work.moved_s) and pulled.tokens_s == plan.work.tokens_s
+    lost = cost.served_work(decision, 4200, 0, 0)
+    assert lost.moved_s == 0 and math.isclose(lost.tokens_s, 4200 * cost.prefill_s_per_token)
+    assert lost.queue_s == plan.work.queue_s
+    by_plan, by_answer = EngineSpeed(), EngineSpeed()
+    recomputed = 0.005 + lost.tokens_s + lost.pairs_s  # what the engine took
+    for _ in range(50):
+        by_plan.observe(recomputed, plan.work)
+        by_answer.observe(recomputed, lost)
+    assert by_plan.slowness > 2 and by_plan.overhead_s > 0.02, by_plan.as_json()
+    assert 0.8 < by_answer.slowness < 1.25, by_answer.as_json()
+    assert by_answer.overhead_s < 0.01, by_answer.as_json()
 
 
 def test_the_cost_model_prices_a_slow_worker_by_its_coefficients() -> None:
