@@ -240,15 +240,14 @@ class CostModel:
         the rest computed. The queue stays as the decision saw it; a pull's transfer per
         token as planned (its link shared with the other pulls from that holder then)."""
         priced = decision.work or Work()
+        if num_tokens < 1:  # a prompt not counted: nothing to price it by
+            return priced
         reused = min(max(cached, 0) + max(pulled, 0), num_tokens)
-        fresh = num_tokens - reused
+        # its own prefill of the rest, by the native arithmetic (the queue it prices is not used)
+        own = self._rule.plan(decision.worker.state, num_tokens, reused)[3]
         planned = decision.planned_pull
         per_token = priced.moved_s / planned if planned else self.transfer_s_per_token
-        return priced._replace(
-            tokens_s=fresh * self.prefill_s_per_token,
-            pairs_s=fresh * (reused + fresh / 2) * self.prefill_s_per_token_pair,
-            moved_s=max(pulled, 0) * per_token,
-        )
+        return priced._replace(tokens_s=own[1], pairs_s=own[2], moved_s=max(pulled, 0) * per_token)
 
 
 def least_loaded(workers: list[Worker]) -> Worker:
