@@ -27,7 +27,10 @@ it was and the policy moved hot-prefix requests off it (the sweep's Zipf 1.4 cel
 
 The fit is a weighted least squares with exponential forgetting (the last ~50 requests),
 weighted by the inverse square of each request's work at the constants plus 10 ms (relative
-errors: a 10 ms request's error weighs as much as a 1 s one's), and held toward a prior: the
+errors: a 10 ms request's error weighs as much as a 1 s one's), robust to the few requests an
+engine's batching holds behind another's prefill (a Huber weight against the samples'
+typical ratio, `_robust`: squared, a short suffix that waited 8x its work outweighed tens of
+others, and equal workers were fitted 1.7-3.3x), and held toward a prior: the
 constants, with the queue and attention coefficients tied to the per-token one (what is
 queued is mostly other prompts' prefill, on the same engine). A term the traffic never
 exercises follows the per-token one; the transfer's, another link's, is held to its constant
@@ -36,6 +39,7 @@ alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,6 +50,8 @@ DECAY = 0.98  # a sample's weight fades by this a request (about the last 50 wei
 SOLVE_EVERY = 4  # refit after this many samples (each one for the first 2 * this)
 MIN_EXPECTED_S = 0.002  # a prediction's floor for the clamp below
 RATIO_RANGE = (0.05, 20.0)  # a sample beyond this x its prediction is clamped (a stall)
+HUBER = 0.5  # a sample further than this (relative) from the typical ratio weighs less
+TYPICAL_STEP = 0.08  # how fast the typical ratio (a running median, in logs) moves a sample
 COEF_RANGE = (0.05, 50.0)  # each multiplier's bounds after a fit
 MAX_OVERHEAD_S = 1.0
 # the prior: overhead (in T_REF), queue_x, token_x, pair_x; its weight in samples per term
@@ -111,6 +117,7 @@ class EngineSpeed:
     # the forgetting sums of w x x^T and w x y over the samples
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * N for _ in range(N)])
     _xy: list[float] = field(default_factory=lambda: [0.0] * N)
+    _typical: float = 0.0  # log of the running median of measured over expected
 
     overhead_s = delegated("coefficients", "overhead_s", "seconds every request pays")
     queue_x = delegated("coefficients", "queue_x", "x the constants' queued work")
@@ -147,7 +154,7 @@ class EngineSpeed:
         # relative to the work at the constants (not at the fit: the weights, and so the
         # prior's pull, stay the same however slow the engine turns out to be)
         scale = work.queue_s + work.tokens_s + work.pairs_s + work.moved_s + T_REF
-        weight = 1.0 / (scale * scale)
+        weight = 1.0 / (scale * scale) * self._robust(y / expected)
         x = (T_REF, work.queue_s, work.tokens_s, work.pairs_s, work.moved_s)
         xx, xy = self._xx, self._xy
         for i in range(N):
@@ -159,6 +166,17 @@ class EngineSpeed:
         self.samples += 1
         if self.samples <= 2 * SOLVE_EVERY or self.samples % SOLVE_EVERY == 0:
             self._fit()
+
+    def _robust(self, ratio: float) -> float:
+        """A sample's weight by how far its ratio to the fit's prediction lies from the
+        typical ratio now (a Huber weight: the influence of one far sample is bounded).
+        The typical ratio is the samples' running median: an engine that is slower than the
+        fit in most samples moves it within tens of samples and is learned at full weight;
+        the few requests an engine's batching held behind another's prefill do not."""
+        log_ratio = math.log(ratio)
+        self._typical += TYPICAL_STEP if log_ratio > self._typical else -TYPICAL_STEP
+        residual = abs(ratio / math.exp(self._typical) - 1.0)
+        return 1.0 if residual <= HUBER else HUBER / residual
 
     def _fit(self) -> None:
         a = [[self._xx[i][j] + _R[i][j] for j in range(N)] for i in range(N)]

@@ -56,6 +56,24 @@ def test_a_hot_prefix_holder_is_not_mistaken_for_a_slow_engine() -> None:
     assert 0.003 < speed.overhead_s < 0.009, speed.as_json()
 
 
+def test_a_few_requests_slowed_by_their_batch_do_not_make_an_engine_look_slow() -> None:
+    """One short suffix in ten waits 3-12x its own work behind a prefill the engine batched
+    ahead of it (an engine steps whole batches): a least-squares fit let those few samples
+    price an engine at the constants' speed 2.5-4x slow, and the cost rule starved it (the
+    sweep's 10-prefix cell, issue 37)."""
+    for seed in range(5):
+        speed, rng = EngineSpeed(), random.Random(seed)
+        for _ in range(300):
+            new = rng.randint(3000, 5000) if rng.random() < 0.1 else rng.randint(20, 400)
+            work = Work(rng.random() * 0.02, new * 4e-5, new * new / 2 * 1.3e-9)
+            measured = 0.02 + work.total_s
+            if rng.random() < 0.1:
+                measured *= rng.uniform(3, 12)
+            speed.observe(measured * rng.lognormvariate(0, 0.1), work)
+        assert 0.75 < speed.slowness < 1.35, (seed, speed.as_json())
+        assert 0.6 < speed.queue_x < 1.6, (seed, speed.as_json())
+
+
 def test_the_fit_follows_an_engine_that_changes_speed() -> None:
     speed = EngineSpeed()
     _traffic(speed, (0.005, 4.0, 4.0, 4.0))
