@@ -208,6 +208,7 @@ def figures(config: Config, load: LoadResult, sampler: Sampler, running: Running
         "rss_series": analysis.series(samples),
         "gauge_series": analysis.gauge_series(samples),
         "gauges_end": gauges_end,
+        "prediction": analysis.prediction(gauges_end),
         "exited": died,
     }
     if errors or died or not all(w["balanced"] for w in accounting):

@@ -85,6 +85,19 @@ def cache_share(records: Sequence[Record]) -> float | None:
     return round(sum(c for _, c in pairs) / total, 4) if total else None
 
 
+def prediction(gauges_end: dict[str, dict[str, float]]) -> dict[str, float | None] | None:
+    """The router's prefix trees against the engines at the end of the run: cached tokens
+    predicted and reported over the answers that reported theirs (router.accuracy), and
+    their ratio. None if the router's metrics were not read."""
+    for gauges in gauges_end.values():
+        predicted = gauges.get("predicted_cached_tokens")
+        reported = gauges.get("reported_cached_tokens")
+        if predicted is not None and reported is not None:
+            ratio = round(predicted / reported, 4) if reported else None
+            return {"predicted": predicted, "reported": reported, "ratio": ratio}
+    return None
+
+
 def series(samples: Sequence[Sample]) -> dict[str, list[list[float]]]:
     """Process name -> [[t, MiB], ...]."""
     out: dict[str, list[list[float]]] = {}

@@ -75,6 +75,8 @@ def router_gauges(info: dict[str, Any], metrics: dict[str, float]) -> dict[str, 
         requests="sgl_router_requests_total",
         tree_expired_pages="memserve_router_tree_expired_pages_total",
         retries="sgl_router_retries_total",
+        predicted_cached_tokens="memserve_router_predicted_cached_tokens_total",
+        reported_cached_tokens="memserve_router_reported_cached_tokens_total",
     )
 
 

@@ -86,9 +86,20 @@ def notes(fig: dict[str, Any]) -> list[str]:
         f"Memory: VmRSS of every process (and any descendant) every {c['sample_secs']:g} s. "
         f"Warm-up is the first {v['warmup_s']:.0f} s; the slope is a {v['fit']}; a process is "
         f"flat when its slope is at most {v['threshold_mib_per_min']:g} MiB/min.",
+        prediction_note(fig.get("prediction")),
         "What counts as an unexpected error, how latency and the MemPool balance are taken: "
         "`docs/benchmarks/soak.md`.",
     ]
+
+
+def prediction_note(p: dict[str, float | None] | None) -> str:
+    if p is None:
+        return "Routing accuracy: the router's metrics were not read at the end."
+    return (
+        f"Routing accuracy: the router's prefix trees predicted {p['predicted']:,.0f} cached "
+        f"tokens where the workers reported {p['reported']:,.0f} (ratio {p['ratio']}), over "
+        "the answers that reported theirs (`memserve_router_predicted_cached_tokens_total`)."
+    )
 
 
 def write(out_dir: Path, fig: dict[str, Any]) -> tuple[Path, Path]:

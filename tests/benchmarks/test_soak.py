@@ -67,6 +67,18 @@ def test_no_unexpected_errors_and_the_mix_ran(figures: dict[str, Any]) -> None:
     assert figures["load"]["cached_share_of_prompt_tokens"] > 0  # histories were reused
 
 
+def test_the_page_says_how_well_the_trees_predicted_the_workers_caches(
+    out_dir: Path, figures: dict[str, Any]
+) -> None:
+    p = figures["prediction"]
+    assert p["reported"] > 0, p  # histories were reused, and the router saw it
+    assert 0.5 < p["ratio"] < 1.5, p  # the trees follow the caches (evicting all the time)
+    assert (
+        "Routing accuracy: the router's prefix trees predicted"
+        in (out_dir / "results.md").read_text()
+    )
+
+
 def test_rss_is_sampled_for_every_process(figures: dict[str, Any]) -> None:
     rows = {r["process"]: r for r in figures["processes"]}
     roles = [r["role"] for r in rows.values()]
