@@ -35,11 +35,16 @@ constants, with the queue and attention coefficients tied to the per-token one (
 queued is mostly other prompts' prefill, on the same engine). A term the traffic never
 exercises follows the per-token one; the transfer's, another link's, is held to its constant
 alone.
+
+Evidence fades with time too: a worker that gets no samples for `STALE_AFTER_S` (one fitted
+slow while it was briefly held up gets no traffic, so nothing would correct it) has its sums
+halved every `FADE_HALF_LIFE_S`, back toward the constants, until traffic probes it again.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +57,8 @@ MIN_EXPECTED_S = 0.002  # a prediction's floor for the clamp below
 RATIO_RANGE = (0.05, 20.0)  # a sample beyond this x its prediction is clamped (a stall)
 HUBER = 0.5  # a sample further than this (relative) from the typical ratio weighs less
 TYPICAL_STEP = 0.08  # how fast the typical ratio (a running median, in logs) moves a sample
+STALE_AFTER_S = 30.0  # a fit without a sample for this long starts fading ...
+FADE_HALF_LIFE_S = 30.0  # ... its evidence halving every this many seconds (back in ~5 min)
 COEF_RANGE = (0.05, 50.0)  # each multiplier's bounds after a fit
 MAX_OVERHEAD_S = 1.0
 # the prior: overhead (in T_REF), queue_x, token_x, pair_x; its weight in samples per term
@@ -118,6 +125,8 @@ class EngineSpeed:
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * N for _ in range(N)])
     _xy: list[float] = field(default_factory=lambda: [0.0] * N)
     _typical: float = 0.0  # log of the running median of measured over expected
+    _last_sample: float = 0.0  # time.monotonic() of the last sample
+    _faded_to: float = 0.0  # the time up to which the sums have been faded
 
     overhead_s = delegated("coefficients", "overhead_s", "seconds every request pays")
     queue_x = delegated("coefficients", "queue_x", "x the constants' queued work")
@@ -144,10 +153,12 @@ class EngineSpeed:
             + self.prefill_s(work.tokens_s, work.pairs_s)
         )
 
-    def observe(self, measured_s: float, work: Work) -> None:
-        """A request priced at `work` took `measured_s` to its first token."""
+    def observe(self, measured_s: float, work: Work, now: float | None = None) -> None:
+        """A request priced at `work` took `measured_s` to its first token (`now`: the
+        time.monotonic() it ended)."""
         if not self.learn or not measured_s > 0:
             return
+        self._last_sample = time.monotonic() if now is None else now
         low, high = RATIO_RANGE
         expected = max(self.expected_s(work), MIN_EXPECTED_S)
         y = min(max(measured_s - work.fixed_s, expected * low), expected * high)
@@ -166,6 +177,25 @@ class EngineSpeed:
         self.samples += 1
         if self.samples <= 2 * SOLVE_EVERY or self.samples % SOLVE_EVERY == 0:
             self._fit()
+
+    def fade(self, now: float) -> None:
+        """Fade the evidence of a worker that has had no sample for `STALE_AFTER_S` by the
+        time since (halving every `FADE_HALF_LIFE_S`), and refit: its coefficients return
+        toward the constants. Called with the load reads, about once a second."""
+        if not self.learn or not self.samples:
+            return
+        start = max(self._last_sample + STALE_AFTER_S, self._faded_to)
+        if now <= start:
+            return
+        keep = 0.5 ** ((now - start) / FADE_HALF_LIFE_S)
+        self._faded_to = now
+        for row in self._xx:
+            for j in range(N):
+                row[j] *= keep
+        for i in range(N):
+            self._xy[i] *= keep
+        self._typical *= keep
+        self._fit()
 
     def _robust(self, ratio: float) -> float:
         """A sample's weight by how far its ratio to the fit's prediction lies from the

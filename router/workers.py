@@ -491,6 +491,14 @@ class WorkerRegistry:
                 await asyncio.gather(*(self.read_load(w) for w in workers))
             except Exception:  # never let the loop die
                 log.exception("load check round failed")
+            self.fade_speeds()
+
+    def fade_speeds(self) -> None:
+        """Each worker's learned speed fades toward the constants while no answer of its
+        measures it (router.speed)."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            worker.speed.fade(now)
 
     def _apply_health(self, worker: Worker, ok: bool) -> None:
         if ok:
@@ -543,3 +551,5 @@ class WorkerRegistry:
                 await self.check_all()
             except Exception:  # never let the loop die
                 log.exception("health check round failed")
+            if self.load_interval_s <= 0:  # (else the load loop fades them)
+                self.fade_speeds()

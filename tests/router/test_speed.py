@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from router.policies import CostModel, Decision
 from router.speed import EngineSpeed, Work
-from router.workers import Agent, Worker
+from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry
 from tests.http_client import call
 from tests.procs import running
 
@@ -80,6 +81,37 @@ def test_the_fit_follows_an_engine_that_changes_speed() -> None:
     assert speed.slowness > 3
     _traffic(speed, (0.005, 1.0, 1.0, 1.0), seed=1)  # the engine got faster
     assert speed.slowness < 1.2, speed.as_json()
+
+
+def test_a_worker_no_answer_measures_fades_back_to_the_constants_and_relearns() -> None:
+    """A worker fitted slow gets little traffic, so nothing would correct a fit made while it
+    was briefly held up: with no sample for 30 s its evidence fades (halving every 30 s),
+    and within about 5 minutes the constants' prior outweighs it."""
+    speed = EngineSpeed()
+    _traffic(speed, (0.005, 4.0, 4.0, 4.0))
+    last = speed._last_sample
+    speed.fade(last + 20)  # measured lately: kept
+    assert speed.slowness > 3.5, speed.as_json()
+    speed.fade(last + 30 + 30)  # half the evidence: still plenty
+    assert speed.slowness > 3.5, speed.as_json()
+    for seconds in range(90, 361, 30):  # as the load loop calls it, in steps
+        speed.fade(last + seconds)
+    assert speed.slowness < 1.3 and speed.queue_x < 1.3, speed.as_json()
+    _traffic(speed, (0.005, 4.0, 4.0, 4.0), n=12, seed=5)  # probed again: still 4x slow
+    assert speed.slowness > 3, speed.as_json()
+
+
+def test_the_registry_fades_the_speeds_of_workers_no_answer_measured() -> None:
+    registry = WorkerRegistry(BreakerConfig())
+    measured, idle = registry.add("http://127.0.0.1:1"), registry.add("http://127.0.0.1:2")
+    now = time.monotonic()
+    for worker, at in ((measured, now), (idle, now - 600)):
+        for _ in range(30):
+            worker.speed.observe(0.4, Work(0.0, 0.1, 0.0), now=at)
+    assert measured.speed.slowness > 3 and idle.speed.slowness > 3
+    registry.fade_speeds()
+    assert measured.speed.slowness > 3, measured.speed.as_json()
+    assert idle.speed.slowness < 1.3, idle.speed.as_json()
 
 
 def test_a_stall_is_clamped_and_fixed_speeds_do_not_learn() -> None:
