@@ -129,6 +129,9 @@ def quick_preset() -> TenantsPreset:
         systems=SYSTEM_NAMES,
         time_scale=4.0,
         search=Search(max_steps=2, factor=1.6),
+        # 24 at 3x the sustained rate were all sent (0.7 s) before the first answer came, so
+        # no goodput fell in the window; 72 take about 2 s to send
+        fair_requests=72,
     )
 
 
