@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from router.policies import CostModel, Decision
 from router.speed import EngineSpeed, Work
 from router.workers import Agent, BreakerConfig, Worker, WorkerRegistry
@@ -99,6 +101,28 @@ def test_a_worker_no_answer_measures_fades_back_to_the_constants_and_relearns() 
     assert speed.slowness < 1.3 and speed.queue_x < 1.3, speed.as_json()
     _traffic(speed, (0.005, 4.0, 4.0, 4.0), n=12, seed=5)  # probed again: still 4x slow
     assert speed.slowness > 3, speed.as_json()
+
+
+def test_evidence_faded_out_is_dropped_and_fading_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty half-lives on, what is left of a fit is dropped: the worker reads as never
+    measured (no samples, the constants) and the load loop stops refitting it each second;
+    its next answer starts a fit afresh."""
+    speed = EngineSpeed()
+    _traffic(speed, (0.005, 4.0, 4.0, 4.0))
+    last = speed._last_sample
+    speed.fade(last + 30 + 19 * 30)
+    assert speed.samples > 0  # 2^-19 of it left: still a fit
+    speed.fade(last + 30 + 21 * 30)
+    assert speed.samples == 0, speed.as_json()
+    assert speed.slowness == pytest.approx(1.0) and speed.queue_x == pytest.approx(1.0)
+    assert speed.overhead_s == pytest.approx(0.0, abs=1e-9)
+    refits: list[EngineSpeed] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(EngineSpeed, "_fit", refits.append)
+        speed.fade(last + 3600)
+    assert not refits
+    _traffic(speed, (0.005, 4.0, 4.0, 4.0), n=12, seed=5)
+    assert speed.samples == 12 and speed.slowness > 3, speed.as_json()
 
 
 def test_the_registry_fades_the_speeds_of_workers_no_answer_measured() -> None:
