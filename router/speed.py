@@ -39,7 +39,7 @@ alone.
 Evidence fades with time too: a worker that gets no samples for `STALE_AFTER_S` (one fitted
 slow while it was briefly held up gets no traffic, so nothing would correct it) has its sums
 halved every `FADE_HALF_LIFE_S`, back toward the constants, until traffic probes it again;
-once less than `FADED_OUT` of it is left, it is dropped (the worker reads as never measured).
+after `FORGET_AFTER_S` (2^-20 of it left) it is dropped (the worker reads as never measured).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ HUBER = 0.5  # a sample further than this (relative) from the typical ratio weig
 TYPICAL_STEP = 0.08  # how fast the typical ratio (a running median, in logs) moves a sample
 STALE_AFTER_S = 30.0  # a fit without a sample for this long starts fading ...
 FADE_HALF_LIFE_S = 30.0  # ... its evidence halving every this many seconds (back in ~5 min)
-FADED_OUT = 2.0**-20  # evidence kept below this share is dropped: the fit is the constants
+FORGET_AFTER_S = STALE_AFTER_S + 20 * FADE_HALF_LIFE_S  # then what is left is dropped
 COEF_RANGE = (0.05, 50.0)  # each multiplier's bounds after a fit
 MAX_OVERHEAD_S = 1.0
 # the prior: overhead (in T_REF), queue_x, token_x, pair_x; its weight in samples per term
@@ -129,7 +129,6 @@ class EngineSpeed:
     _typical: float = 0.0  # log of the running median of measured over expected
     _last_sample: float = 0.0  # time.monotonic() of the last sample
     _faded_to: float = 0.0  # the time up to which the sums have been faded
-    _kept: float = 1.0  # the share of the evidence the fading has kept since the last sample
 
     overhead_s = delegated("coefficients", "overhead_s", "seconds every request pays")
     queue_x = delegated("coefficients", "queue_x", "x the constants' queued work")
@@ -162,7 +161,6 @@ class EngineSpeed:
         if not self.learn or not measured_s > 0:
             return
         self._last_sample = time.monotonic() if now is None else now
-        self._kept = 1.0
         low, high = RATIO_RANGE
         expected = max(self.expected_s(work), MIN_EXPECTED_S)
         y = min(max(measured_s - work.fixed_s, expected * low), expected * high)
@@ -191,12 +189,11 @@ class EngineSpeed:
         start = max(self._last_sample + STALE_AFTER_S, self._faded_to)
         if now <= start:
             return
-        keep = 0.5 ** ((now - start) / FADE_HALF_LIFE_S)
-        self._faded_to = now
-        self._kept *= keep
-        if self._kept < FADED_OUT:  # nothing left to fade (and no refit each second after)
+        if now - self._last_sample > FORGET_AFTER_S:  # nothing left worth a refit each second
             self._forget()
             return
+        keep = 0.5 ** ((now - start) / FADE_HALF_LIFE_S)
+        self._faded_to = now
         for row in self._xx:
             for j in range(N):
                 row[j] *= keep
@@ -209,7 +206,7 @@ class EngineSpeed:
         """Back at the constants with no evidence, as a worker never measured."""
         self._xx = [[0.0] * N for _ in range(N)]
         self._xy = [0.0] * N
-        self._typical, self._kept, self.samples = 0.0, 1.0, 0
+        self._typical, self.samples = 0.0, 0
         self._fit()
 
     def _robust(self, ratio: float) -> float:
