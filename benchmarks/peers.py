@@ -44,10 +44,18 @@ def peer_status(package: str) -> PeerStatus:
     return PeerStatus(True, version, None)
 
 
+# sglang-router's launcher imports its debugging load balancer (mini_lb), which imports
+# SGLang's tracing when SGLang is installed (the test extras install it): torch and
+# transformers, about 7 s a start. mini_lb falls back when that import fails, and the Rust
+# router never uses it, so the launch hides SGLang as a plain `pip install sglang-router`
+# has it.
+LAUNCH = "import sys; sys.modules['sglang'] = None; from {module}.launch_router import main; main()"
+
+
 def peer_command(package: str, policy: str, port: int, grace_s: float) -> list[str]:
     """`launch_router` of `package` on `port` with `policy`, quiet, its metrics on a free
     loopback port (their default port would clash between runs); the caller adds workers."""
-    args = [sys.executable, "-m", f"{PEER_MODULES[package]}.launch_router"]
+    args = [sys.executable, "-c", LAUNCH.format(module=PEER_MODULES[package])]
     args += ["--host", LOOPBACK, "--port", str(port), "--policy", policy, "--log-level", "warn"]
     args += ["--prometheus-port", str(free_port()), "--prometheus-host", LOOPBACK]
     args += ["--shutdown-grace-period-secs", f"{grace_s:g}"]
