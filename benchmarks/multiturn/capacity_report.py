@@ -18,7 +18,7 @@ from benchmarks.multiturn.capacity import CACHE_AWARE, OURS_WITH_PULLS
 from benchmarks.multiturn.capacity_plots import plot_capacity
 from benchmarks.multiturn.paired_report import FLOOR, Extra, Run, Target, configs, runs_of
 from benchmarks.report.seeds import spread, spread_text
-from benchmarks.report.table import markdown_table
+from benchmarks.report.table import table_section
 
 TARGET_MULTIPLE = 4.0
 TITLE = "Multi-turn capacity-bound benchmark: caches smaller than the working set"
@@ -107,13 +107,12 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     labels = {r["config"]: r for r in runs}  # a config's workload, multiple and host tier
     plots = plot_capacity(out_dir, [{**labels[e["config"]], **e} for e in summary])
     lines = [
-        "## Paired ratios: median [min..max] over the seeds",
-        "",
-        "Each ratio is taken within a seed (same requests, same workers), then summarized; "
-        f"the targets are ours' at {TARGET_MULTIPLE:g}x.",
-        "",
-        markdown_table(rows),
-        "",
+        *table_section(
+            "Paired ratios: median [min..max] over the seeds",
+            rows,
+            "Each ratio is taken within a seed (same requests, same workers), then summarized; "
+            f"the targets are ours' at {TARGET_MULTIPLE:g}x.",
+        ),
         "## Sizing",
         "",
         *sizing_lines(runs, figures["setup"]),

@@ -38,7 +38,7 @@ from benchmarks.multiturn.versus import Column
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
 from benchmarks.report.seeds import configs, ratio
-from benchmarks.report.table import markdown_table
+from benchmarks.report.table import table_section
 
 LORA = "lora"
 LORA_QUICK = "lora-quick"
@@ -239,15 +239,12 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
     for config in configs(runs):
         rows, per_system = system_rows(runs, config)
         tables[config] = per_system
-        lines += [
-            f"## Adapters and latency: {config}",
-            "",
+        lines += table_section(
+            f"Adapters and latency: {config}",
+            rows,
             "Medians [min..max] over the seeds; ratios to sglang-router cache_aware's taken "
             "within each seed (the same requests on the same workers), listed seed by seed, "
             "then their median. Adapter loads: the workers' `lora.loads` after the run less "
             "before it, over the requests.",
-            "",
-            markdown_table(rows),
-            "",
-        ]
+        )
     return Extra("lora", lines, tables, [])

@@ -35,7 +35,7 @@ from benchmarks.multiturn.targets import (
 from benchmarks.peers import PeerStatus
 from benchmarks.report.page import publish
 from benchmarks.report.seeds import Run, configs, ratio, spread, spread_text
-from benchmarks.report.table import markdown_table, rounded
+from benchmarks.report.table import markdown_table, rounded, table_section
 from benchmarks.report.targets import check, target_rows
 
 FLOOR = "floor"  # a Target's `other`: the run's own floor
@@ -538,20 +538,16 @@ def sections(
     setup: dict[str, Any],
 ) -> list[str]:
     seeds = sorted({r["seed"] for r in runs if r.get("seed") is not None})
-    out = [
-        f"## Targets (reported, not asserted; medians over {len(seeds)} paired seed"
+    out = table_section(
+        f"Targets (reported, not asserted; medians over {len(seeds)} paired seed"
         f"{'s' if len(seeds) != 1 else ''}: {', '.join(map(str, seeds))})",
-        "",
-        markdown_table(target_rows(targets)),
-        "",
-    ]
+        target_rows(targets),
+    )
     if calibration:
-        out += [
-            "## Sustained rate (measured on each cluster before its runs)",
-            "",
-            markdown_table(calibration_rows(calibration)),
-            "",
-        ]
+        out += table_section(
+            "Sustained rate (measured on each cluster before its runs)",
+            calibration_rows(calibration),
+        )
     for config in configs(runs):
         s = setup.get(config) or {}
         out += [f"## {config}", ""]

@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks.harness import finite
 from benchmarks.report import seeds
-from benchmarks.report.table import markdown_table, percent, rounded
+from benchmarks.report.table import markdown_table, percent, rounded, table_section
 
 SINGLE = "ours prompt_tree"
 HIT_GAP_POINTS = 5.0  # the issue: the replicas' hit ratio within this many points of one router
@@ -221,12 +221,9 @@ def processes_sections(figures: dict[str, Any]) -> list[str]:
         for workload, found in figures.items()
         for p in found
     ]
-    return [
-        "## Router processes: one router of N processes (--processes N) vs one process",
-        "",
+    return table_section(
+        "Router processes: one router of N processes (--processes N) vs one process",
+        rows,
         "Paired runs (same workload, same seed, same workers); the processes share one state "
         "over a local channel and the kernel spreads the clients' connections over them.",
-        "",
-        markdown_table(rows),
-        "",
-    ]
+    )

@@ -42,7 +42,7 @@ from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
 from benchmarks.report.seeds import configs
-from benchmarks.report.table import markdown_table
+from benchmarks.report.table import table_section
 from router.tenants.config import hash_key
 
 TENANTS = "tenants"
@@ -363,30 +363,24 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
         if f" {FAIRNESS}, " in config:
             rows, per_tenant = fairness_rows(runs, config)
             tables[config] = per_tenant
-            lines += [
-                f"## Fairness at saturation: {config}",
-                "",
+            lines += table_section(
+                f"Fairness at saturation: {config}",
+                rows,
                 "Each tenant's share of the goodput (computed prompt tokens, and requests, "
                 "answered while requests were still being sent and before the first tenant had "
                 "all of its answers: until then every tenant had requests waiting) against its "
                 "configured share (the tenants file's `share`, which the router enforces); "
                 "medians over the seeds.",
-                "",
-                markdown_table(rows),
-                "",
-            ]
+            )
             continue
         rows, per_system = isolation_rows(runs, config)
         tables[config] = per_system
-        lines += [
-            f"## What isolation costs: {config}",
-            "",
+        lines += table_section(
+            f"What isolation costs: {config}",
+            rows,
             "Medians [min..max] over the seeds; ratios to ours without tenants (no "
             "isolation) taken within each seed (the same requests on the same workers), "
             "listed seed by seed, then their median. Published: full isolation costs up to "
             f"{SAFEKV_COST:.1%} TTFT (SafeKV, arXiv 2508.08438).",
-            "",
-            markdown_table(rows),
-            "",
-        ]
+        )
     return Extra("tenants", lines, tables, [])

@@ -34,9 +34,11 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def table_section(heading: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A `## heading` and its table, as Markdown lines for a page's body."""
-    return [f"## {heading}", "", markdown_table(rows), ""]
+def table_section(heading: str, rows: Sequence[Mapping[str, Any]], *prose: str) -> list[str]:
+    """A `## heading`, a paragraph of `prose` (if any) and the table, as Markdown lines for
+    a page's body."""
+    said = ["".join(prose), ""] if prose else []
+    return [f"## {heading}", "", *said, markdown_table(rows), ""]
 
 
 def rounded(value: Any, digits: int = 3) -> Any:

@@ -25,6 +25,10 @@ def test_a_table_has_the_union_of_the_rows_columns_in_first_seen_order() -> None
     ]
     assert markdown_table([]) == "_no rows_"
     assert table_section("H", [{"a": 1}])[:2] == ["## H", ""]
+    # what the table shows, said between the heading and the table as one paragraph
+    said = table_section("H", [{"a": 1}], "Medians over ", "the seeds.")
+    assert said[:4] == ["## H", "", "Medians over the seeds.", ""]
+    assert said[4].startswith("| a |")
 
 
 def test_numbers_are_rounded_and_what_was_not_measured_is_kept() -> None:
