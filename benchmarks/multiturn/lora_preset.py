@@ -107,10 +107,6 @@ def quick_preset() -> LoraPreset:
     )
 
 
-def narrowed(preset: LoraPreset, seeds: Sequence[int] | None) -> LoraPreset:
-    return replace(preset, seeds=tuple(seeds)) if seeds else preset
-
-
 def worker_args(builder: LoraPrefix) -> tuple[str, ...]:
     """The workers' LoRA flags: every adapter registered (paths are names: the sim loads no
     weights), at most MAX_LOADED_LORAS loaded and as many in one batch."""

@@ -106,34 +106,30 @@ def make_plan(
     systems = set(args.systems) if args.systems else None
     workloads = set(args.workloads) if args.workloads else None
     rates, known = known_from(args.calibration_from) if args.calibration_from else ({}, None)
+
+    def preset(module: Any, *args_: Any) -> Any:
+        return (module.quick_preset if args.quick else module.full_preset)(*args_)
+
     plan: PairedPlan
     if kind is CAPACITY:
-        cap = (capacity.quick_preset if args.quick else capacity.full_preset)(
-            args.trace or DEFAULT_TRACE
-        )
-        cap = narrowed(cap, args.seeds, args.multiples)
+        cap = narrowed(preset(capacity, args.trace or DEFAULT_TRACE), args.seeds, args.multiples)
         plan = capacity.make_plan(cap, vocab, encoder, features, workloads, systems, on_seed)
     elif kind is SWEEP:
-        sweep = (sweep_preset.quick_preset if args.quick else sweep_preset.full_preset)()
-        sweep = sweep_preset.narrowed(sweep, args.seeds, args.cells)
+        sweep = sweep_preset.narrowed(preset(sweep_preset), args.seeds, args.cells)
         plan = sweep_preset.make_plan(sweep, vocab, encoder, features, systems, on_seed, known)
     elif kind is LORA:
-        lora = (lora_preset.quick_preset if args.quick else lora_preset.full_preset)()
-        lora = lora_preset.narrowed(lora, args.seeds)
+        lora = narrowed(preset(lora_preset), args.seeds, None)
         plan = lora_preset.make_plan(lora, vocab, features, systems, on_seed, known)
     elif kind is TENANTS:
-        ten = (tenants_preset.quick_preset if args.quick else tenants_preset.full_preset)()
-        ten = tenants_preset.narrowed(ten, args.seeds)
+        ten = narrowed(preset(tenants_preset), args.seeds, None)
         plan = tenants_preset.make_plan(ten, vocab, features, systems, on_seed, known)
     elif kind is HOT_PREFIX:
-        hot = (hot_prefix_preset.quick_preset if args.quick else hot_prefix_preset.full_preset)(
-            args.trace
-        )
-        hot = with_shapes(narrowed(hot, args.seeds, None), args.shapes)
+        hot = narrowed(preset(hot_prefix_preset, args.trace), args.seeds, None)
+        hot = with_shapes(hot, args.shapes)
         plan = hot_prefix_preset.make_plan(hot, vocab, features, systems, on_seed, known)
     else:
-        pd = (pd_preset.quick_preset if args.quick else pd_preset.full_preset)(args.trace)
-        pd = with_shapes(narrowed(pd, args.seeds, args.multiples), args.shapes)
+        pd = narrowed(preset(pd_preset, args.trace), args.seeds, args.multiples)
+        pd = with_shapes(pd, args.shapes)
         plan = pd_preset.make_plan(pd, vocab, encoder, features, workloads, systems, on_seed, known)
     plan.known = rates
     return plan

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from benchmarks.multiturn.capacity import Features
+from benchmarks.multiturn.capacity import narrowed as capacity_narrowed
 from benchmarks.multiturn.cluster import RouterSpec
 from benchmarks.multiturn.hot_prefix import HotPrefix
 from benchmarks.multiturn.hot_prefix_preset import (
@@ -200,8 +201,7 @@ def narrowed(
 ) -> SweepPreset:
     """The preset on other seeds, and on these of its cells only (by name, in its order);
     ValueError naming its cells when none is one of them."""
-    if seeds:
-        preset = replace(preset, seeds=tuple(dict.fromkeys(seeds)))
+    preset = capacity_narrowed(preset, seeds, None)
     if cells:
         kept = tuple(c for c in preset.cells if c.name in cells)
         unknown = sorted(set(cells) - {c.name for c in preset.cells})

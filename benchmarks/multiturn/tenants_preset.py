@@ -135,10 +135,6 @@ def quick_preset() -> TenantsPreset:
     )
 
 
-def narrowed(preset: TenantsPreset, seeds: Sequence[int] | None) -> TenantsPreset:
-    return replace(preset, seeds=tuple(seeds)) if seeds else preset
-
-
 def tenants_file(
     builder: TenantPrefix, vocab: Vocab, public: bool, shares: Sequence[float] = ()
 ) -> str:
