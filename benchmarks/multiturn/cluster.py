@@ -215,14 +215,21 @@ def chat_probe(url: str, model: str, api_key: str | None = None) -> Callable[[],
 
 
 def start_router(
-    spec: RouterSpec, cluster: Cluster, log_dir: Path, model: str, timeout_s: float = 90
+    spec: RouterSpec,
+    cluster: Cluster,
+    log_dir: Path,
+    model: str,
+    timeout_s: float = 90,
+    probe: Callable[[str], Callable[[], bool]] | None = None,
+    tag: str | None = None,
 ) -> RunningRouter:
-    """Start one router and wait until a tiny chat request goes through it; RuntimeError
-    (with the log's tail) when it does not come up."""
+    """Start one router and wait until a tiny chat request (or `probe(url)`) goes through
+    it; RuntimeError (with the log's tail) when it does not come up. `tag` names its log."""
     port = free_port()
-    log = log_dir / f"{cluster.spec.name}-{slug(spec.name)}.log"
+    log = log_dir / f"{cluster.spec.name}-{slug(tag or spec.name)}.log"
     server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
-    why = wait_until(server, chat_probe(server.url, model, spec.api_key), timeout_s)
+    ready = probe(server.url) if probe else chat_probe(server.url, model, spec.api_key)
+    why = wait_until(server, ready, timeout_s)
     if why is not None:
         server.stop()
         raise RuntimeError(why)

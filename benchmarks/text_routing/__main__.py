@@ -24,6 +24,8 @@ from benchmarks.harness import (
     stop_children_on_terminate,
 )
 from benchmarks.load.bodies import served_model
+from benchmarks.multiturn.cluster import RouterSpec, start_router
+from benchmarks.peers import OURS
 from benchmarks.report.page import machine_facts, write_results
 from benchmarks.report.table import markdown_table
 from benchmarks.text_routing.cells import (
@@ -32,7 +34,7 @@ from benchmarks.text_routing.cells import (
     TOKEN_POLICIES,
     Cell,
     run_cell,
-    start_router,
+    text_probe,
 )
 from benchmarks.text_routing.documents import DOCUMENTS, SEED, prompt
 from localrun.cluster import Cluster, ClusterSpec
@@ -118,7 +120,10 @@ def run(
                 for route in ROUTES:
                     progress.update(task, description=f"{key} {route}")
                     cluster.flush()
-                    router = start_router(policy, cluster, log_dir, f"{policy}-{key}-{route}")
+                    system, tag = RouterSpec(OURS, policy), f"router-{policy}-{key}-{route}"
+                    router = start_router(
+                        system, cluster, log_dir, model, probe=text_probe, tag=tag
+                    )
                     cell = Cell(key, doc["title"], route, doc["tokens"], doc["shared_tokens"])
                     try:
                         learns = policy in TOKEN_POLICIES

@@ -7,16 +7,13 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchmarks.load.bodies import COMPLETIONS, GENERATE, body
 from benchmarks.load.record import Record
 from benchmarks.load.send import send_now
-from benchmarks.multiturn.cluster import RouterSpec, RunningRouter, launch, router_args, slug
-from benchmarks.peers import OURS
-from localrun.cluster import Cluster, scrape
-from localrun.processes import free_port, http_ok, wait_until
+from localrun.cluster import scrape
+from localrun.processes import http_ok
 
 ROUTES = (COMPLETIONS, GENERATE)
 REQUESTS = 3  # per cell: the same document, three questions
@@ -32,22 +29,11 @@ EVENTS = "sgl_router_load_balancing_events_total"
 TOKEN_POLICIES = ("prompt_tree", "cost")  # the policies whose trees learn from answers
 
 
-def start_router(
-    policy: str, cluster: Cluster, log_dir: Path, tag: str, timeout_s: float = 90
-) -> RunningRouter:
-    """`python -m router --policy P` as `benchmarks.multiturn` starts it, ready once a text
-    request goes through it (a tokenizer directory need not have a chat template)."""
-    spec = RouterSpec(OURS, policy)
-    port = free_port()
-    log = log_dir / f"router-{slug(tag)}.log"
-    server = launch(spec.name, router_args(spec, cluster, port), port, log).start()
+def text_probe(url: str) -> Callable[[], bool]:
+    """A tiny text request through `url` answers 200 (a tokenizer directory need not have
+    a chat template, so the chat probe cannot tell)."""
     probe = body(GENERATE, "ping", MAX_NEW_TOKENS)
-    ready = functools.partial(http_ok, server.url + GENERATE, probe, timeout=10)
-    why = wait_until(server, ready, timeout_s)
-    if why is not None:
-        server.stop()
-        raise RuntimeError(why)
-    return RunningRouter(spec, server)
+    return functools.partial(http_ok, url + GENERATE, probe, timeout=10)
 
 
 def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
