@@ -266,10 +266,11 @@ class CachedEncoder:
         done: asyncio.Future[None] = loop.create_future()
         for piece in missing:
             self._encoding.setdefault(piece, done)
+        ends = _piece_ends(rest)
         try:
-            encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing)
+            encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing, ends)
             encoded = self._ids_of(encodings)
-            self._index(missing, encoded, encodings)
+            self._index(missing, encoded, encodings, ends)
             self._misses += len(missing)
             self._encoded_tokens += sum(len(a) for a in encoded)
             self._encoded_chars += sum(map(len, missing))
@@ -458,7 +459,8 @@ class CachedEncoder:
         missing = self._missing(parts[0::2], encoded)
         fresh: dict[str, array] = {"": array("I"), **(encoded or {})}
         if missing:
-            fresh.update(zip(missing, self._encode_many(missing), strict=True))
+            ends = _piece_ends(parts)
+            fresh.update(zip(missing, self._encode_many(missing, ends), strict=True))
             self._misses += len(missing)
         added = self._added_arrays
         out = array("I") if out is None else out
@@ -482,42 +484,64 @@ class CachedEncoder:
             self.on_store(stored)
         return out
 
-    def _encode_many(self, pieces: list[str]) -> list[array]:
+    def _encode_many(self, pieces: list[str], ends: set[str] | None = None) -> list[array]:
         if len(pieces) == 1 or self._pool is not None:
             # one by one with a background thread: a batch would wait for the tokenizer's
             # thread pool, which runs at that thread's lower priority
             encode = self._tok.encode
             encodings = [encode(p, add_special_tokens=False) for p in pieces]
         else:  # one call, encoded in parallel by the Rust side
-            encodings = self._encode_batch(pieces)
+            encodings = self._encode_batch(pieces, ends)
         out = [_token_ids_array(e.ids) for e in encodings]
         self._encoded_tokens += sum(len(a) for a in out)
         self._encoded_chars += sum(map(len, pieces))
-        self._index(pieces, out, encodings)
+        self._index(pieces, out, encodings, ends)
         return out
 
-    def _encode_batch(self, pieces: list[str]) -> list[Any]:
-        """The encodings of `pieces` in one batch call, which releases the GIL while it
-        encodes (a thread may run it; it touches no state of this object). Their ids are
-        read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
-        lower priority could hold while preempted. With offsets when a piece is long
-        enough to be indexed (`_index`), else without (faster)."""
-        if self.prefixes.max_tokens and any(len(p) >= MIN_CHARS for p in pieces):
-            batch = self._tok.encode_batch
-        else:
-            batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return list(batch(pieces, add_special_tokens=False))
+    def _indexed(self, piece: str, ends: set[str] | None) -> bool:
+        """Whether `piece` goes into the prefix index (`ends`: None, any long piece; else
+        only those in it, the first and last chunks of their pieces: `_piece_ends`)."""
+        return (
+            self.prefixes.max_tokens > 0
+            and len(piece) >= MIN_CHARS
+            and (ends is None or piece in ends)
+        )
 
-    def _index(self, pieces: list[str], ids: list[array], encodings: list[Any]) -> None:
+    def _encode_batch(self, pieces: list[str], ends: set[str] | None = None) -> list[Any]:
+        """The encodings of `pieces` in batch calls, which release the GIL while they
+        encode (a thread may run them; they touch no state of this object). Their ids are
+        read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
+        lower priority could hold while preempted. With offsets for the pieces to index
+        (`_indexed`: a quarter of the encode's time), the others without."""
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        timed = [self._indexed(p, ends) for p in pieces]
+        if not any(timed):
+            return list(fast(pieces, add_special_tokens=False))
+        if all(timed):
+            return list(self._tok.encode_batch(pieces, add_special_tokens=False))
+        slow = [p for p, t in zip(pieces, timed, strict=True) if t]
+        quick = [p for p, t in zip(pieces, timed, strict=True) if not t]
+        with_offsets = iter(self._tok.encode_batch(slow, add_special_tokens=False))
+        without = iter(fast(quick, add_special_tokens=False))
+        return [next(with_offsets) if t else next(without) for t in timed]
+
+    def _index(
+        self,
+        pieces: list[str],
+        ids: list[array],
+        encodings: list[Any],
+        ends: set[str] | None = None,
+    ) -> None:
         """Long pieces go into the prefix index (a later piece sharing their start is
         guessed from them), their tokens' ends read at once outside an event loop, else
-        soon (`SETTLE_DELAY_S`). `encode_batch_fast` gives no offsets: pieces encoded so
-        are short, and skipped."""
+        soon (`SETTLE_DELAY_S`). Of a piece cut in chunks only its first and last chunks
+        (`ends`): a text parting from it within a middle chunk has the chunks before
+        known exactly. Pieces encoded without offsets are skipped."""
         added = False
         if not self.prefixes.max_tokens:
             return
         for piece, piece_ids, encoding in zip(pieces, ids, encodings, strict=True):
-            if len(piece) >= MIN_CHARS:
+            if self._indexed(piece, ends):
                 self.prefixes.add(piece, piece_ids, encoding)
                 added = True
         if not added:
@@ -665,6 +689,19 @@ class CachedEncoder:
             "CachedEncoder: the post-processor is no fixed prefix/suffix: text prompts "
             "with add_special_tokens=True get full encodes"
         )
+
+
+def _piece_ends(parts: list[str]) -> set[str]:
+    """Of alternating [piece, added token, ...] (`CachedEncoder._split`), the first and
+    last chunk of every piece cut in chunks (`CUT` between them) and every uncut piece:
+    where a later text may part from it with nothing known before (a first chunk) or
+    where a text that continues it parts (a last chunk)."""
+    out: set[str] = set()
+    n = len(parts)
+    for i in range(0, n, 2):
+        if (i == 0 or parts[i - 1] != CUT) or (i + 1 >= n or parts[i + 1] != CUT):
+            out.add(parts[i])
+    return out
 
 
 def cut_text(text: str, every: int) -> list[str]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import shutil
 import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -158,9 +160,9 @@ def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> N
     seen: set[int] = set()
     batch = encoder._encode_batch
 
-    def spy(pieces: list[str]) -> list[Any]:
+    def spy(pieces: list[str], *args: Any) -> list[Any]:
         seen.add(threading.get_ident())
-        return batch(pieces)
+        return batch(pieces, *args)
 
     encoder._encode_batch = spy  # type: ignore[method-assign]
 
@@ -278,8 +280,10 @@ def test_text_cut_in_small_chunks_encodes_as_the_engine(
 def test_a_shared_long_prefix_is_encoded_once(chat: ChatTokenizer) -> None:
     encoder = CachedEncoder(chat)
     assert encoder.stats()["cuts"] == "every 2048 characters"
-    docs = sorted((Path(__file__).parents[2] / "docs").rglob("*.md"))
-    document = "\n".join(p.read_text() for p in docs)[:40000]
+    rng = random.Random(7)
+    words = ("river", "stone", "ledger", "parcel", "harbour", "quiet", "lantern", "copper")
+    document = " ".join(rng.choice(words) for _ in range(6000))  # ~40K characters, one piece
+    assert len(document) > 10 * CUT_CHARS
     encoder.encode(document + "\n\nQuestion: what is it?")
     before = encoder.stats()["encoded_tokens"]
     ids = encoder.encode(document + "\n\nQuestion: who wrote it?")
@@ -289,6 +293,32 @@ def test_a_shared_long_prefix_is_encoded_once(chat: ChatTokenizer) -> None:
     # at most the document's last chunk (a cut does not depend on where the text ends)
     tail = chat.encode(document[-(CUT_CHARS + 100) :] + "\n\nQuestion: who wrote it?", False)
     assert new <= len(tail)
+
+
+def test_a_long_piece_is_indexed_by_its_first_and_last_chunks(chat: ChatTokenizer) -> None:
+    """Only they are encoded with offsets (a quarter of an encode's time): a text that
+    continues the document parts from it in its last chunk, one that shares only its start
+    in its first; either is guessed, and a middle chunk is known exactly when it matters."""
+    rng = random.Random(7)
+    words = ("river", "stone", "ledger", "parcel", "harbour", "quiet", "lantern", "copper")
+    document = " ".join(rng.choice(words) for _ in range(6000))  # ~40K characters, one piece
+    assert len(document) > 10 * CUT_CHARS
+    for thread in (False, True):
+        encoder = CachedEncoder(chat)
+        known = encoder.encode_text_known(document + "\n\nQuestion: what is it?")
+        assert known is not None and len(known.rest[0::2]) > 3
+        if thread:
+            ids = asyncio.run(encoder.complete_async(known.ids, known.rest))
+            encoder.close()
+        else:
+            ids = encoder.complete(known.ids, known.rest)
+        assert ids.tolist() == chat.encode(document + "\n\nQuestion: what is it?")
+        assert len(encoder.prefixes) == 2
+        for other in (document + "\n\nQuestion: who wrote it?", document[:1000] + " Other."):
+            again = encoder.encode_text_known(other)
+            assert again is not None and len(again.guess) > 0
+            exact = array("I", chat.encode(other)[len(again.ids) :])
+            assert encoder.check_guess(again.guess, exact)
 
 
 def test_a_normalizer_turns_cuts_off_and_encodes_stay_exact(
