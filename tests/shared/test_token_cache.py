@@ -160,9 +160,9 @@ def test_a_cold_chat_encoded_on_a_thread_equals_engine(chat: ChatTokenizer) -> N
     seen: set[int] = set()
     batch = encoder._encode_batch
 
-    def spy(pieces: list[str], *args: Any) -> list[Any]:
+    def spy(pieces: list[str], ends: set[str] | None = None) -> list[Any]:
         seen.add(threading.get_ident())
-        return batch(pieces, *args)
+        return batch(pieces, ends)
 
     encoder._encode_batch = spy  # type: ignore[method-assign]
 
