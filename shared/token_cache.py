@@ -511,19 +511,19 @@ class CachedEncoder:
         """The encodings of `pieces` in batch calls, which release the GIL while they
         encode (a thread may run them; they touch no state of this object). Their ids are
         read on the loop (`_ids_of`): that takes the GIL for a while, which a thread of
-        lower priority could hold while preempted. With offsets for the pieces to index
-        (`_indexed`: a quarter of the encode's time), the others without."""
+        lower priority could hold while preempted. With offsets (about a quarter of the
+        encode's time) for the pieces to index (`_indexed`), the others without."""
         fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        timed = [self._indexed(p, ends) for p in pieces]
-        if not any(timed):
+        indexed = [self._indexed(p, ends) for p in pieces]
+        if not any(indexed):
             return list(fast(pieces, add_special_tokens=False))
-        if all(timed):
+        if all(indexed):
             return list(self._tok.encode_batch(pieces, add_special_tokens=False))
-        slow = [p for p, t in zip(pieces, timed, strict=True) if t]
-        quick = [p for p, t in zip(pieces, timed, strict=True) if not t]
-        with_offsets = iter(self._tok.encode_batch(slow, add_special_tokens=False))
-        without = iter(fast(quick, add_special_tokens=False))
-        return [next(with_offsets) if t else next(without) for t in timed]
+        to_index = [p for p, i in zip(pieces, indexed, strict=True) if i]
+        others = [p for p, i in zip(pieces, indexed, strict=True) if not i]
+        with_offsets = iter(self._tok.encode_batch(to_index, add_special_tokens=False))
+        without = iter(fast(others, add_special_tokens=False))
+        return [next(with_offsets) if i else next(without) for i in indexed]
 
     def _index(
         self,
