@@ -29,8 +29,8 @@ from router.trees import PromptTrees
 from router.workers import BreakerConfig, WorkerRegistry, WorkerType
 from tests.http_client import call, metric
 from tests.procs import Server
-from tests.router.test_processes import each_process
-from tests.router.test_router import SYSTEM, chat, router, sim_worker
+from tests.router.test_processes import converse_over_processes, each_process
+from tests.router.test_router import router, sim_worker
 
 A, B = "http://127.0.0.1:9301", "http://127.0.0.1:9302"
 WINDOW = 1.0
@@ -361,23 +361,9 @@ def test_per_worker_counters_add_up_over_processes(model_dir: Path, tmp_path: Pa
         two_workers(model_dir, tmp_path) as workers,
         router([w.url for w in workers], tmp_path, "--processes", "2") as r,
     ):
-        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-        cached = 0
-        # each turn on a new connection, which the kernel hands to either process: at least
-        # 8 turns, more until both processes have answered some (8 went to one process in
-        # about one run in six)
-        for turn in range(32):
-            messages.append({"role": "user", "content": f"Turn {turn}: where is box {turn}?"})
-            reply = chat(r.url, messages)
-            cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            messages.append(
-                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
-            )
-            if turn >= 7:
-                info = each_process(r)
-                if all(i["process"]["inference_requests"] > 0 for i in info.values()):
-                    break
+        cached = sum(converse_over_processes(r))
         assert cached > 0
+        info = each_process(r)
         assert all(i["process"]["inference_requests"] > 0 for i in info.values()), info
 
         def summed() -> dict[int, Any] | None:

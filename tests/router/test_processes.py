@@ -71,6 +71,24 @@ def each_process(r: Server, path: str = "/get_server_info", count: int = 2) -> d
     raise AssertionError(f"only processes {sorted(seen)} answered")
 
 
+def converse_over_processes(r: Server) -> list[int]:
+    """One conversation through `r`, each turn on a new connection, which the kernel hands to
+    either process: at least 8 turns, more (at most 32) until both processes have answered
+    some (8 went to one process in about one run in six). Each turn's cached tokens."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    cached: list[int] = []
+    for turn in range(32):
+        messages.append({"role": "user", "content": f"Turn {turn}: where is box {turn}?"})
+        reply = chat(r.url, messages)
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
+        if turn >= 7:
+            info = each_process(r)
+            if all(i["process"]["inference_requests"] > 0 for i in info.values()):
+                break
+    return cached
+
+
 def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -89,23 +107,9 @@ def test_two_processes_answer_on_one_port_and_share_the_trees(
         assert [info[i]["process"]["index"] for i in (0, 1)] == [0, 1]
         assert [info[i]["process"]["checks_health"] for i in (0, 1)] == [True, False]
 
-        # A conversation, each turn on a new connection: the turns reach both processes (at
-        # least 8 turns, more until both have answered some: the kernel may give 8 new
-        # connections to one), and every turn after the first hits the worker holding the
-        # history.
-        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-        cached = []
-        for turn in range(32):
-            messages.append({"role": "user", "content": f"Turn {turn}: where is box {turn}?"})
-            reply = chat(r.url, messages)
-            cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
-            messages.append(
-                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
-            )
-            if turn >= 7:
-                info = each_process(r)
-                if all(i["process"]["inference_requests"] > 0 for i in info.values()):
-                    break
+        # A conversation, each turn on a new connection: the turns reach both processes,
+        # and every turn after the first hits the worker holding the history.
+        cached = converse_over_processes(r)
         turns = len(cached)
         assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
         served = {w.url: call(w.url + "/get_server_info")[1] for w in fresh}
