@@ -20,6 +20,8 @@ constexpr int64_t kStaleFactor = 2;
 constexpr int64_t kStaleFloor = 64;
 // Children are looked up by scan up to this many, through a hash index beyond.
 constexpr size_t kIndexFrom = 8;
+// An edge is compared with a prompt this many pages at a time, then page by page where they part.
+constexpr size_t kComparedPages = 32;
 
 // min-heaps: std::push_heap builds a max-heap, so the comparators say "comes later"
 struct LeafLater {
@@ -164,13 +166,21 @@ bool Tree::edge_is_prefix(const Node& edge, const uint32_t* key, size_t remainin
            std::memcmp(edge.key.data(), key, edge.key.size() * sizeof(uint32_t)) == 0;
 }
 
+// Whole pages compared with memcmp, a block of them at a time while they agree: a prompt that
+// parts from an 8K-token edge near its end (a new question after a shared document, a chat
+// template's turn end after the recorded answer) was compared token by token at 0.6 ns each.
 size_t Tree::common_pages(const Node& edge, const uint32_t* key, size_t remaining) const {
-    size_t limit = std::min(edge.key.size(), remaining);
+    size_t limit = std::min(edge.key.size(), remaining);  // whole pages, both
     size_t i = ps_;  // the first page matched already
     const uint32_t* e = edge.key.data();
-    while (i < limit && e[i] == key[i]) i++;
-    size_t pages = i / ps_;
-    return pages < 1 ? 1 : pages;
+    const size_t block = kComparedPages * ps_;
+    while (i + block <= limit && std::memcmp(e + i, key + i, block * sizeof(uint32_t)) == 0) {
+        i += block;
+    }
+    while (i + ps_ <= limit && std::memcmp(e + i, key + i, ps_ * sizeof(uint32_t)) == 0) {
+        i += ps_;
+    }
+    return i / ps_;
 }
 
 size_t Tree::depth(NodeId id) const {

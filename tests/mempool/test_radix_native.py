@@ -514,3 +514,23 @@ def test_wide_nodes_find_children_through_their_index() -> None:
         query = [c, c + 1, c + 2, 7]
         assert tree.match(query).num_tokens == model.match(query).num_tokens
         assert tree.holders(query) == model.holders(query)
+
+
+def test_a_prompt_parting_from_a_long_edge_matches_every_whole_page_before() -> None:
+    """A long edge is compared a block of pages at a time: a prompt that parts from it at any
+    token (inside a block, at a block's edge, in the last page, or running past it) matches
+    the whole pages before that token, in match, holders and the split an insert makes."""
+    page, pages = 4, 70  # more than two blocks of kComparedPages (32)
+    edge = list(range(1000, 1000 + page * pages))
+    for part in (*range(page, 40 * page), *range(60 * page, page * pages + 1)):
+        query = [*edge[:part], 7, 7, 7, 7, 7]
+        tree = RadixTree(page_size=page, slots_per_page=0, clock=Ticker())
+        model = radix_model.RadixTree(page_size=page, slots_per_page=0, clock=Ticker())
+        for t in (tree, model):
+            t.insert(edge, holder="a")
+        assert tree.match(query).num_tokens == model.match(query).num_tokens == part // page * page
+        assert tree.holders(query) == model.holders(query)
+        for t in (tree, model):
+            t.insert(query, holder="b")
+        tree._check()
+        assert state(tree) == state(model)
