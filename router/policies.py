@@ -53,11 +53,6 @@ class RouteRequest:
     # the trees told at dispatch that a worker is about to hold the prompt: (tree, URL,
     # time.monotonic() then) (router.forward.dispatch; learning skips a record that adds nothing)
     recorded: list[tuple[WorkerType, str, float]] | None = None
-    # where it was sent (tree, URL), for the trees to be told once its text is encoded
-    sent_to: list[tuple[WorkerType, str]] | None = None
-    # workers about to hold a prefix of it, as the trees will say once the earlier requests
-    # that went there are encoded: (tree, URL, about how many of its tokens) (router.request)
-    expected: list[tuple[WorkerType, str, int]] | None = None
     # the cache namespace its body names (cache_salt, extra_key, an adapter): what the trees
     # predict for it is keyed in it, as the worker keys its cache (shared.namespaces)
     namespace: CacheNamespace | None = None
@@ -93,12 +88,6 @@ class RouteRequest:
         for start, ids in self.namespace.derived(tokens, page):
             key[start : start + page] = array("I", ids)
         return key
-
-    def expected_on(self, tree: WorkerType) -> dict[str, int]:
-        """`expected` on one tree: URL -> tokens."""
-        if not self.expected:
-            return {}
-        return {url: n for t, url, n in self.expected if t is tree}
 
     @property
     def num_tokens(self) -> int:
@@ -428,19 +417,17 @@ class PromptTree(Policy):
             request.namespace, self.trees.page_size
         ):
             core = self._core_no_pulls
-        expected = request.expected_on(request.type)
-        if self._native and not expected:
+        if self._native:
             tree = self.trees.trees[request.type]
             choice, reason, cached, longer, pull, work = core.decide(
                 tree, tokens, request.num_tokens, states, self.trees.ttl_s, before
             )
         else:
             view = self.trees.match(request.type, tokens)
-            held = []
-            for w in workers:
-                soon = expected.get(w.url, -1)  # a worker about to hold it holds it on device
-                any_tier, device = view.held.get(w.url, -1), view.device.get(w.url, -1)
-                held.append((max(any_tier, soon), max(device, soon), view.home.get(w.url, -1)))
+            held = [
+                (view.held.get(w.url, -1), view.device.get(w.url, -1), view.home.get(w.url, -1))
+                for w in workers
+            ]
             choice, reason, cached, longer, pull, work = core.decide_view(
                 held, tokens, request.num_tokens, states, before
             )

@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 
 from router.policies import RouteRequest
-from router.workers import WorkerType
 from shared.namespaces import CacheNamespace, namespace_fields
 from shared.token_cache import CachedEncoder, Known
 
@@ -308,7 +307,7 @@ async def _encode_rest(prompt: RouteRequest, encoder: CachedEncoder) -> None:
         return
     known, guess = exact_part(prompt, tokens if isinstance(tokens, array) else array("I", tokens))
     try:
-        full = await encoder.complete_async(known, rest, owner=prompt)
+        full = await encoder.complete_async(known, rest)
     except (ValueError, TypeError):  # text no tokenizer takes: the engine refused it too
         prompt.tokens = None
     else:
@@ -321,20 +320,3 @@ async def _encode_rest(prompt: RouteRequest, encoder: CachedEncoder) -> None:
 def encoded(prompt: RouteRequest) -> bool:
     """False while the prompt's new text is being encoded on a thread."""
     return prompt.encoding is None or prompt.encoding.done()
-
-
-def following(prompt: RouteRequest, encoder: CachedEncoder) -> list[tuple[WorkerType, str, int]]:
-    """Where earlier requests went whose new text this prompt starts with, while that text is
-    still being encoded on the thread: (tree, URL, about how many of this prompt's tokens the
-    worker will hold). The trees say the same once the encode is done; routing by this now
-    spares the request the wait (a document sent with several questions at once)."""
-    if not prompt.rest:
-        return []
-    covered, owners = encoder.being_encoded(prompt.rest)
-    sent = [to for o in owners if isinstance(o, RouteRequest) for to in o.sent_to or ()]
-    if not covered or not sent:
-        return []
-    tokens = (
-        len(prompt.tokens or ()) - prompt.guessed + encoder.estimate_tokens(prompt.rest[:covered])
-    )
-    return [(tree, url, tokens) for tree, url in dict.fromkeys(sent)]

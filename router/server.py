@@ -40,7 +40,6 @@ from router.replicas import ReplicaConfig, ReplicatedTrees, Replicator
 from router.request import (
     INFERENCE_ROUTES,
     check_model,
-    following,
     full_tokens,
     parse_json_object,
     route_request,
@@ -392,13 +391,9 @@ class Router:
                 prompt = route_request(route, body, encoder, self.uses_text, key)
                 if prompt.rest and encoder is not None and (busy := encoder.encoding(prompt.rest)):
                     # Its new text is being encoded for another request, on a thread (as
-                    # one encode blocking the loop, it would be known by now): routed where
-                    # that request went, as the trees will say once it is encoded, or else
-                    # once it is.
-                    prompt.expected = following(prompt, encoder)
-                    if not prompt.expected:
-                        await asyncio.wait(busy)
-                        prompt = route_request(route, body, encoder, self.uses_text, key)
+                    # one encode blocking the loop, it would be known by now): wait for it.
+                    await asyncio.wait(busy)
+                    prompt = route_request(route, body, encoder, self.uses_text, key)
                 if self.replicator is not None and prompt.rest:
                     # Text this replica never encoded may be on a path another one recorded:
                     # encode it before routing (only its new pieces; the cache has the rest).

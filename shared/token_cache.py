@@ -117,7 +117,6 @@ class CachedEncoder:
         self._special: tuple[array, array] | None = None
         self._pool: ThreadPoolExecutor | None = None  # complete_async's thread, made on use
         self._encoding: dict[str, asyncio.Future[None]] = {}  # pieces on the thread now
-        self._owners: dict[asyncio.Future[None], object] = {}  # whose encode each one is
         # long pieces encoded, by their start: a new piece's likely first ids (`Known.guess`)
         # (an engine encodes whole prompts and guesses nothing: guesses=False keeps none)
         self.prefixes = PrefixIndex(max_tokens=max(max_cached_tokens // 4, 1) if guesses else 0)
@@ -252,14 +251,11 @@ class CachedEncoder:
             OFF_LOOP_CHARS
         )
 
-    async def complete_async(self, known: array, rest: list[str], owner: object = None) -> array:
+    async def complete_async(self, known: array, rest: list[str]) -> array:
         """`complete`, with long new text (a cold prompt's history) encoded on a thread so
         the event loop keeps serving meanwhile: HF tokenizers release the GIL in batch
-        encodes. Only the pieces the cache lacks go to the thread (no copy of the prompt),
-        after the encodes of its pieces already there (never twice); the cache itself is
-        read and written on the loop only. `owner`: whose encode it is (`being_encoded`)."""
-        if busy := self.encoding(rest):
-            await asyncio.wait(busy)
+        encodes. Only the pieces the cache lacks go to the thread (no copy of the prompt);
+        the cache itself is read and written on the loop only."""
         missing = self._missing(rest[0::2])
         if sum(map(len, missing)) < OFF_LOOP_CHARS:
             return self.complete(known, rest)
@@ -270,8 +266,6 @@ class CachedEncoder:
         done: asyncio.Future[None] = loop.create_future()
         for piece in missing:
             self._encoding.setdefault(piece, done)
-        if owner is not None:
-            self._owners[done] = owner
         ends = _piece_ends(rest)
         try:
             encodings = await loop.run_in_executor(self._pool, self._encode_batch, missing, ends)
@@ -286,7 +280,6 @@ class CachedEncoder:
             for piece in missing:
                 if self._encoding.get(piece) is done:
                     del self._encoding[piece]
-            self._owners.pop(done, None)
             done.set_result(None)
 
     def encoding(self, rest: list[str]) -> list[asyncio.Future[None]]:
@@ -299,22 +292,6 @@ class CachedEncoder:
             return []
         found = {id(f): f for p in rest[0::2] if (f := pending.get(p)) is not None}
         return list(found.values())
-
-    def being_encoded(self, rest: list[str]) -> tuple[int, list[object]]:
-        """How much of `rest` is, from its start, cached or on the thread now (entries of
-        the list), and whose encodes those are (complete_async's `owner`s): a request that
-        starts with text another one is having encoded may follow that one rather than wait
-        for its encode."""
-        pending, owners = self._encoding, {}
-        covered = 0
-        for i in range(0, len(rest), 2):
-            done = pending.get(rest[i])
-            if done is None and rest[i] not in self._cache:
-                break
-            if done is not None and (owner := self._owners.get(done)) is not None:
-                owners[id(owner)] = owner
-            covered = i + 2  # the piece and the added token after it
-        return min(covered, len(rest)), list(owners.values())
 
     def start_thread(self) -> None:
         """Start complete_async's thread now (else on first use). Its first batch call

@@ -87,9 +87,6 @@ class Learner:
         """Optimistic, at the send: `worker` is about to hold the prompt (its new text
         encoded first, right after the send, off the request's path)."""
         if prompt.tokens is not None and self.uses_tokens:
-            if prompt.sent_to is None:
-                prompt.sent_to = []
-            prompt.sent_to.append((tree, worker.url))
             record = functools.partial(self._record_sent, tree, worker.url, prompt)
             asyncio.get_running_loop().call_soon(
                 when_encoded, prompt, self.encoder_of(prompt), record

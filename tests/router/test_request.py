@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from array import array
 from pathlib import Path
 from typing import Any
@@ -17,15 +15,12 @@ from router.request import (
     GENERATE,
     RequestError,
     check_model,
-    following,
     full_tokens,
     parse_json_object,
     route_request,
     session_key,
-    when_encoded,
     without_router_fields,
 )
-from router.workers import WorkerType
 from shared.token_cache import CachedEncoder
 from shared.tokenizer import ChatTokenizer
 
@@ -137,54 +132,6 @@ def test_a_long_text_prompt_is_known_up_to_its_new_chunks(encoder: CachedEncoder
     assert list(full_tokens(second, encoder) or []) == encoder.tokenizer.encode(
         shared + " second question"
     )
-
-
-def test_a_text_sent_while_an_earlier_one_is_encoded_follows_it(model_dir: Path) -> None:
-    """A document sent with a second question while the first request's encode is still on
-    the thread: the second goes where the first went (as the trees will say once the encode
-    is done) without waiting, and its own encode waits for the first instead of encoding the
-    document again."""
-    encoder = CachedEncoder(ChatTokenizer(model_dir))  # nothing of the document cached
-    encoder.start_thread()
-    document = " ".join(f"word{i % 89} gamma delta" for i in range(3000))
-    gate = threading.Event()
-    encoded: list[str] = []
-    batch = encoder._encode_batch
-
-    def held(pieces: list[str], ends: set[str] | None = None) -> list[Any]:
-        assert gate.wait(30)
-        encoded.extend(pieces)
-        return batch(pieces, ends)
-
-    encoder._encode_batch = held  # type: ignore[method-assign]
-    ids: dict[str, list[int]] = {}
-
-    async def scenario() -> list[tuple[WorkerType, str, int]]:
-        first = route_request(COMPLETIONS, {"prompt": document + " first?"}, encoder)
-        first.sent_to = [(WorkerType.COLOCATED, "http://127.0.0.1:9001")]  # as dispatch does
-        when_encoded(first, encoder, lambda got: ids.update(first=list(got or [])))
-        second = route_request(COMPLETIONS, {"prompt": document + " second?"}, encoder)
-        assert following(second, encoder) == []  # nothing on the thread yet
-        await asyncio.sleep(0.05)  # the first's encode is on the thread, held there
-        assert encoder.encoding(second.rest or [])
-        expected = following(second, encoder)
-        when_encoded(second, encoder, lambda got: ids.update(second=list(got or [])))
-        gate.set()
-        while len(ids) < 2:
-            await asyncio.sleep(0.01)
-        return expected
-
-    try:
-        expected = asyncio.run(scenario())
-    finally:
-        encoder.close()
-    whole = encoder.tokenizer.encode(document + " first?")
-    (where,) = expected
-    assert where[:2] == (WorkerType.COLOCATED, "http://127.0.0.1:9001")
-    assert 0.9 * len(whole) < where[2] <= len(whole)  # the document's tokens, about
-    assert ids["first"] == whole
-    assert ids["second"] == encoder.tokenizer.encode(document + " second?")
-    assert sum(map(len, encoded)) < 1.1 * len(document)  # the document encoded once
 
 
 def test_a_batch_routes_by_its_first_prompt_and_ids_give_cache_aware_a_text() -> None:

@@ -94,26 +94,6 @@ def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
     assert d.holders[0] == (ws[1], 32) and d.pull_from is ws[1]  # the holder, to pull from
 
 
-def test_a_worker_about_to_hold_the_prefix_counts_as_holding_it() -> None:
-    """A request whose text an earlier one, still being encoded, took to a worker: the trees
-    know nothing of it yet, and it goes there as it would once they do, overload guard
-    included; on another tree the hint counts for nothing."""
-    trees = PromptTrees(page_size=4)
-    ws = workers(3)
-    tokens = list(range(8))  # only its known start: the rest of its text is being encoded
-    policy = PromptTree(trees, Thresholds(), CostModel())
-    request = RouteRequest(tokens, "", None, rest=["a document"], rest_tokens=4000)
-    request.expected = [(C, ws[2].url, 3900)]
-    d = policy.select(request, ws)
-    assert d.worker is ws[2] and d.predicted_cached == 3900 and d.reason == "cache_hit"
-    request.expected = [(WorkerType.PREFILL, ws[2].url, 3900)]
-    assert policy.select(request, ws).predicted_cached == 0
-    request.expected = [(C, ws[2].url, 3900)]
-    ws[2].in_flight = 200
-    d = policy.select(request, ws)
-    assert d.worker is not ws[2] and d.reason == "overload"
-
-
 def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None:
     """A system prompt every request shares must not pile every request on one worker."""
     trees = PromptTrees(page_size=16)
