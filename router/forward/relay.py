@@ -20,7 +20,7 @@ import msgspec
 
 from router.deadlines import deadlines
 from router.forward.reply import ClientSide, Stream, Whole
-from router.forward.upstream import UpstreamError, UpstreamPool
+from router.forward.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 _decode_json = msgspec.json.Decoder().decode  # several times faster than json.loads
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
@@ -113,10 +113,19 @@ class WorkerUnavailable(Exception):
 def reported_tokens(body: dict[str, Any], name: str, top: bool = False) -> int | None:
     """A token count an answer reports: OpenAI's `usage.prompt_tokens_details` (`top`:
     `usage` itself), else SGLang's `meta_info` (None where neither has it)."""
-    usage, meta = body.get("usage"), body.get("meta_info")
-    details = usage if top or not isinstance(usage, dict) else usage.get("prompt_tokens_details")
-    for where in (details, meta):
-        value = where.get(name) if isinstance(where, dict) else None
+    usage = _dict(body.get("usage"))
+    first = usage if top or usage is None else _dict(usage.get("prompt_tokens_details"))
+    return _count(first, _dict(body.get("meta_info")), name)
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _count(first: dict[str, Any] | None, then: dict[str, Any] | None, name: str) -> int | None:
+    """`name` as an int from `first`, else from `then`."""
+    for where in (first, then):
+        value = where.get(name) if where is not None else None
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
@@ -126,15 +135,18 @@ def read_result(body: Any, outcome: Outcome) -> None:
     """cached_tokens and the output from a finished (or last streamed) JSON body."""
     if not isinstance(body, dict):
         return
-    cached = reported_tokens(body, "cached_tokens")
-    if cached is not None:
-        outcome.cached_tokens = cached
-    pulled = reported_tokens(body, "pulled_tokens")
-    if pulled is not None:
-        outcome.pulled_tokens = pulled
-    generated = reported_tokens(body, "completion_tokens", top=True)
-    if generated is not None:
-        outcome.completion_tokens = generated
+    usage, meta = _dict(body.get("usage")), _dict(body.get("meta_info"))
+    if usage is not None or meta is not None:  # (as reported_tokens, each read once)
+        details = None if usage is None else _dict(usage.get("prompt_tokens_details"))
+        cached = _count(details, meta, "cached_tokens")
+        if cached is not None:
+            outcome.cached_tokens = cached
+        pulled = _count(details, meta, "pulled_tokens")
+        if pulled is not None:
+            outcome.pulled_tokens = pulled
+        generated = _count(usage, meta, "completion_tokens")
+        if generated is not None:
+            outcome.completion_tokens = generated
     if isinstance(body.get("output_ids"), list):
         outcome.output_ids = body["output_ids"]
     if isinstance(body.get("text"), str):
@@ -207,64 +219,68 @@ async def forward(
     `watch` (the worker's exchanges) lets its failed health checks end it sooner.
     """
     deadline = asyncio.get_running_loop().time() + timeout_s
+    resp: UpstreamResponse | None = None
+    watcher: SSEWatcher | None = None
     try:
-        async with Bound(deadline, watch):
-            resp = await upstream.post(url, payload)
-    except UpstreamError as exc:
-        raise WorkerUnavailable(f"cannot reach worker {url}: {exc}") from None
-    except TimeoutError:
-        raise WorkerUnavailable(timed_out(url, deadline, timeout_s, "gave no answer")) from None
-    try:
-        outcome.status = resp.status
-        headers = {k: v for k, v in resp.headers.items() if k not in HOP_HEADERS}
-        if resp.status in RETRY_STATUSES:
+        async with Bound(deadline, watch):  # one deadline for the whole exchange
             try:
-                async with Bound(deadline, watch):
-                    text = (await resp.read()).decode(errors="replace")
-            except (UpstreamError, TimeoutError):
-                text = ""
-            raise WorkerUnavailable(
-                f"worker {url} answered {resp.status}: {text[:200]}", resp.status
-            )
-        kind = resp.headers.get("content-type", "application/json")
-        if not kind.startswith("text/event-stream"):
-            try:
-                async with Bound(deadline, watch):
-                    body = await resp.read()
+                resp = await upstream.post(url, payload)
             except UpstreamError as exc:
-                raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
-            except TimeoutError:
-                why = timed_out(url, deadline, timeout_s, "did not finish its answer")
-                raise WorkerUnavailable(why) from None
-            on_first_byte()
-            if resp.status == 200 and inspect:
-                with contextlib.suppress(msgspec.DecodeError):
-                    read_result(_decode_json(body), outcome)
-            return Whole(resp.status, body, headers)
-        outcome.streamed = True
-        client = await client_side.open_stream(resp.status, headers)
-        outcome.client = client
-        watcher = SSEWatcher(outcome, inspect)
-        try:
-            async with Bound(deadline, watch):
+                raise WorkerUnavailable(f"cannot reach worker {url}: {exc}") from None
+            outcome.status = resp.status
+            headers = {k: v for k, v in resp.headers.items() if k not in HOP_HEADERS}
+            if resp.status in RETRY_STATUSES:
+                try:
+                    text = (await resp.read()).decode(errors="replace")
+                except UpstreamError:
+                    text = ""
+                raise WorkerUnavailable(
+                    f"worker {url} answered {resp.status}: {text[:200]}", resp.status
+                )
+            kind = resp.headers.get("content-type", "application/json")
+            if not kind.startswith("text/event-stream"):
+                try:
+                    body = await resp.read()
+                except UpstreamError as exc:
+                    raise WorkerUnavailable(f"worker {url} failed while answering: {exc}") from None
+                on_first_byte()
+                if resp.status == 200 and inspect:
+                    with contextlib.suppress(msgspec.DecodeError):
+                        read_result(_decode_json(body), outcome)
+                return Whole(resp.status, body, headers)
+            outcome.streamed = True
+            client = outcome.client = await client_side.open_stream(resp.status, headers)
+            watcher = SSEWatcher(outcome, inspect)
+            try:
                 async for chunk in resp.iter_chunks():
                     if not outcome.first_byte:
                         outcome.first_byte = True
                         on_first_byte()
                     await client.write(chunk)
                     watcher.feed(chunk)
-        except UpstreamError as exc:
-            outcome.error = f"worker {url} failed mid-stream: {exc}"
-        except TimeoutError:
-            outcome.error = timed_out(url, deadline, timeout_s, "did not finish")
-        if outcome.error is None and not watcher.done:
-            outcome.error = f"worker {url} closed the stream before it finished"
-        if outcome.error is not None:
-            return await end_stream(client, outcome.error)
-        await client.write_eof()
-        return client
+            except UpstreamError as exc:
+                outcome.error = f"worker {url} failed mid-stream: {exc}"
+    except TimeoutError:
+        if resp is None:
+            why = timed_out(url, deadline, timeout_s, "gave no answer")
+            raise WorkerUnavailable(why) from None
+        if resp.status in RETRY_STATUSES:  # (its body did not come in time)
+            raise WorkerUnavailable(f"worker {url} answered {resp.status}: ", resp.status) from None
+        if outcome.client is None:
+            why = timed_out(url, deadline, timeout_s, "did not finish its answer")
+            raise WorkerUnavailable(why) from None
+        outcome.error = timed_out(url, deadline, timeout_s, "did not finish")
     finally:
-        resp.release()
+        if resp is not None:
+            resp.release()
+    client = outcome.client  # streamed: the stream has ended, one way or another
+    assert client is not None and watcher is not None
+    if outcome.error is None and not watcher.done:
+        outcome.error = f"worker {url} closed the stream before it finished"
+    if outcome.error is not None:
+        return await end_stream(client, outcome.error)
+    await client.write_eof()
+    return client
 
 
 async def end_stream(client: Stream, message: str) -> Stream:
