@@ -114,6 +114,24 @@ class SkeletonRenderer:
         self.hits += 1
         return _join(fixed, [m["content"] for m in messages])
 
+    def fixed(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[str] | None:
+        """The fixed parts `render` would join these messages' contents with, when their
+        shape is cached and substitutes (None: `render` it); counted as a hit by the caller."""
+        if self.reason is not None or tools:
+            return None
+        key = _shape(messages, add_generation_prompt)
+        if key is None:
+            return None
+        fixed = self._shapes.get(key)
+        if fixed is not None:
+            self._shapes.move_to_end(key)
+        return fixed
+
     def _build(self, key: tuple, messages: Sequence[dict[str, Any]], gen: bool) -> str:
         """Render this shape with sentinels and for real; keep the fixed parts if they agree."""
         self.builds += 1

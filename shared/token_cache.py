@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from shared.chat_pieces import PieceSplitter
 from shared.chat_skeleton import SkeletonRenderer
 from shared.text_prefix import MIN_CHARS, PrefixIndex
 from shared.tokenizer import ChatTokenizer
@@ -127,6 +128,7 @@ class CachedEncoder:
         self.on_store: Callable[[list[tuple[str, array]]], None] | None = None
         self._pattern: re.Pattern[str] | None = None
         self._npattern: re.Pattern[str] | None = None
+        self._splitter: PieceSplitter | None = None  # a chat's split by its parts
         self._added_arrays: dict[str, array] = {}
         self.mode = "piecewise"
         self.cuts = "off"  # whether long pieces are cached in chunks, or why not
@@ -135,7 +137,7 @@ class CachedEncoder:
             reason = self._self_test()
         if reason is not None:
             self.mode = f"full encode: {reason}"
-            self._pattern = None
+            self._pattern = self._splitter = None
             log.warning(
                 "CachedEncoder for %s falls back to full encodes: %s", tokenizer.path, reason
             )
@@ -182,11 +184,11 @@ class CachedEncoder:
         question) the guess holds that text's ids. The rest is alternating [piece, added
         token, ...], [] when all is known.
         """
-        text = self.renderer.render(messages, add_generation_prompt, tools)
         self._calls += 1
         if self._pattern is None:
+            text = self.renderer.render(messages, add_generation_prompt, tools)
             return Known(_token_ids_array(self._full(text, False)), [], _NO_SPECIAL[0])
-        return self._known(self._split(text), array("I"))
+        return self._known(self._chat_parts(messages, add_generation_prompt, tools), array("I"))
 
     def encode_text_known(self, text: str, add_special_tokens: bool = True) -> Known | None:
         """A text prompt's ids as far as its cached pieces (and chunks) go, the rest and the
@@ -342,7 +344,7 @@ class CachedEncoder:
         Returns the chat's ids (the next turn's prefix), None when nothing is cached."""
         if self._pattern is None:
             return None
-        return self._encode_pieces(self.renderer.render(messages, False, tools))
+        return self._encode_parts(self._chat_parts(messages, False, tools))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Equal to `ChatTokenizer.encode(text, add_special_tokens)` (text prompts)."""
@@ -416,6 +418,23 @@ class CachedEncoder:
     def _full(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def _chat_parts(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+    ) -> list[str]:
+        """`_split` of the rendered chat: from its fixed parts, split once per shape, and
+        its contents where that is exact (shared.chat_pieces), else from its text."""
+        renderer, splitter = self.renderer, self._splitter
+        fixed = renderer.fixed(messages, add_generation_prompt, tools) if splitter else None
+        if fixed is not None and splitter is not None:
+            parts = splitter.parts(fixed, [m["content"] for m in messages])
+            if parts is not None:
+                renderer.hits += 1
+                return self._cut_long(parts)
+        return self._split(renderer.render(messages, add_generation_prompt, tools))
+
     def _split(self, text: str) -> list[str]:
         """Alternating [piece, added token, piece, ..., piece]; pieces may be empty. A long
         piece comes as its chunks with `CUT` between them, when cuts are safe here."""
@@ -431,6 +450,11 @@ class CachedEncoder:
                 else:
                     out.extend(npattern.split(s))  # itself alternating, odd length
             parts = out
+        return self._cut_long(parts)
+
+    def _cut_long(self, parts: list[str]) -> list[str]:
+        """`parts` with each long piece as its chunks, `CUT` between them (when cuts are
+        safe here)."""
         if CUT not in self._added_arrays or all(len(s) <= CUT_CHARS for s in parts[0::2]):
             return parts
         cut: list[str] = []
@@ -632,6 +656,8 @@ class CachedEncoder:
             return "the tokenizer has no added tokens to split at"
         self._pattern = _alternation(raw)
         self._npattern = _alternation(normalized) if normalized else None
+        if self._npattern is None:  # (normalized added tokens: only the text's split finds them)
+            self._splitter = PieceSplitter(self._pattern, raw)
         return None
 
     def _self_test(self) -> str | None:
