@@ -204,21 +204,26 @@ class CachedEncoder:
     def _known(self, parts: list[str], out: array) -> Known:
         """`out` extended with the ids of the leading cached pieces of `parts`; the rest,
         and the guess of its first piece's ids."""
-        cache, added = self._cache, self._added_arrays
-        for i, s in enumerate(parts):
-            if i & 1:
-                out.extend(added[s])
-            elif s:
-                ids = cache.get(s)
+        added, extend = self._added_arrays, out.extend
+        get, touch = self._cache.get, self._cache.move_to_end
+        hits = 0
+        for i in range(0, len(parts), 2):
+            s = parts[i]
+            if s:
+                ids = get(s)
                 if ids is None:
+                    self._hits += hits
                     guess = self.prefixes.guess(s)
                     if guess:
                         self._guesses += 1
                         self._guessed_tokens += len(guess)
                     return Known(out, parts[i:], guess)
-                cache.move_to_end(s)
-                self._hits += 1
-                out.extend(ids)
+                touch(s)
+                hits += 1
+                extend(ids)
+            if i + 1 < len(parts):
+                extend(added[parts[i + 1]])
+        self._hits += hits
         return Known(out, [], _NO_SPECIAL[0])
 
     def check_guess(self, guess: Sequence[int], exact: Sequence[int]) -> bool:
