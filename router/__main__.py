@@ -25,6 +25,7 @@ from router.forward.relay import RetryConfig
 from router.http_app import RouterApp
 from router.http_server import HEADER_READ_TIMEOUT_S, HttpServer, Routes, port_is_free
 from router.management import Management
+from router.metric_values import use_loop_values
 from router.models import build_models, load_models
 from router.pd import PDSettings
 from router.pd.write_back import WriteBack, WriteBackGate
@@ -681,6 +682,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             if cluster is not None:
                 cluster.stop()
+    if args.process_index is None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        use_loop_values()  # one process: its metrics are moved on one thread
     try:
         router = build_router(args, urls)
         try:

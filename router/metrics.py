@@ -19,22 +19,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import values as prometheus_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.accuracy import AccuracyWatch
 from router.admission import Admission
+from router.metric_values import use_buffered_files, write_buffered
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
 
-if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    # prometheus-client reads os.getpid() on every increment (a syscall), in case the
-    # process forked after making its metrics: 4% of a router process's CPU at max rate.
-    # Router processes are started by exec (router.supervisor), never forked: read it once.
-    _PID = os.getpid()
-    _value_class = prometheus_values.MultiProcessValue
-    prometheus_values.ValueClass = _value_class(lambda: _PID)  # type: ignore[no-untyped-call]
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several router processes
+    use_buffered_files(os.getpid())
 
 # time to first token: 10 ms (a cached prompt) to a minute (a long one queued)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2, 5, 10, 20, 60)
@@ -281,6 +276,7 @@ class RouterMetrics:
                 for reason, n in counts.items():
                     self._inc(counter.labels(reason), (counter._name, reason), n)
             self._queued.set(a.queued)
+        write_buffered()  # (and every count moved on the requests' path since the last sync)
 
     def _inc(self, counter: Any, key: tuple[str, str], value: int) -> None:
         delta = value - self._synced.get(key, 0)

@@ -130,14 +130,17 @@ def test_two_processes_answer_on_one_port_and_share_the_trees(
         )
         assert each_process(r)[0]["tree_holders"]
 
-        # /metrics, whichever process answers, counts the whole router.
-        for text in each_process(r, "/metrics").values():
-            line = next(
-                x
+        # /metrics, whichever process answers, counts the whole router (the other
+        # process's counts as of its last write to its file: about a second at most).
+        def counted() -> list[float]:
+            return [
+                float(x.split()[-1])
+                for text in each_process(r, "/metrics").values()
                 for x in text.splitlines()
                 if x.startswith('sgl_router_requests_total{route="/v1/chat/completions"}')
-            )
-            assert float(line.split()[-1]) == turns, line
+            ]
+
+        wait_for(lambda: counted() == [turns, turns])
 
 
 class Counting(BaseHTTPRequestHandler):
