@@ -33,6 +33,7 @@ from connector.worker.scheduler import Scheduler
 from connector.worker.sequence import DONE, Sequence
 from shared.http_errors import json_error
 from shared.openapi import worker_document
+from shared.token_cache import CachedEncoder
 from shared.tokenizer import ChatTokenizer, IncrementalDecoder, PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -571,11 +572,18 @@ class WorkerServer:
                 **self.scheduler.hooks.server_info(),
                 "lora": self.scheduler.lora.info(),
                 "internal_states": [self.scheduler.state()],
+                **(
+                    {"tokenizer_cache": self.encoder.stats()}
+                    if isinstance(self.encoder, CachedEncoder)
+                    else {}
+                ),
             }
         )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         if self.scheduler.flush_cache():
+            if isinstance(self.encoder, CachedEncoder):  # (--tokenizer-cache) forgets too
+                self.encoder.clear()
             return web.Response(text="Cache flushed.\n")
         return json_error(
             400,

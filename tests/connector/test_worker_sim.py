@@ -350,5 +350,11 @@ def test_tokenizer_cache_gives_the_engine_tokens_turn_after_turn(
                 usage[server.url] = body["usage"]["prompt_tokens"]
             assert usage[worker.url] == usage[cached.url]
             history.append({"role": "assistant", "content": f"Because of scattering, {turn}."})
+        # /flush_cache empties it too: a flushed worker encodes as one that never saw the
+        # text (benchmarks flush between the systems they compare)
+        pieces = call(cached.url + "/get_server_info")[1]["tokenizer_cache"]["cached_pieces"]
+        assert pieces > 0
+        assert call(cached.url + "/flush_cache", method="POST", raw=b"")[0] == 200
+        assert call(cached.url + "/get_server_info")[1]["tokenizer_cache"]["cached_pieces"] == 0
         status, body = call(cached.url + "/v1/chat/completions", {"messages": []})
         assert status == 400 and "messages" in body["message"]
