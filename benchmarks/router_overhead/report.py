@@ -180,7 +180,8 @@ def notes(fig: Figure, settings: Settings) -> list[str]:
         f"runtimes use every core of their set, with their defaults. Peers: {peers}{skipped}.",
         f"Latency: one client (aiohttp, uvloop), sequential, non-streaming, max_tokens "
         f"{SMALL_MAX_TOKENS}; each small chat and each 8K conversation goes through every "
-        "system in a rotated order, worker caches flushed before each conversation. small: "
+        "system in an order drawn per request (seeded), worker caches (KV and token cache) "
+        "flushed before each conversation. small: "
         f"{settings.small_requests} chats of ~{_fmt(wl['small_prompt_tokens_p50'])} tokens. "
         f"cold_8k: turn 1 of {settings.conversations} conversations (p50 "
         f"{_fmt(wl['cold_8k_prompt_tokens_p50'])} tokens: a shared "
