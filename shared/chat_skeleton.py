@@ -112,7 +112,7 @@ class SkeletonRenderer:
         if fixed is None:  # this shape does not substitute: always render
             return full(messages, add_generation_prompt=add_generation_prompt)
         self.hits += 1
-        return _join(fixed, [m["content"] for m in messages])
+        return join_fixed(fixed, [m["content"] for m in messages])
 
     def fixed(
         self,
@@ -137,7 +137,7 @@ class SkeletonRenderer:
         self.builds += 1
         full = self.tokenizer.render_chat(messages, add_generation_prompt=gen)
         fixed = self._fixed_parts(messages, gen)
-        if fixed is not None and _join(fixed, [m["content"] for m in messages]) != full:
+        if fixed is not None and join_fixed(fixed, [m["content"] for m in messages]) != full:
             log.warning("chat substitution disagreed with the template; shape not cached")
             fixed = None
         self._shapes[key] = fixed
@@ -183,7 +183,8 @@ def _shape(messages: Sequence[dict[str, Any]], gen: bool) -> tuple | None:
     return tuple(shape)
 
 
-def _join(fixed: list[str], contents: list[str]) -> str:
+def join_fixed(fixed: list[str], contents: Sequence[str]) -> str:
+    """`fixed[0] + contents[0] + fixed[1] + ... + fixed[n]`: a chat rendered by substitution."""
     out = [fixed[0]]
     for content, after in zip(contents, fixed[1:], strict=True):
         out.append(content)

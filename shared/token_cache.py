@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from shared.chat_pieces import PieceSplitter
-from shared.chat_skeleton import SkeletonRenderer
+from shared.chat_skeleton import SkeletonRenderer, join_fixed
 from shared.text_prefix import MIN_CHARS, PrefixIndex
 from shared.tokenizer import ChatTokenizer
 
@@ -433,12 +433,12 @@ class CachedEncoder:
         its contents where that is exact (shared.chat_pieces), else from its text."""
         renderer, splitter = self.renderer, self._splitter
         fixed = renderer.fixed(messages, add_generation_prompt, tools) if splitter else None
-        if fixed is not None and splitter is not None:
-            parts = splitter.parts(fixed, [m["content"] for m in messages])
-            if parts is not None:
-                renderer.hits += 1
-                return self._cut_long(parts)
-        return self._split(renderer.render(messages, add_generation_prompt, tools))
+        if fixed is None or splitter is None:
+            return self._split(renderer.render(messages, add_generation_prompt, tools))
+        renderer.hits += 1
+        contents = [m["content"] for m in messages]
+        parts = splitter.parts(fixed, contents)
+        return self._split(join_fixed(fixed, contents)) if parts is None else self._cut_long(parts)
 
     def _split(self, text: str) -> list[str]:
         """Alternating [piece, added token, piece, ..., piece]; pieces may be empty. A long
@@ -661,8 +661,9 @@ class CachedEncoder:
             return "the tokenizer has no added tokens to split at"
         self._pattern = _alternation(raw)
         self._npattern = _alternation(normalized) if normalized else None
-        if self._npattern is None:  # (normalized added tokens: only the text's split finds them)
-            self._splitter = PieceSplitter(self._pattern, raw)
+        splitter = PieceSplitter(self._pattern, raw)  # (normalized added tokens: only the
+        usable = splitter.usable and self._npattern is None  # text's own split finds them)
+        self._splitter = splitter if usable else None
         return None
 
     def _self_test(self) -> str | None:
