@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 
 MAX_STARTS = 4  # distinct first characters of added tokens checked in every content
-MAX_TOKENS = 4096  # added tokens whose proper prefixes are kept (a set of their lengths)
+MAX_TOKENS = 4096  # added tokens whose proper prefixes are kept (a set of every prefix)
 MAX_SHAPES = 1024  # fixed-part lists whose split is kept
 
 

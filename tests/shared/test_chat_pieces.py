@@ -10,19 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.chat_pieces import PieceSplitter
+from shared.chat_skeleton import join_fixed
 from shared.token_cache import CachedEncoder, _alternation
 from shared.tokenizer import ChatTokenizer
 
 # Tokens over a small alphabet, so that texts often hold them, their prefixes and overlaps.
 token = st.text(alphabet="<ab|>", min_size=1, max_size=4)
 text = st.text(alphabet="<ab|> x\n", max_size=10)
-
-
-def joined(fixed: list[str], contents: list[str]) -> str:
-    out = [fixed[0]]
-    for content, after in zip(contents, fixed[1:], strict=True):
-        out += [content, after]
-    return "".join(out)
 
 
 @settings(max_examples=600, deadline=None)
@@ -38,7 +32,7 @@ def test_parts_equal_the_split_of_the_joined_text(
     pattern = _alternation(tokens)
     parts = PieceSplitter(pattern, tokens).parts(fixed, contents)
     if parts is not None:
-        assert parts == pattern.split(joined(fixed, contents))
+        assert parts == pattern.split(join_fixed(fixed, contents))
 
 
 def test_a_content_with_a_tokens_first_character_is_split_as_text() -> None:
@@ -64,7 +58,7 @@ def test_a_fixed_part_ending_in_a_tokens_start_is_split_as_text() -> None:
     splitter = PieceSplitter(_alternation(tokens), tokens)
     fixed = ["say <|im_", " then"]
     assert splitter.parts(fixed, ["end|>"]) is None
-    assert re.compile("(<\\|im_end\\|>)").split(joined(fixed, ["end|>"]))[1] == "<|im_end|>"
+    assert re.compile("(<\\|im_end\\|>)").split(join_fixed(fixed, ["end|>"]))[1] == "<|im_end|>"
 
 
 def test_too_many_first_characters_turn_it_off() -> None:
