@@ -8,7 +8,9 @@ concrete host and an `ipc://` path are used as given). One socket a worker tells
 events a batch holds (the topic is not needed) and lets the sequence numbers be checked:
 
 - a batch after a gap (a slow start, a full queue) asks the worker's replay socket for
-  what was missed, from the buffer it keeps, before going on;
+  what was missed, from the buffer it keeps, before going on: from the last batch applied,
+  which, if it is not the one the worker holds under that number, tells a restarted worker
+  that numbered past the old one before the subscription reconnected;
 - a live sequence number that does not grow means the worker restarted (its numbering
   starts again at 0 with an empty cache): the replica forgets what it held, then replays
   from 0 whatever the new process already published;
@@ -241,7 +243,10 @@ class KVEventSubscriber:
             feed.reset()
         if seq > feed.applied_last + 1:
             feed.stats.gaps += 1
-            await self._replay(feed, feed.applied_last + 1)
+            if feed.applied_last < 0:
+                await self._replay(feed, 0)
+            else:  # from the last one applied: a new process numbering past it is told apart
+                await self._check(feed)
             if seq <= feed.applied_last:
                 return  # the replay brought it
         self._take(feed, seq, payload)

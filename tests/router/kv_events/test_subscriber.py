@@ -260,6 +260,42 @@ def test_a_restarted_worker_is_forgotten_then_followed_from_its_new_start(
     run(body)
 
 
+def test_a_restarted_worker_numbering_past_the_old_one_before_the_reconnect_is_told_apart(
+    tmp_path: Path,
+) -> None:
+    """The new process's first live batch the subscription sees comes after the old one's
+    last number (the SUB reconnected late): a gap, whose replay from the last batch applied
+    finds a different batch there, so it is a restart, not the old numbering going on."""
+
+    async def body(setup: Setup) -> None:
+        old = publisher(tmp_path)
+        await subscribed(setup, old, source_of(tmp_path))
+        for i in range(5):
+            publish(old, i)
+        await until(lambda: setup.held(prompt(4)) > 0)
+        past = old._seq + 2  # the new process numbers this far before one reaches the SUB
+        old.close()
+        new = publisher(tmp_path)
+        try:
+            send = new._pub.send_multipart
+            new._pub.send_multipart = lambda *a, **k: None  # type: ignore[method-assign]
+            while new._seq < past:
+                publish(new, 7)
+            new._pub.send_multipart = send  # type: ignore[method-assign]
+            for _ in range(200):  # the SUB reconnects on its own
+                publish(new, 7)
+                await asyncio.sleep(0.02)
+                if setup.held(prompt(7)):
+                    break
+            assert setup.held(prompt(7)) == 2 * PAGE
+            assert setup.held(prompt(3)) == 0  # the old process's cache is gone
+            assert setup.stats["restarts"] == 1
+        finally:
+            new.close()
+
+    run(body)
+
+
 def test_the_replay_socket_answers_while_the_engine_is_idle(tmp_path: Path) -> None:
     """Replays are served by the publisher's own thread, not on the next engine step."""
     pub = publisher(tmp_path)
