@@ -342,6 +342,9 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // copy that fits in the worker's free KV: the rest evicts cache as hot as what the
     // eviction order keeps (measured: with caches half the hot set, heat-discounted pulls
     // into full caches evicted the other hot prefixes, hit ratio 0.92 -> 0.77-0.87).
+    // Likewise an adapter's load (`before`): the engine loads it in the step that prefills
+    // the request, which holds up every request waiting there too (measured on the LoRA
+    // preset: 15% fewer loads a request, mean TTFT 5% lower, over 3 seeds twice).
     double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
     if (h) {  // a hot prefix with copies enough: one more only displaces other cache
         int64_t copies = 0;
@@ -360,6 +363,7 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
             seconds += paid * s.costs.prefill_s_per_token * ws[i]->token_x *
                        static_cast<double>(1 + ws[i]->waiting());
         }
+        if (before) seconds += (*before)[i] * static_cast<double>(ws[i]->waiting());
         placement[i] = seconds;
         if (i == 0 || seconds < placement[soonest] ||
             (seconds == placement[soonest] && o.loads[i] < o.loads[soonest])) {

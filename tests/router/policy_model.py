@@ -115,6 +115,7 @@ class Options:
     plans: dict[str, Plan]
     best: Worker
     loads: dict[str, int]
+    before: dict[str, float]  # an adapter's load or wait, paid before the prefill
 
 
 class ReferencePolicy:
@@ -168,13 +169,15 @@ class ReferencePolicy:
             for w in workers
         }
         adapter = request.namespace.lora_name if request.namespace is not None else None
+        before = {w.url: 0.0 for w in workers}
         if adapter is not None:  # an adapter to load first, where it is not in memory
             for w in workers:
                 p, load_s = plans[w.url], w.adapters.seconds(adapter, self.cost.lora_load_s)
                 assert p.work is not None
                 p.seconds += load_s
                 p.work = p.work._replace(fixed_s=p.work.fixed_s + load_s)
-        return Options(workers, view, held, plans, best, loads)
+                before[w.url] = load_s
+        return Options(workers, view, held, plans, best, loads, before)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
@@ -208,6 +211,7 @@ class ReferencePolicy:
                 evicts = 0 if free < 0 else min(max(lacks - free, 0), lacks)
                 paid = evicts + (lacks - evicts) / (1 + heat)
                 seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)
+            seconds += o.before[w.url] * w.waiting  # the load holds up those waiting there
             placement[w.url] = seconds
         soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
         if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn

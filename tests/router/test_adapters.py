@@ -21,7 +21,7 @@ from router.policies import (
     make_policy,
 )
 from router.trees import PromptTrees
-from router.workers import Worker
+from router.workers import Worker, WorkerType
 from shared.namespaces import CacheNamespace
 from tests.http_client import call, metric
 from tests.procs import running
@@ -150,6 +150,26 @@ def test_the_policy_prefers_the_worker_holding_the_adapter() -> None:
     assert policy.select(_request("beta"), [a, b]).worker is a
     d = policy.select(_request(None), [a, b])  # no adapter: nothing changes
     assert d.worker is a and d.work is not None and d.work.fixed_s == 0.0
+
+
+def test_a_load_elsewhere_is_priced_for_the_requests_waiting_behind_it() -> None:
+    """The engine loads an adapter in the step that prefills the request, holding up every
+    request waiting there too: a load on `a` starts this request 30 ms sooner than `b`'s
+    queue, but not when three requests wait on `a` (3 x 50 ms more)."""
+    policy, a, b = _one_slot_pair()
+    request = _request("beta")
+    history = list(range(48))  # held by both: the choice is between their queues
+    for w in (a, b):
+        w.adapters.capacity = 2
+        policy.trees.record(WorkerType.COLOCATED, w.url, request.tree_key(history, 16))
+        w.in_flight = 3
+    b.adapters.sent("beta")
+    b.in_flight_tokens = 2_000  # 80 ms of queued prefill on b, against a's 50 ms load
+    assert policy.select(request, [a, b]).worker is a  # running, none waiting
+    a.adapters.resident.clear()
+    for w in (a, b):
+        w.unstarted = 3  # all three waiting
+    assert policy.select(request, [a, b]).worker is b
 
 
 def test_lora_affinity_scores_loaded_then_free_slot_then_evict_ties_by_load() -> None:
