@@ -68,7 +68,7 @@ def summarize(
         "oracle_prompt_tokens": oracle_prompt,
         "per_turn_ttft_mean_s": {str(t): statistics.fmean(v) for t, v in sorted(per_turn.items())},
         "per_turn_requests": {str(t): len(v) for t, v in sorted(per_turn.items())},
-        "ttft_tail": tail(ok),
+        "ttft_tail": tail(ok, (min(sent), max(sent)) if sent else None),
     }
     return out
 
@@ -112,10 +112,15 @@ def active_span(outcomes: Sequence[Record], wall_s: float) -> float:
     return (max(ends) - min(sent)) if ends and sent else wall_s
 
 
-def tail(ok: Sequence[Record], fraction: float = 0.05) -> list[dict[str, Any]]:
-    """The slowest `fraction` of requests by TTFT (at least 2): what the p99 is made of."""
+def tail(
+    ok: Sequence[Record], sends: tuple[float, float] | None = None, fraction: float = 0.05
+) -> list[dict[str, Any]]:
+    """The slowest `fraction` of requests by TTFT (at least 2): what the p99 is made of;
+    with the run's first and last send (`sends`), when each was sent between them (0..1:
+    a tail sent at the start is a cold start's)."""
     timed = sorted((o for o in ok if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0))
     n = max(2, math.ceil(len(timed) * fraction))
+    first, last = sends or (0.0, 0.0)
     return [
         {
             "rid": o.rid,
@@ -125,6 +130,11 @@ def tail(ok: Sequence[Record], fraction: float = 0.05) -> list[dict[str, Any]]:
             "cached_tokens": o.cached_tokens,
             "host_tokens": o.host_tokens or 0,
             "pulled_tokens": o.pulled_tokens or 0,
+            "sent_at": (
+                (o.sent_s - first) / (last - first)
+                if o.sent_s is not None and last > first
+                else None
+            ),
         }
         for o in timed[:n]
     ]

@@ -1,13 +1,17 @@
 """Per-tenant figures of a run whose requests name their tenants (`Request.tenant`): TTFT,
-hit ratio, and goodput, the computed (uncached) prompt tokens and the requests completed
+hit ratio, and goodput, the computed (uncached) prompt tokens and the requests prefilled
 while the load was still being offered; and how the goodput was shared among the tenants
 against the shares they were configured with (issue 38's fairness at saturation).
 
-Goodput counts a request that completed while the load was still being offered (before
-the last request was sent) and before the first tenant had all of its requests answered:
-until then, at saturation, every tenant had requests waiting, so how the work was shared was
-the router's choice; past that fewer tenants compete, and over the whole run every tenant
-would end with what it sent.
+Goodput counts a request whose prefill ended (its first token came) while the load was
+still being offered (before the last request was sent) and before the first tenant had all
+of its requests prefilled: until then, at saturation, every tenant had requests waiting, so
+how the work was shared was the router's choice; past that fewer tenants compete, and over
+the whole run every tenant would end with what it sent. Its prompt tokens are computed by
+then: counted at the end of its answer instead, the requests in flight when the window ends
+(up to the router's concurrency, 8 of 4-6K-token prompts in the fairness cell, about a
+fifth of a small tenant's goodput) fell out of it whole, the slowest first, and which
+tenant's they were decided the shares as much as the router did.
 """
 
 from __future__ import annotations
@@ -31,15 +35,15 @@ def per_tenant(
         t: [records[r.rid] for r in requests if r.tenant == t and records[r.rid].ok]
         for t in tenants
     }
-    ends = [max(map(finished, mine)) for mine in ok.values() if mine]
-    # the first tenant served in full, or the last request sent
+    ends = [max(map(prefilled, mine)) for mine in ok.values() if mine]
+    # the first tenant prefilled in full, or the last request sent
     end = min([*ends, max((o.sent_s or 0.0 for o in records), default=0.0)], default=0.0)
     out: dict[str, dict[str, Any]] = {}
     for tenant in tenants:
         mine = ok[tenant]
         prompt = sum(o.prompt_tokens for o in mine)
         cached = sum(o.cached_tokens for o in mine)
-        done_in_time = [o for o in mine if finished(o) <= end]
+        done_in_time = [o for o in mine if prefilled(o) <= end]
         out[tenant] = {
             "requests": sum(r.tenant == tenant for r in requests),
             "ok": len(mine),
@@ -53,9 +57,11 @@ def per_tenant(
     return out
 
 
-def finished(record: Record) -> float:
-    """When an answered request's answer ended, from the start of the run."""
-    return (record.sent_s or 0.0) + (record.e2e_s or 0.0)
+def prefilled(record: Record) -> float:
+    """When an answered request's first token came (its answer's end, where no first token
+    was timed), from the start of the run."""
+    took = record.ttft_s if record.ttft_s is not None else record.e2e_s
+    return (record.sent_s or 0.0) + (took or 0.0)
 
 
 def fairness(

@@ -3,6 +3,7 @@ asserted; a missed one carries the figures that say why."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +159,12 @@ def tail_summary(run: dict[str, Any], turns: bool = True) -> str:
     if not turns:
         ttfts = [r["ttft_s"] for r in rows]
         what += f"TTFT {min(ttfts):.2f}-{max(ttfts):.2f} s, "
+        when = sorted(r["sent_at"] for r in rows if r.get("sent_at") is not None)
+        if when:  # early in the run: the cold start's queue
+            what += (
+                f"sent {when[0]:.0%}-{when[-1]:.0%} of the way through the sending "
+                f"(median {statistics.median(when):.0%}), "
+            )
     return (
         f"{what}{prompt / len(rows):,.0f} prompt tokens on average, "
         f"{cached / prompt if prompt else 0:.0%} cached"

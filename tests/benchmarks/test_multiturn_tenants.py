@@ -117,13 +117,16 @@ def test_the_routers_tenants_files_parse_with_keys_hashed_and_the_tool_prompt_pu
     assert [t["share"] for t in shares["tenants"]] == list(tenants_preset.SHARES)
 
 
-def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() -> None:
-    """Goodput ends when the first tenant has all its answers: b's last answer, at 3 s,
-    comes after a's last one, at 2 s, and is not counted."""
+def test_per_tenant_goodput_counts_what_was_prefilled_while_every_tenant_waited() -> None:
+    """Goodput ends when the first tenant has all its prompts prefilled: a's last first
+    token, at 1.6 s. b's long answer whose first token came at 1.5 s counts (its prompt was
+    computed by then), though it ends at 4 s; b's first token at 2.6 s does not."""
     requests, records = [], []
-    for rid, (tenant, done_s) in enumerate([("a", 1.0), ("b", 1.5), ("a", 2.0), ("b", 3.0)]):
+    for rid, (tenant, sent_s, ttft_s, e2e_s) in enumerate(
+        [("a", 0.5, 0.1, 0.5), ("b", 1.0, 0.5, 3.0), ("a", 1.5, 0.1, 0.5), ("b", 2.5, 0.1, 0.5)]
+    ):
         requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
-        record = Record(rid, f"q{rid}", sent_s=done_s - 0.5, ttft_s=0.1, e2e_s=0.5)
+        record = Record(rid, f"q{rid}", sent_s=sent_s, ttft_s=ttft_s, e2e_s=e2e_s)
         record.prompt_tokens, record.cached_tokens = 100, 40
         records.append(record)
     failed = Record(4, "q4", sent_s=0.0)
@@ -137,6 +140,7 @@ def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() ->
     assert (b["requests"], b["ok"], b["goodput_requests"]) == (3, 2, 1)
     assert (a["goodput_computed_tokens"], b["goodput_computed_tokens"]) == (120, 60)
     assert a["hit_ratio"] == pytest.approx(0.4) and a["ttft_mean_s"] == pytest.approx(0.1)
+    assert b["ttft_mean_s"] == pytest.approx(0.3)
     fair = fairness(figures, {"a": 1.0, "b": 1.0})
     assert fair["configured_shares"] == {"a": 0.5, "b": 0.5}
     assert fair["goodput_token_shares"]["a"] == pytest.approx(2 / 3)
@@ -145,14 +149,15 @@ def test_per_tenant_goodput_counts_what_completed_while_every_tenant_waited() ->
 
 
 def test_per_tenant_goodput_ends_when_the_last_request_was_sent() -> None:
-    """Past the last send the queue only drains: a's answer at 2 s, after b's last request
-    went out at 1.2 s, is not counted, though neither tenant had all its answers yet."""
+    """Past the last send the queue only drains: a's first token at 2 s, after b's last
+    request went out at 1.2 s, is not counted, though neither tenant had all its prompts
+    prefilled yet."""
     requests, records = [], []
-    for rid, (tenant, sent_s, e2e_s) in enumerate(
-        [("a", 0.0, 1.0), ("b", 0.2, 5.0), ("a", 1.0, 1.0), ("b", 1.2, 5.0)]
+    for rid, (tenant, sent_s, ttft_s) in enumerate(
+        [("a", 0.0, 0.1), ("b", 0.2, 4.8), ("a", 1.0, 1.0), ("b", 1.2, 4.8)]
     ):
         requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
-        record = Record(rid, f"q{rid}", sent_s=sent_s, ttft_s=0.1, e2e_s=e2e_s)
+        record = Record(rid, f"q{rid}", sent_s=sent_s, ttft_s=ttft_s, e2e_s=ttft_s + 0.5)
         record.prompt_tokens, record.cached_tokens = 100, 0
         records.append(record)
     figures = per_tenant(requests, records)
