@@ -21,7 +21,7 @@ import random
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mempool._radix import Decider, Heat
@@ -388,7 +388,7 @@ class PromptTree(Policy):
         self.pulls = pulls  # plan MemPool pulls between workers that support them
         heat = Heat(trees.page_size) if self.name == PromptTree.name else None
         self.core = cost.decider(self.name, trees.page_size, pulls, thresholds, heat)
-        # for an adapter's request, which a worker never pulls
+        # for a namespaced request, which a worker pulls no more of than its open part
         self._core_no_pulls = self.core
         if pulls:
             self._core_no_pulls = cost.decider(self.name, trees.page_size, False, thresholds, heat)
@@ -413,7 +413,9 @@ class PromptTree(Policy):
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
         core = self.core
-        if request.namespace is not None and not pulls_prefix(request.namespace):
+        if request.namespace is not None and not pulls_whole_prefix(
+            request.namespace, self.trees.page_size
+        ):
             core = self._core_no_pulls
         if self._native:
             tree = self.trees.trees[request.type]
@@ -436,13 +438,15 @@ class PromptTree(Policy):
         return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
 
 
-def pulls_prefix(namespace: CacheNamespace) -> bool:
-    """Whether a worker would pull a namespaced request's prefix from a peer. It pulls by the
-    request's index key, which its peers key alike (connector.worker.pull), except an
-    adapter's: keyed by each worker's own load of it, it is never pulled. The decision plans
-    no pull for such a request, or it would send it to a worker that then recomputes the
-    whole prefix."""
-    return not namespace.lora_id
+def pulls_whole_prefix(namespace: CacheNamespace, page: int) -> bool:
+    """Whether a worker would pull a namespaced request's whole prefix from a peer. Peers'
+    pages are keyed by token ids alone, so a worker pulls only a namespace's open part (the
+    public tokens before its salt; none under an extra_key or an adapter:
+    connector.worker.pull), which the decision does not price: it plans no pull for such a
+    request, or it would send it to a worker that then recomputes the whole prefix. (A
+    model's key is the router's own, never a worker's.)"""
+    engine_side = replace(namespace, model="") if namespace.model else namespace
+    return engine_side.open_tokens(page) is None
 
 
 class Cost(PromptTree):

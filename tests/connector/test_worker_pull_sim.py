@@ -227,48 +227,6 @@ def test_a_stale_hint_costs_a_recompute(pair: tuple[Server, Server]) -> None:
     no_leak(puller)
 
 
-def test_a_salted_prompt_pulls_its_own_namespaces_pages_and_never_anothers(
-    pair: tuple[Server, Server],
-) -> None:
-    """A pull asks by the request's index key: tenant B, named the holder of tenant A's
-    identical prompt, gets nothing (the pull finds no page, B computes it all); tenant A's
-    own next request on the other worker pulls it, and the pulled pages stay in A's
-    namespace there (a request without the salt finds none)."""
-    holder, puller = pair
-    ids = prompt_ids(21, 1000)
-    first = generate(holder, ids, cache_salt="tenant-a")
-    held = cached_after(len(ids), len(first["output_ids"]))
-    asked = ids + prompt_ids(22, 60)
-    before = pull_stats(puller)
-    other = generate(puller, asked, cache_salt="tenant-b", memserve=hint(holder, held))
-    assert other["meta_info"]["pulled_tokens"] == 0 == other["meta_info"]["cached_tokens"]
-    assert pull_stats(puller)["empty"] - before["empty"] == 1
-    own = generate(puller, asked, cache_salt="tenant-a", memserve=hint(holder, held))
-    assert own["meta_info"]["pulled_tokens"] == held
-    assert own["meta_info"]["cached_tokens"] == 0
-    again = generate(puller, asked, cache_salt="tenant-a")
-    assert again["meta_info"]["cached_tokens"] == cached_after(len(asked), 4)
-    assert generate(puller, asked)["meta_info"]["cached_tokens"] == 0
-    no_leak(holder)
-    no_leak(puller)
-
-
-def test_a_public_prefix_is_pulled_across_tenants_and_the_text_after_it_is_not(
-    pair: tuple[Server, Server],
-) -> None:
-    holder, puller = pair
-    ids = prompt_ids(23, 1000)
-    public = {"shared_prefix_tokens": 480}  # 30 pages, shared by every salt
-    first = generate(holder, ids, cache_salt="tenant-a", **public)
-    held = cached_after(len(ids), len(first["output_ids"]))
-    asked = ids + prompt_ids(24, 60)
-    got = generate(puller, asked, cache_salt="tenant-b", memserve=hint(holder, held), **public)
-    assert got["meta_info"]["pulled_tokens"] == 480
-    assert got["meta_info"]["cached_tokens"] == 0
-    no_leak(holder)
-    no_leak(puller)
-
-
 @pytest.mark.parametrize(
     ("memserve", "message"),
     [
