@@ -44,6 +44,7 @@ def per_tenant(
         prompt = sum(o.prompt_tokens for o in mine)
         cached = sum(o.cached_tokens for o in mine)
         done_in_time = [o for o in mine if prefilled(o) <= end]
+        asked = [o for o in mine if (o.sent_s or 0.0) <= end]
         out[tenant] = {
             "requests": sum(r.tenant == tenant for r in requests),
             "ok": len(mine),
@@ -53,6 +54,8 @@ def per_tenant(
             "hit_ratio": cached / prompt if prompt else None,
             "goodput_requests": len(done_in_time),
             "goodput_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in done_in_time),
+            # what it asked for by then: the computed tokens of its requests sent in the window
+            "demand_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in asked),
         }
     return out
 
@@ -69,7 +72,9 @@ def fairness(
 ) -> dict[str, Any]:
     """Each tenant's share of the goodput (computed tokens, and requests) against its
     configured share (`shares`: relative weights), and the worst deviation of the token
-    share from the configured one (|goodput share / configured share - 1|)."""
+    share from the configured one (|goodput share / configured share - 1|); beside them,
+    the weighted max-min fair shares of the goodput given what each tenant asked for
+    (`max_min_fair`) and the worst deviation from those."""
     weight = sum(shares.values())
     configured = {t: w / weight for t, w in shares.items()}
     tokens = {t: float(tenants.get(t, {}).get("goodput_computed_tokens") or 0) for t in shares}
@@ -78,9 +83,32 @@ def fairness(
     token_share = {t: v / total_tokens if total_tokens else None for t, v in tokens.items()}
     request_share = {t: v / total_done if total_done else None for t, v in done.items()}
     deviations = [abs(s / configured[t] - 1) for t, s in token_share.items() if s is not None]
+    demand = {t: float(tenants.get(t, {}).get("demand_computed_tokens") or 0) for t in shares}
+    fair = max_min_fair(total_tokens, demand, shares)
+    fair_share = {t: v / total_tokens if total_tokens else None for t, v in fair.items()}
+    off_fair = [abs(tokens[t] / v - 1) for t, v in fair.items() if v > 0]
     return {
         "configured_shares": configured,
         "goodput_token_shares": token_share,
         "goodput_request_shares": request_share,
         "share_deviation": max(deviations) if deviations else None,
+        "max_min_shares": fair_share,
+        "max_min_deviation": max(off_fair) if off_fair else None,
     }
+
+
+def max_min_fair(
+    capacity: float, demand: Mapping[str, float], weights: Mapping[str, float]
+) -> dict[str, float]:
+    """Weighted max-min fair shares of `capacity`: a tenant that asked for less than its
+    weight's part gets what it asked for, the rest is split by weight among the others (a
+    tenant whose prompts stay cached, and so cost little, may need less than its share;
+    what it leaves is the others' to take, not unfairness)."""
+    out: dict[str, float] = {}
+    left, weight = capacity, sum(weights[t] for t in demand)
+    for tenant in sorted(demand, key=lambda t: demand[t] / weights[t]):
+        part = left * weights[tenant] / weight if weight > 0 else 0.0
+        out[tenant] = min(demand[tenant], part)
+        left -= out[tenant]
+        weight -= weights[tenant]
+    return out

@@ -313,16 +313,18 @@ def fairness_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]
     rows, figures = [], []
     tenants = list(next(iter(mine.values())).get("configured_shares") or {})
     for tenant in tenants:
-        configured, tokens, done, sent = (
+        configured, tokens, done, sent, fair = (
             over_seeds(mine, functools.partial(tenant_value, key=key, tenant=tenant))
             for key in (
                 "configured_shares",
                 "goodput_token_shares",
                 "goodput_request_shares",
                 "sent_shares",
+                "max_min_shares",
             )
         )
         vs = {s: tokens[s] / configured[s] for s in tokens if configured.get(s)}
+        vs_fair = {s: tokens[s] / fair[s] for s in tokens if fair.get(s)}
         figures.append(
             {
                 "tenant": tenant,
@@ -331,6 +333,8 @@ def fairness_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]
                 "tokens": tokens,
                 "requests": done,
                 "tokens_vs_configured": vs,
+                "max_min": fair,
+                "tokens_vs_max_min": vs_fair,
             }
         )
         rows.append(
@@ -345,6 +349,8 @@ def fairness_rows(runs: Sequence[Run], config: str) -> tuple[list[dict[str, Any]
                 else None,
                 "goodput (requests)": pct(statistics.median(done.values())) if done else None,
                 "tokens / configured (per seed -> median)": per_seed_text(vs),
+                "max-min fair share": pct(statistics.median(fair.values())) if fair else None,
+                "tokens / max-min (per seed -> median)": per_seed_text(vs_fair),
             }
         )
     return rows, figures
@@ -363,10 +369,13 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
                 f"Fairness at saturation: {config}",
                 rows,
                 "Each tenant's share of the goodput (computed prompt tokens, and requests, "
-                "answered while requests were still being sent and before the first tenant had "
-                "all of its answers: until then every tenant had requests waiting) against its "
-                "configured share (the tenants file's `share`, which the router enforces); "
-                "medians over the seeds.",
+                "prefilled while requests were still being sent and before the first tenant had "
+                "all of its prompts prefilled) against its configured share (the tenants "
+                "file's `share`, which the router enforces), and against its weighted max-min "
+                "fair share given what it asked for (the computed tokens of its requests sent "
+                "in that window: a tenant that asked for less than its configured share gets "
+                "what it asked for, the others split the rest by share); medians over the "
+                "seeds.",
             )
             continue
         rows, per_system = isolation_rows(runs, config)

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.load.record import Record
 from benchmarks.multiturn import tenants_preset
-from benchmarks.multiturn.per_tenant import fairness, per_tenant
+from benchmarks.multiturn.per_tenant import fairness, max_min_fair, per_tenant
 from benchmarks.multiturn.tenants import TenantPrefix, tenant_key
 from benchmarks.multiturn.workloads import Request
 from router.tenants.config import hash_key, parse
@@ -163,6 +163,24 @@ def test_per_tenant_goodput_ends_when_the_last_request_was_sent() -> None:
     figures = per_tenant(requests, records)
     assert figures is not None
     assert figures["a"]["goodput_requests"] == 1 and figures["b"]["goodput_requests"] == 0
+
+
+def test_a_tenant_that_asked_for_less_than_its_share_is_fairly_served_with_what_it_asked() -> None:
+    """Weighted max-min: a (weight 2) asked for 30 of 100, so b and c split the other 70;
+    a's goodput share of 30% is then fair, though below its configured 50%."""
+    fair = max_min_fair(100.0, {"a": 30.0, "b": 80.0, "c": 80.0}, {"a": 2.0, "b": 1.0, "c": 1.0})
+    assert fair == pytest.approx({"a": 30.0, "b": 35.0, "c": 35.0})
+    every = max_min_fair(100.0, {"a": 90.0, "b": 90.0}, {"a": 3.0, "b": 1.0})
+    assert every == pytest.approx({"a": 75.0, "b": 25.0})  # both asked for more
+    figures = {
+        "a": {"goodput_computed_tokens": 30, "demand_computed_tokens": 30},
+        "b": {"goodput_computed_tokens": 40, "demand_computed_tokens": 80},
+        "c": {"goodput_computed_tokens": 30, "demand_computed_tokens": 80},
+    }
+    out = fairness(figures, {"a": 2.0, "b": 1.0, "c": 1.0})
+    assert out["share_deviation"] == pytest.approx(0.6)  # b: 40% of a 25% share
+    assert out["max_min_shares"] == pytest.approx({"a": 0.3, "b": 0.35, "c": 0.35})
+    assert out["max_min_deviation"] == pytest.approx(40 / 35 - 1)
 
 
 @pytest.mark.parametrize(
