@@ -53,11 +53,16 @@ def per_tenant(
             "cached_tokens": cached,
             "hit_ratio": cached / prompt if prompt else None,
             "goodput_requests": len(done_in_time),
-            "goodput_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in done_in_time),
+            "goodput_computed_tokens": computed(done_in_time),
             # what it asked for by then: the computed tokens of its requests sent in the window
-            "demand_computed_tokens": sum(o.prompt_tokens - o.cached_tokens for o in asked),
+            "demand_computed_tokens": computed(asked),
         }
     return out
+
+
+def computed(records: Sequence[Record]) -> int:
+    """The prompt tokens the workers computed for `records` (not cached)."""
+    return sum(o.prompt_tokens - o.cached_tokens for o in records)
 
 
 def prefilled(record: Record) -> float:
@@ -74,7 +79,7 @@ def fairness(
     configured share (`shares`: relative weights), and the worst deviation of the token
     share from the configured one (|goodput share / configured share - 1|); beside them,
     the weighted max-min fair shares of the goodput given what each tenant asked for
-    (`max_min_fair`) and the worst deviation from those."""
+    (`max_min_shares`, from `max_min_fair`) and the worst deviation from those."""
     weight = sum(shares.values())
     configured = {t: w / weight for t, w in shares.items()}
     tokens = {t: float(tenants.get(t, {}).get("goodput_computed_tokens") or 0) for t in shares}
