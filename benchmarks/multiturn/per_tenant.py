@@ -52,12 +52,20 @@ def per_tenant(
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_ratio": cached / prompt if prompt else None,
+            # its first request's: what it found before it had sent anything (an audit of
+            # isolation: none of another tenant's prompt, only a public prefix)
+            "first_cached_tokens": first_sent(mine).cached_tokens if mine else None,
             "goodput_requests": len(done_in_time),
             "goodput_computed_tokens": computed(done_in_time),
             # what it asked for by then: the computed tokens of its requests sent in the window
             "demand_computed_tokens": computed(asked),
         }
     return out
+
+
+def first_sent(records: Sequence[Record]) -> Record:
+    """The one of `records` sent first (the lowest rid of those sent at once)."""
+    return min(records, key=lambda o: (o.sent_s or 0.0, o.rid))
 
 
 def computed(records: Sequence[Record]) -> int:

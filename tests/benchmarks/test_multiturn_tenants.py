@@ -51,11 +51,22 @@ def test_tenants_quick(tenants_dir: Path) -> None:
             assert finite(figures_of_tenant["ttft_mean_s"]) and finite(
                 figures_of_tenant["hit_ratio"]
             )
-    # isolation is real: without a public prefix no tenant reuses another's tool prompt,
-    # so the workers report fewer cached tokens than with it, and fewer than with none
+    # isolation is real: without a public prefix a tenant's first request finds nothing of
+    # the tool prompt other tenants sent before it; with no isolation some tenant's first
+    # request finds it (4 tenants, the first sent to a cold cluster), and with it public a
+    # first request finds it or the hit ratio is above full isolation's (a busy holder may
+    # send every first request elsewhere). Full isolation's hit ratio is not compared with
+    # none's: 4 tenants on 4 workers miss the tool prompt about as often isolated as not,
+    # and the routing noise in 24 requests is a few points either way.
+    first = {
+        s: [t["first_cached_tokens"] for t in by_system[s]["per_tenant"].values()]
+        for s in ISOLATION
+    }
     hits = {s: by_system[s]["reuse_ratio"] for s in ISOLATION}
-    assert hits["ours prompt_tree tenants"] < hits["ours prompt_tree tenants public"], hits
-    assert hits["ours prompt_tree tenants"] < hits["ours prompt_tree"], hits
+    assert first["ours prompt_tree tenants"] == [0, 0, 0, 0], first
+    assert sum(first["ours prompt_tree"]) > 0, first
+    public = "ours prompt_tree tenants public"
+    assert sum(first[public]) > 0 or hits[public] > hits["ours prompt_tree tenants"], (first, hits)
     # the fairness cell: at 3x the sustained rate, goodput shares that add up to one
     fair = by_system[tenants_preset.FAIR_SYSTEM]
     assert fair["load"] == tenants_preset.FAIR_LOAD
@@ -163,6 +174,26 @@ def test_per_tenant_goodput_ends_when_the_last_request_was_sent() -> None:
     figures = per_tenant(requests, records)
     assert figures is not None
     assert figures["a"]["goodput_requests"] == 1 and figures["b"]["goodput_requests"] == 0
+
+
+def test_per_tenant_first_cached_tokens_are_those_of_the_request_it_sent_first() -> None:
+    """The isolation audit: what a tenant's first answered request found cached (b's
+    failed request sent first does not count; a tie in time goes to the lower rid)."""
+    requests, records = [], []
+    for rid, (tenant, sent_s, cached) in enumerate(
+        [("a", 0.5, 7), ("b", 0.0, 0), ("a", 0.5, 9), ("b", 0.3, 60), ("a", 0.1, 30)]
+    ):
+        requests.append(Request(rid, f"q{rid}", 0, 0.0, 4, tenant=tenant))
+        record = Record(rid, f"q{rid}", sent_s=sent_s, ttft_s=0.1, e2e_s=0.2)
+        record.prompt_tokens, record.cached_tokens = 100, cached
+        records.append(record)
+    records[1].fail("http_500")
+    figures = per_tenant(requests, records)
+    assert figures is not None
+    assert (figures["a"]["first_cached_tokens"], figures["b"]["first_cached_tokens"]) == (30, 60)
+    records[4].sent_s = 0.5  # now three at 0.5 s: the lowest rid
+    figures = per_tenant(requests, records)
+    assert figures is not None and figures["a"]["first_cached_tokens"] == 7
 
 
 def test_a_tenant_that_asked_for_less_than_its_share_is_fairly_served_with_what_it_asked() -> None:
