@@ -34,7 +34,7 @@ from benchmarks.multiturn.paired import Config, HotSetKV, Member, PairedPlan, se
 from benchmarks.multiturn.paired_report import Extra, Run, Target
 from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.versus import Column
+from benchmarks.multiturn.versus import Column, warm_text
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
 from benchmarks.report.seeds import configs, ratio
@@ -241,6 +241,6 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
             "Medians [min..max] over the seeds; ratios to sglang-router cache_aware's taken "
             "within each seed (the same requests on the same workers), listed seed by seed, "
             "then their median. Adapter loads: the workers' `lora.loads` after the run less "
-            "before it, over the requests.",
+            "before it, over the requests." + warm_text(rows),
         )
     return Extra("lora", lines, tables, [])

@@ -38,7 +38,7 @@ from benchmarks.multiturn.sustained import Search
 from benchmarks.multiturn.targets import pct
 from benchmarks.multiturn.tenants import TenantPrefix, tenant_key, tool_prompt
 from benchmarks.multiturn.text import Vocab
-from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows
+from benchmarks.multiturn.versus import over_seeds, per_seed_text, system_rows, warm_text
 from benchmarks.multiturn.workloads import OPENAI
 from benchmarks.peers import OURS
 from benchmarks.report.seeds import configs
@@ -386,6 +386,6 @@ def extra(out_dir: Path, figures: dict[str, Any]) -> Extra:
             "Medians [min..max] over the seeds; ratios to ours without tenants (no "
             "isolation) taken within each seed (the same requests on the same workers), "
             "listed seed by seed, then their median. Published: full isolation costs up to "
-            f"{SAFEKV_COST:.1%} TTFT (SafeKV, arXiv 2508.08438).",
+            f"{SAFEKV_COST:.1%} TTFT (SafeKV, arXiv 2508.08438)." + warm_text(rows),
         )
     return Extra("tenants", lines, tables, [])

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import finite
+from benchmarks.multiturn.metrics import WARM_UP
 from benchmarks.multiturn.paired_report import Run, label, runs_of
 from benchmarks.multiturn.targets import pct
 from benchmarks.report.seeds import ratio, spread, spread_text
+
+# The column of the steady state's p99: the requests sent after the warm-up (metrics.WARM_UP)
+WARM_P99 = "warm p99 s"
 
 
 def per_seed_text(values: dict[int, float], digits: int = 2) -> str | None:
@@ -66,6 +70,8 @@ def system_rows(
     systems = list(dict.fromkeys(label(r) for r in runs if r.get("config") == config))
     theirs = runs_of(runs, config, baseline)
     key = short.replace(" ", "_")
+    # runs that timed their steady state (metrics.warm): its p99 beside the whole run's
+    warm = any(r.get("ttft_warm_p99_s") is not None for r in runs if r.get("config") == config)
     rows, figures = [], []
     for system in systems:
         mine = runs_of(runs, config, system)
@@ -82,6 +88,9 @@ def system_rows(
             f"p99_vs_{key}": versus(mine, theirs, "ttft_p99_s"),
             f"hit_vs_{key}": versus(mine, theirs, "reuse_ratio"),
         }
+        if warm:
+            figure["ttft_warm_p99_s"] = over_seeds(mine, lambda r: r.get("ttft_warm_p99_s"))
+            figure[f"warm_p99_vs_{key}"] = versus(mine, theirs, "ttft_warm_p99_s")
         figures.append(figure)
         hits = spread(figure["hit_ratio"].values())
         rows.append(
@@ -96,4 +105,18 @@ def system_rows(
                 f"hit / {short}": per_seed_text(figure[f"hit_vs_{key}"]),
             }
         )
+        if warm:
+            rows[-1][WARM_P99] = mid(figure["ttft_warm_p99_s"])
+            rows[-1][f"{WARM_P99} / {short}"] = per_seed_text(figure[f"warm_p99_vs_{key}"])
     return rows, figures
+
+
+def warm_text(rows: Sequence[dict[str, Any]]) -> str:
+    """The sentence that says what the warm p99 columns count ("" when rows have none)."""
+    if not any(WARM_P99 in row for row in rows):
+        return ""
+    return (
+        f" {WARM_P99.removesuffix(' s').capitalize()}: of the requests sent after the first "
+        f"{WARM_UP:.0%} of the sending (every cache is cold before it, and a rate sized for "
+        "warm caches overloads every router alike)."
+    )
