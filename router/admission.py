@@ -163,6 +163,12 @@ class Admission:
         if self.gate is not None:
             self.gate.load_changed()
 
+    def short_of_slots(self) -> bool:
+        """Whether requests wait in the queue while every concurrency slot is taken: the
+        router's limit holds them, not the workers' (a rate limit or the expected-wait gate
+        may hold them too; either way no slot is free)."""
+        return self.queued > 0 and self._slots is not None and self._slots.locked()
+
     def excess(self) -> float:
         """Seconds the least-waiting eligible worker is past the deadline (-inf without
         one)."""

@@ -102,6 +102,11 @@ def reusable(held: int, n: int, page: int) -> int:
     return max(min(held, n - 1), 0) // page * page
 
 
+# The reason of a decision made among the idle workers only, while requests waited for a
+# slot in the router's queue (WorkerRegistry.idle_first).
+IDLE = "idle"
+
+
 @dataclass(slots=True)
 class Decision:
     worker: Worker

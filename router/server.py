@@ -132,6 +132,7 @@ class Router:
             self.admission.fair = FairQueue(keys.share)
         if self.admission.gate is not None:
             registry.when_load_changes(self.admission.load_changed)
+        registry.backlogged = self.admission.short_of_slots
         self.metrics.admission = self.admission
         self.metrics.expected_wait = config.cost.queue_s
         self._active = 0  # inference requests inside the router now

@@ -330,6 +330,22 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        # whether requests wait in the router's queue for a concurrency slot (the server's
+        # Admission.short_of_slots): a worker with nothing to do then is idle for good
+        self.backlogged: Callable[[], bool] = lambda: False
+
+    def idle_first(self, workers: list[Worker]) -> tuple[list[Worker], bool]:
+        """The workers a request may be placed on, and whether they were narrowed: while
+        requests wait for a slot in the router's queue, those of `workers` with nothing in
+        flight when some have (work-conserving: a request alone starts sooner where its
+        prefix is cached, but an idle worker's time at saturation is lost to every request
+        queued); else `workers`."""
+        if len(workers) < 2 or not self.backlogged():
+            return workers, False
+        idle = [w for w in workers if w.state.load == 0]
+        if not idle or len(idle) == len(workers):
+            return workers, False
+        return idle, True
 
     def add(
         self, url: str, type: WorkerType = WorkerType.COLOCATED, bootstrap_port: int | None = None

@@ -29,7 +29,7 @@ from router.forward.relay import Outcome, end_stream
 from router.forward.reply import Whole
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.pd.write_back import WriteBackGate
-from router.policies import Decision, Policy, RouteRequest, reusable
+from router.policies import IDLE, Decision, Policy, RouteRequest, reusable
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.pd_caching import Caching
@@ -69,11 +69,20 @@ class PrefillDecode(Strategy):
             sides.append([w for w in live if w.url not in tried] or live)
         if not sides[0] or not sides[1]:
             return None
-        prompt.type = WorkerType.PREFILL
-        prefill = self.settings.prefill_policy.select(prompt, sides[0])
-        prompt.type = WorkerType.DECODE
-        decode = self.settings.decode_policy.select(prompt, sides[1])
-        return prefill, decode
+        picked = []
+        for kind, side, policy in zip(
+            (WorkerType.PREFILL, WorkerType.DECODE),
+            sides,
+            (self.settings.prefill_policy, self.settings.decode_policy),
+            strict=True,
+        ):
+            prompt.type = kind
+            workers, idle = self.registry.idle_first(side)
+            decision = policy.select(prompt, workers)
+            if idle:
+                decision.reason = IDLE
+            picked.append(decision)
+        return picked[0], picked[1]
 
     async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
         pair = self.pick(call.prompt, tried)

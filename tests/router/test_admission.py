@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -75,6 +76,36 @@ def test_a_wait_longer_than_the_queue_timeout_is_refused() -> None:
                 return str(exc)
 
     assert "timed out" in asyncio.run(scenario())
+
+
+def test_the_router_is_short_of_slots_only_while_a_request_waits_for_one() -> None:
+    async def scenario() -> list[bool]:
+        admission = Admission(Limits(max_concurrent=1))
+        seen = [admission.short_of_slots()]
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with admission.slot():
+                seen.append(admission.short_of_slots())  # the only slot taken, no one waits
+                await release.wait()
+
+        async def waiter() -> None:
+            async with admission.slot():
+                seen.append(admission.short_of_slots())  # in: nothing waits any more
+
+        first = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        second = asyncio.create_task(waiter())
+        await asyncio.sleep(0)
+        seen.append(admission.short_of_slots())
+        release.set()
+        await asyncio.gather(first, second)
+        unlimited = Admission(Limits(rate_per_s=1000.0))
+        async with unlimited.slot():
+            seen.append(unlimited.short_of_slots())
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, True, False, False]
 
 
 def test_over_the_rate_is_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:
@@ -207,3 +238,44 @@ def test_a_bad_expected_wait_deadline_stops_the_router_at_start(value: str, mess
     )
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_requests_queued_for_a_slot_go_to_an_idle_worker_before_a_busy_holder(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Two workers, two slots: one worker holds a long prefix that 8 requests share. Each
+    one, seen alone, starts sooner on the holder (the other worker would compute the whole
+    prefix), but while requests wait in the router's queue the other worker's idle time is
+    lost for good, so the router sends it work (which then holds the prefix too)."""
+    worker_args = ["--backend", "sim", "--model-path", str(model_dir), "--time-scale", "1"]
+    prefix = " ".join(f"word{i % 97} part{i % 89}" for i in range(900))
+    with (
+        running("connector.worker", worker_args, tmp_path) as a,
+        running("connector.worker", worker_args, tmp_path) as b,
+    ):
+        args = ["--policy", "prompt-tree", "--worker-urls", a.url, b.url]
+        args += ["--max-concurrent-requests", "2", "--queue-size", "100"]
+        with running("router", args, tmp_path) as r:
+
+            def send(suffix: str) -> None:
+                body = {"text": f"{prefix} {suffix}", "sampling_params": {"max_new_tokens": 24}}
+                status, answer = call(r.url + "/generate", body)
+                assert status == 200, answer
+
+            send("first")  # one worker now holds the prefix
+            threads = [threading.Thread(target=send, args=(f"q{i}",)) for i in range(10)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            events = [
+                line
+                for line in call(r.url + "/metrics")[1].splitlines()
+                if line.startswith("sgl_router_load_balancing_events_total")
+            ]
+            served = {
+                w["url"]: w["processed"] for w in call(r.url + "/get_server_info")[1]["workers"]
+            }
+    holder, other = sorted(served.values(), reverse=True)
+    assert holder + other == 11 and other >= 1, served
+    assert any('reason="idle"' in line for line in events), events  # why, in the metrics

@@ -209,6 +209,21 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     assert w.breaker is BreakerState.CLOSED
 
 
+def test_while_requests_wait_for_a_slot_only_idle_workers_are_offered() -> None:
+    registry = WorkerRegistry(BreakerConfig())
+    a, b, c = (registry.add(f"127.0.0.1:900{i}") for i in range(3))
+    a.state.in_flight = 2
+    everyone = [a, b, c]
+    assert registry.idle_first(everyone) == (everyone, False)  # nothing waits in the router
+    registry.backlogged = lambda: True
+    assert registry.idle_first(everyone) == ([b, c], True)
+    b.state.in_flight = c.state.in_flight = 1
+    assert registry.idle_first(everyone) == (everyone, False)  # none idle: the policy decides
+    a.state.in_flight = b.state.in_flight = c.state.in_flight = 0
+    assert registry.idle_first(everyone) == (everyone, False)  # all idle: no narrowing
+    assert registry.idle_first([a]) == ([a], False)
+
+
 @pytest.mark.parametrize("bad", ["", "ftp://x:1", "http://nohost", "localhost"])
 def test_bad_worker_urls(bad: str) -> None:
     with pytest.raises(ValueError, match="http://host:port"):
