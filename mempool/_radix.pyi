@@ -265,11 +265,13 @@ class Decider:
         workers: Sequence[WorkerState],
         ttl: float | None = None,
         before: Sequence[float] | None = None,
+        pull_limit: int = -1,
     ) -> _Choice:
         """(worker index, reason, predicted cached tokens, longer holders as (index, tokens)
         longest first, index pulled from or None, work terms at the constants). `before`:
         seconds each worker spends on the request before its prefill (an adapter to load),
-        finite and not negative, one per worker."""
+        finite and not negative, one per worker. `pull_limit`: the most of the prefix a pull
+        may cover (-1: all; 0: no pull, and no holders named), else ValueError."""
     def decide_view(
         self,
         view: Sequence[tuple[int, int, int]],
@@ -277,6 +279,7 @@ class Decider:
         num_tokens: int,
         workers: Sequence[WorkerState],
         before: Sequence[float] | None = None,
+        pull_limit: int = -1,
     ) -> _Choice:
         """`decide` over a view given per worker as (any tier, device, home), -1 for none."""
     def plan(

@@ -393,10 +393,6 @@ class PromptTree(Policy):
         self.pulls = pulls  # plan MemPool pulls between workers that support them
         heat = Heat(trees.page_size) if self.name == PromptTree.name else None
         self.core = cost.decider(self.name, trees.page_size, pulls, thresholds, heat)
-        # for a namespaced request, which a worker pulls no more of than its open part
-        self._core_no_pulls = self.core
-        if pulls:
-            self._core_no_pulls = cost.decider(self.name, trees.page_size, False, thresholds, heat)
         # the router's trees are walked natively; other trees (a replay's) give their view
         self._native = isinstance(trees, PromptTrees)
 
@@ -408,7 +404,7 @@ class PromptTree(Policy):
 
     @heat.setter
     def heat(self, heat: Heat | None) -> None:
-        self.core.heat = self._core_no_pulls.heat = heat
+        self.core.heat = heat
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         tokens = request.tree_key(request.tokens or (), self.trees.page_size)
@@ -417,15 +413,11 @@ class PromptTree(Policy):
         before = None
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
-        core = self.core
-        if request.namespace is not None and not pulls_whole_prefix(
-            request.namespace, self.trees.page_size
-        ):
-            core = self._core_no_pulls
+        core, limit = self.core, pull_limit(request.namespace, self.trees.page_size)
         if self._native:
             tree = self.trees.trees[request.type]
             choice, reason, cached, longer, pull, work = core.decide(
-                tree, tokens, request.num_tokens, states, self.trees.ttl_s, before
+                tree, tokens, request.num_tokens, states, self.trees.ttl_s, before, limit
             )
         else:
             view = self.trees.match(request.type, tokens)
@@ -434,7 +426,7 @@ class PromptTree(Policy):
                 for w in workers
             ]
             choice, reason, cached, longer, pull, work = core.decide_view(
-                held, tokens, request.num_tokens, states, before
+                held, tokens, request.num_tokens, states, before, limit
             )
         if adapter is not None:
             workers[choice].adapters.sent(adapter)
@@ -443,15 +435,18 @@ class PromptTree(Policy):
         return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
 
 
-def pulls_whole_prefix(namespace: CacheNamespace, page: int) -> bool:
-    """Whether a worker would pull a namespaced request's whole prefix from a peer. Peers'
-    pages are keyed by token ids alone, so a worker pulls only a namespace's open part (the
-    public tokens before its salt; none under an extra_key or an adapter:
-    connector.worker.pull), which the decision does not price: it plans no pull for such a
-    request, or it would send it to a worker that then recomputes the whole prefix. (A
-    model's key is the router's own, never a worker's.)"""
+def pull_limit(namespace: CacheNamespace | None, page: int) -> int:
+    """The most of a request's prefix a worker would pull from a peer (-1: all of it). Peers'
+    pages are keyed by token ids alone, so a worker pulls only a namespace's open part: the
+    public tokens before its salt, none under an extra_key or an adapter
+    (connector.worker.pull). The decision prices a pull of that part with the rest computed,
+    or it would send the request where the whole prefix is then recomputed. (A model's key
+    is the router's own, never a worker's.)"""
+    if namespace is None:
+        return -1
     engine_side = replace(namespace, model="") if namespace.model else namespace
-    return engine_side.open_tokens(page) is None
+    open_tokens = engine_side.open_tokens(page)
+    return -1 if open_tokens is None else open_tokens
 
 
 class Cost(PromptTree):

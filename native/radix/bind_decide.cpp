@@ -130,13 +130,16 @@ struct Decider {
     nb::tuple run(const std::vector<PyWorkerState*>& py,
                   const std::vector<const route::WorkerState*>& ws,
                   const std::vector<route::Held>& held, const uint32_t* tokens, size_t n,
-                  int64_t num_tokens, const std::vector<double>& before) {
+                  int64_t num_tokens, const std::vector<double>& before, int64_t pull_limit) {
         if (num_tokens < 0) raise(PyExc_ValueError, "num_tokens must not be negative");
+        if (pull_limit < -1) {
+            raise(PyExc_ValueError, "pull_limit must be -1 (no limit) or a number of tokens >= 0");
+        }
         PyHeat* h = settings.rule == route::Rule::PromptTree ? heat() : nullptr;
         double heat_now = h ? h->clock() : 0.0;
         route::Choice c = route::decide(settings, ws, held, tokens, n, num_tokens,
                                         h ? &h->heat : nullptr, monotonic_now(), heat_now,
-                                        before.empty() ? nullptr : &before);
+                                        before.empty() ? nullptr : &before, pull_limit);
         if (settings.rule == route::Rule::PromptTree) py[c.worker]->s.draw(c.computed, heat_now);
         nb::list holders;
         for (const auto& [i, tokens_held] : c.holders) {
@@ -150,7 +153,7 @@ struct Decider {
 
     // One walk of `tree` for every candidate, then the rule.
     nb::tuple decide(nb::handle tree, nb::handle tokens, int64_t num_tokens, nb::handle workers,
-                     nb::handle ttl, nb::handle before_s) {
+                     nb::handle ttl, nb::handle before_s, int64_t pull_limit) {
         std::shared_ptr<Core> core = tree_core(tree);
         if (core->tree.page_size() != settings.page_size) {
             raise(PyExc_ValueError, "the tree's page size is not the decider's");
@@ -161,7 +164,7 @@ struct Decider {
         std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit);
         Tokens t(tokens, core->scratch, core->tree.page_size());
         double now = core->now();
         double cutoff = -std::numeric_limits<double>::infinity();
@@ -185,13 +188,13 @@ struct Decider {
             }
         }
         // every id, for the heat
-        return run(py, ws, held, t.data(), t.size(), num_tokens, before);
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit);
     }
 
     // The same rule over a view given per worker as (held in any tier, on device, home),
     // -1 for none: trees that are not a RadixTree (a replay's exact caches).
     nb::tuple decide_view(nb::handle view, nb::handle tokens, int64_t num_tokens,
-                          nb::handle workers, nb::handle before_s) {
+                          nb::handle workers, nb::handle before_s, int64_t pull_limit) {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         nb::object seq = nb::steal(PySequence_Fast(view.ptr(), "view must be a list"));
@@ -208,9 +211,9 @@ struct Decider {
         std::vector<double> before = seconds_before(before_s, ws.size());
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit);
         Tokens t(tokens, scratch, 1);
-        return run(py, ws, held, t.data(), t.size(), num_tokens, before);
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit);
     }
 };
 
@@ -383,9 +386,10 @@ void radix_py::bind_decide(nb::module_& m) {
         .def_prop_ro("page_size", [](Decider& d) { return d.settings.page_size; })
         .def("decide", &Decider::decide, nb::arg("tree"), nb::arg("tokens"),
              nb::arg("num_tokens"), nb::arg("workers"), nb::arg("ttl") = nb::none(),
-             nb::arg("before") = nb::none())
+             nb::arg("before") = nb::none(), nb::arg("pull_limit") = -1)
         .def("decide_view", &Decider::decide_view, nb::arg("view"), nb::arg("tokens"),
-             nb::arg("num_tokens"), nb::arg("workers"), nb::arg("before") = nb::none())
+             nb::arg("num_tokens"), nb::arg("workers"), nb::arg("before") = nb::none(),
+             nb::arg("pull_limit") = -1)
         .def(
             "plan",
             [](Decider& d, PyWorkerState& w, int64_t num_tokens, int64_t cached, int64_t host,

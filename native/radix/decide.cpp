@@ -190,12 +190,13 @@ Reason pulled(Reason r) {
 struct Options {
     std::vector<int64_t> held, loads, host;
     std::vector<Plan> plans;
-    size_t best = 0;  // the holder of the longest prefix
+    size_t best = 0;       // the holder of the longest prefix
+    int64_t pullable = 0;  // of it, what a pull may cover
 };
 
 Options options(const Settings& s, const std::vector<const WorkerState*>& ws,
                 const std::vector<Held>& view, int64_t n, double now,
-                const std::vector<double>* before) {
+                const std::vector<double>* before, int64_t pull_limit) {
     Options o;
     size_t k = ws.size();
     int64_t page = s.page_size;
@@ -217,13 +218,15 @@ Options options(const Settings& s, const std::vector<const WorkerState*>& ws,
         o.host[i] = std::max<int64_t>(found - std::max<int64_t>(view[i].device, 0), 0);
     }
     int64_t most = o.held[o.best];
+    o.pullable = pull_limit < 0 ? most : std::min(most, pull_limit);
     const WorkerState* source =
-        s.pulls && most && ws[o.best]->has_agent ? ws[o.best] : nullptr;
+        s.pulls && o.pullable && ws[o.best]->has_agent ? ws[o.best] : nullptr;
     o.plans.reserve(k);
     for (size_t i = 0; i < k; i++) {
         int64_t host = std::min(o.host[i], o.held[i]);
         const WorkerState* from = source != ws[i] ? source : nullptr;
-        o.plans.push_back(plan(s.costs, *ws[i], n, o.held[i], host, from, most, o.loads[i], now));
+        o.plans.push_back(
+            plan(s.costs, *ws[i], n, o.held[i], host, from, o.pullable, o.loads[i], now));
         if (before) {  // paid before its prefill, modelled and not learned
             o.plans[i].seconds += (*before)[i];
             o.plans[i].work.fixed_s += (*before)[i];
@@ -245,7 +248,7 @@ Choice choose(const Settings& s, const std::vector<const WorkerState*>& ws, cons
     }
     c.reason = reason;
     c.predicted_cached = mine;
-    if (s.pulls && ws[choice]->can_pull) {
+    if (s.pulls && ws[choice]->can_pull && o.pullable > mine) {
         for (size_t i = 0; i < ws.size(); i++) {
             if (i != choice && ws[i]->has_agent && o.held[i] > mine) {
                 c.holders.emplace_back(i, o.held[i]);
@@ -293,8 +296,8 @@ size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<int64_
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
               const std::vector<Held>& view, const uint32_t* tokens, size_t n,
               int64_t num_tokens, Heat* heat, double now, double heat_now,
-              const std::vector<double>* before) {
-    Options o = options(s, ws, view, num_tokens, now, before);
+              const std::vector<double>* before, int64_t pull_limit) {
+    Options o = options(s, ws, view, num_tokens, now, before, pull_limit);
     size_t k = ws.size();
     if (s.rule == Rule::Cost) {
         size_t choice = 0;

@@ -11,7 +11,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.policies import CostModel, Decision, RouteRequest, Thresholds, reusable
+from router.policies import (
+    CostModel,
+    Decision,
+    RouteRequest,
+    Thresholds,
+    pull_limit,
+    reusable,
+)
 from router.speed import Work
 from router.trees import PrefixView, PromptTrees
 from router.workers import Worker, WorkerType
@@ -116,6 +123,7 @@ class Options:
     best: Worker
     loads: dict[str, int]
     before: dict[str, float]  # an adapter's load or wait, paid before the prefill
+    pullable: int  # of the longest prefix, what a pull may cover
 
 
 class ReferencePolicy:
@@ -154,7 +162,9 @@ class ReferencePolicy:
             if (held[w.url], -loads[w.url]) > best_key:
                 best, best_key = w, (held[w.url], -loads[w.url])
         most = held[best.url]
-        source = best if self.pulls and most and best.agent is not None else None
+        limit = pull_limit(request.namespace, page)
+        pullable = most if limit < 0 else min(most, limit)
+        source = best if self.pulls and pullable and best.agent is not None else None
         plans = {
             w.url: plan(
                 self.cost,
@@ -163,7 +173,7 @@ class ReferencePolicy:
                 held[w.url],
                 min(view.host(w.url), held[w.url]),
                 source if source is not w else None,
-                most,
+                pullable,
                 loads[w.url],
             )
             for w in workers
@@ -177,7 +187,7 @@ class ReferencePolicy:
                 p.seconds += load_s
                 p.work = p.work._replace(fixed_s=p.work.fixed_s + load_s)
                 before[w.url] = load_s
-        return Options(workers, view, held, plans, best, loads, before)
+        return Options(workers, view, held, plans, best, loads, before, pullable)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
@@ -248,7 +258,7 @@ class ReferencePolicy:
         elif reason == "cache_hit" and o.view.host(choice.url):
             reason = "host_hit"
         holders: list[tuple[Worker, int]] = []
-        if self.pulls and choice.can_pull:
+        if self.pulls and choice.can_pull and o.pullable > mine:
             longer = (
                 (w, o.held[w.url])
                 for w in o.workers

@@ -111,7 +111,8 @@ doc_st = st.lists(st.integers(0, 1000), min_size=8, max_size=48)
             st.lists(st.integers(0, 3), max_size=40),  # none: a prompt all in `rest`
             st.integers(0, 9),
             st.sampled_from([0.0, 0.5, 30.0]),
-            st.sampled_from([None, None, "a", "b", "c"]),  # a LoRA adapter
+            # a LoRA adapter, or a tenant's salt after a public prefix of so many tokens
+            st.sampled_from([None, None, "a", "b", "c", "salt:0", "salt:8", "salt:20"]),
         ),
         min_size=1,
         max_size=12,
@@ -146,13 +147,22 @@ def test_the_native_decision_is_the_reference_models(
     for doc, cut, suffix, rest, later, adapter in requests:
         heat_clock.now += later
         tokens = docs[doc % len(docs)][:cut] + suffix
-        ns = None if adapter is None else CacheNamespace(lora_id=adapter, lora_name=adapter)
+        ns = namespace(adapter)
         # the model first: the native policy then notes the adapter as loaded where it chose
         expected = model.select(RouteRequest(tokens, "", None, rest_tokens=rest, namespace=ns), ws)
         request = RouteRequest(array("I", tokens), "", None, rest_tokens=rest, namespace=ns)
         same(native.select(request, ws), expected)
-        if adapter is not None:
+        if ns is not None and ns.lora_name is not None:
             assert adapter in expected.worker.adapters.resident
+
+
+def namespace(name: str | None) -> CacheNamespace | None:
+    """`a`: that LoRA adapter's; `salt:N`: a tenant's salt after N public tokens."""
+    if name is None:
+        return None
+    if name.startswith("salt:"):
+        return CacheNamespace(cache_salt="tenant", shared_prefix_tokens=int(name[5:]))
+    return CacheNamespace(lora_id=name, lora_name=name)
 
 
 def test_a_hot_prefix_is_counted_alike() -> None:

@@ -25,6 +25,7 @@ from router.workers import (
     WorkerType,
     normalize_url,
 )
+from shared.namespaces import CacheNamespace
 
 C = WorkerType.COLOCATED
 
@@ -92,6 +93,34 @@ def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
     d = policy.select(RouteRequest(tokens, "", None), ws)
     assert d.worker is not ws[1] and d.reason == "overload_pull"
     assert d.holders[0] == (ws[1], 32) and d.pull_from is ws[1]  # the holder, to pull from
+
+
+def test_a_salted_request_is_planned_a_pull_of_its_public_prefix_only() -> None:
+    """A peer keys a tenant's public prefix as everyone's and the rest under the tenant's
+    salt, so a worker pulls the public part and computes the rest: a move off a busy holder
+    is priced so. Salted from the first token, nothing is pulled and no holder named."""
+    trees = PromptTrees(page_size=4)
+    ws = workers(3)
+    for i, w in enumerate(ws):
+        w.agent = Agent(i + 1, "127.0.0.1", 7000 + i)
+    policy = PromptTree(trees, Thresholds(), CostModel())
+    tokens = list(range(400))
+    decided = {}
+    for shared in (None, 160, 0):
+        ns = None if shared is None else CacheNamespace(cache_salt="t", shared_prefix_tokens=shared)
+        request = RouteRequest(tokens, "", None, namespace=ns)
+        trees.record(C, ws[1].url, request.tree_key(tokens, 4))  # as its answer records it
+        ws[1].in_flight = 200  # far beyond the others: the guard moves the request
+        decided[shared] = policy.select(request, ws)
+        ws[1].in_flight = 0
+    whole, public, private = decided[None], decided[160], decided[0]
+    assert whole.reason == public.reason == "overload_pull" and public.pull_from is ws[1]
+    assert public.holders == whole.holders == [(ws[1], 396)]
+    assert public.work is not None and whole.work is not None
+    # the public 160 tokens moved, the other 240 computed (all but the last 4 moved, whole)
+    assert public.work.moved_s == pytest.approx(whole.work.moved_s * 160 / 396)
+    assert public.work.tokens_s > whole.work.tokens_s
+    assert private.reason == "overload" and private.pull_from is None and private.holders == []
 
 
 def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None:
