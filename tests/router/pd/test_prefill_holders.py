@@ -71,3 +71,24 @@ def test_a_decode_agent_is_learned_from_serves_pulls_without_kv_pull() -> None:
     assert Agent.from_server_info({"memserve": memserve}) == Agent(3, "127.0.0.1", 7001, False)
     memserve["serves_pulls"] = False
     assert Agent.from_server_info({"memserve": memserve}) is None  # neither pulls nor serves
+
+
+def test_while_requests_wait_for_a_slot_each_side_goes_to_an_idle_worker() -> None:
+    """PD narrows both sides as a colocated router does (WorkerRegistry.idle_first): with
+    requests queued for a slot, the busy prefill and the busy decode are passed over."""
+    pd, (p0, p1, d0, d1), _ = cluster("caching-1")
+    p0.state.in_flight = d0.state.in_flight = 1
+    turn = RouteRequest(list(range(100)), "", None)
+    alone = set()
+    for _ in range(2):  # round robin alone takes turns over the busy ones too
+        picked = pd.pick(turn, set())
+        assert picked is not None
+        alone |= {picked[0].worker.url, picked[1].worker.url}
+    assert {p0.url, d0.url} <= alone
+    pd.registry.backlogged = lambda: True
+    for _ in range(3):
+        picked = pd.pick(turn, set())
+        assert picked is not None
+        prefill, decode = picked
+        assert (prefill.worker, decode.worker) == (p1, d1)
+        assert prefill.reason == decode.reason == "idle"
