@@ -43,6 +43,7 @@ def summarize(
     oracle_cached = sum(oracle[o.rid] or 0 for o in ok)
     oracle_prompt = sum(oracle_lengths[o.rid] or 0 for o in ok)
     sent = [o.sent_s for o in outcomes if o.sent_s is not None]
+    sends = (min(sent), max(sent)) if sent else None  # the run's first and last send
     span = active_span(outcomes, wall_s)
     per_turn: dict[int, list[float]] = {}
     for o in ok:
@@ -71,8 +72,8 @@ def summarize(
         "oracle_prompt_tokens": oracle_prompt,
         "per_turn_ttft_mean_s": {str(t): statistics.fmean(v) for t, v in sorted(per_turn.items())},
         "per_turn_requests": {str(t): len(v) for t, v in sorted(per_turn.items())},
-        "ttft_tail": tail(ok, (min(sent), max(sent)) if sent else None),
-        **warm(ok, (min(sent), max(sent)) if sent else None),
+        "ttft_tail": tail(ok, sends),
+        **warm(ok, sends),
     }
     return out
 
