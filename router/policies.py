@@ -413,10 +413,10 @@ class PromptTree(Policy):
         before = None
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
-        core, limit = self.core, pull_limit(request.namespace, self.trees.page_size)
+        limit = pull_limit(request.namespace, self.trees.page_size)
         if self._native:
             tree = self.trees.trees[request.type]
-            choice, reason, cached, longer, pull, work = core.decide(
+            choice, reason, cached, longer, pull, work = self.core.decide(
                 tree, tokens, request.num_tokens, states, self.trees.ttl_s, before, limit
             )
         else:
@@ -425,7 +425,7 @@ class PromptTree(Policy):
                 (view.held.get(w.url, -1), view.device.get(w.url, -1), view.home.get(w.url, -1))
                 for w in workers
             ]
-            choice, reason, cached, longer, pull, work = core.decide_view(
+            choice, reason, cached, longer, pull, work = self.core.decide_view(
                 held, tokens, request.num_tokens, states, before, limit
             )
         if adapter is not None:
