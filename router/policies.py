@@ -28,7 +28,7 @@ from mempool._radix import Decider, Heat
 from mempool.radix import RadixTree
 from router.speed import Work
 from router.trees import PromptTrees
-from router.workers import Worker, WorkerType
+from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.namespaces import CacheNamespace
 from shared.token_cache import CachedEncoder
 
@@ -268,6 +268,18 @@ class Policy(ABC):
     @abstractmethod
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         """Pick one of `workers` (never empty)."""
+
+
+def select_idle_first(
+    policy: Policy, request: RouteRequest, workers: list[Worker], registry: WorkerRegistry
+) -> Decision:
+    """`policy`'s choice among `workers`, or among the idle ones only while requests wait for
+    a slot in the router's queue (WorkerRegistry.idle_first; the reason is then IDLE)."""
+    candidates, idle = registry.idle_first(workers)
+    decision = policy.select(request, candidates)
+    if idle:
+        decision.reason = IDLE
+    return decision
 
 
 class RoundRobin(Policy):

@@ -25,7 +25,7 @@ from router.forward.relay import Outcome, RetryConfig, WorkerUnavailable, forwar
 from router.forward.reply import ClientSide, Stream, Whole
 from router.forward.upstream import UpstreamPool
 from router.metrics import RouterMetrics
-from router.policies import IDLE, CostModel, Decision, Policy, RouteRequest
+from router.policies import CostModel, Decision, Policy, RouteRequest, select_idle_first
 from router.request import RequestError
 from router.trees import PromptTrees
 from router.workers import Worker, WorkerRegistry, WorkerType
@@ -246,10 +246,9 @@ class Colocated(Strategy):
         workers = [w for w in available if w.url not in tried] or available
         if not workers:
             return None
-        workers, idle = self.registry.idle_first(workers)
-        decision = (call.policy or self.policy).select(call.prompt, workers)
-        if idle:
-            decision.reason = IDLE
+        decision = select_idle_first(
+            call.policy or self.policy, call.prompt, workers, self.registry
+        )
         outcome = Outcome()
         payload = with_prefix_holders(call.body, call.raw, decision)
         response = await self.sender.relay(call, payload, decision, outcome, WorkerType.COLOCATED)

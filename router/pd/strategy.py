@@ -29,7 +29,7 @@ from router.forward.relay import Outcome, end_stream
 from router.forward.reply import Whole
 from router.pd.prefill import PrefillResult, bootstrap_payload, drain_prefill, merge_input_logprobs
 from router.pd.write_back import WriteBackGate
-from router.policies import IDLE, Decision, Policy, RouteRequest, reusable
+from router.policies import Decision, Policy, RouteRequest, reusable, select_idle_first
 from router.request import RequestError
 from router.workers import Worker, WorkerRegistry, WorkerType
 from shared.pd_caching import Caching
@@ -77,11 +77,7 @@ class PrefillDecode(Strategy):
             strict=True,
         ):
             prompt.type = kind
-            workers, idle = self.registry.idle_first(side)
-            decision = policy.select(prompt, workers)
-            if idle:
-                decision.reason = IDLE
-            picked.append(decision)
+            picked.append(select_idle_first(policy, prompt, side, self.registry))
         return picked[0], picked[1]
 
     async def attempt(self, call: Call, tried: set[str]) -> Attempt | None:
