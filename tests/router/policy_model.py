@@ -215,9 +215,10 @@ class ReferencePolicy:
         for w in workers:
             lacks = most - affinity[w.url]
             seconds = plans[w.url].seconds
-            if lacks:
+            free = w.state.free_tokens
+            if lacks and (free < lacks or w.waiting):  # in free KV, no one waiting: no charge
                 per_token = self.cost.prefill_s_per_token
-                free = w.state.free_tokens  # the copy's part past the free KV evicts: no heat
+                # the copy's part past the free KV evicts: no heat
                 evicts = 0 if free < 0 else min(max(lacks - free, 0), lacks)
                 paid = evicts + (lacks - evicts) / (1 + heat)
                 seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)

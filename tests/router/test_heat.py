@@ -79,6 +79,33 @@ def test_a_hot_prefix_does_not_move_into_a_full_cache() -> None:
     assert choose() is ws[1]
 
 
+def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it() -> None:
+    """A copy into free KV, with no one waiting there, evicts nothing and holds up no one:
+    it costs its own TTFT only (the tenants preset: charged, an empty worker lacking the
+    public prefix every prompt starts with got none of 240 requests)."""
+    trees = PromptTrees(page_size=16)
+    tokens = list(range(3000))
+    ws = [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(2)]
+    trees.record(WorkerType.COLOCATED, ws[0].url, tokens[:2992])
+    ws[0].in_flight_tokens = 5_000  # 0.2 s of queued prefill on the holder
+    policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
+    clock = Clock()
+    policy.heat = Heat(page_size=16, half_life_s=0.001, clock=clock)  # each asking stays cold
+
+    def choose() -> Worker:
+        clock.now += 1.0
+        return policy.select(RouteRequest(tokens, "", None), ws).worker
+
+    ws[1].free_tokens = 3000  # the copy fits, and nothing waits there: 0.12 s against 0.2 s
+    assert choose() is ws[1]
+    ws[1].free_tokens = 500  # most of the copy evicts other cache: 0.12 s, paid once more
+    assert choose() is ws[0]
+    ws[1].free_tokens = -1  # not known (no KV events): paid once more
+    assert choose() is ws[0]
+    ws[1].free_tokens, ws[1].reported_waiting = 3000, 1  # it would hold up one waiting there
+    assert choose() is ws[0]
+
+
 def test_share_is_a_prefix_part_of_all_recent_requests() -> None:
     clock = Clock()
     heat = Heat(page_size=4, half_life_s=10.0, clock=clock)
