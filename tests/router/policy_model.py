@@ -216,7 +216,7 @@ class ReferencePolicy:
             lacks = most - affinity[w.url]
             seconds = plans[w.url].seconds
             free = w.state.free_tokens
-            if lacks and (free < lacks or w.waiting):  # in free KV, no one waiting: no charge
+            if lacks and (free < lacks or loads[w.url] or w.waiting):  # idle, room: no charge
                 per_token = self.cost.prefill_s_per_token
                 # the copy's part past the free KV evicts: no heat
                 evicts = 0 if free < 0 else min(max(lacks - free, 0), lacks)

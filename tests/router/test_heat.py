@@ -80,8 +80,8 @@ def test_a_hot_prefix_does_not_move_into_a_full_cache() -> None:
 
 
 def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it() -> None:
-    """A copy into free KV, with no one waiting there, evicts nothing and holds up no one:
-    it costs its own TTFT only (the tenants preset: charged, an empty worker lacking the
+    """A copy into an idle worker's free KV evicts nothing and holds up no one: it costs its
+    own TTFT only (the tenants preset: charged, an empty worker lacking the
     public prefix every prompt starts with got none of 240 requests)."""
     trees = PromptTrees(page_size=16)
     tokens = list(range(3000))
@@ -103,6 +103,8 @@ def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it(
     ws[1].free_tokens = -1  # not known (no KV events): paid once more
     assert choose() is ws[0]
     ws[1].free_tokens, ws[1].reported_waiting = 3000, 1  # it would hold up one waiting there
+    assert choose() is ws[0]
+    ws[1].reported_waiting, ws[1].in_flight = 0, 1  # busy: its sessions grow into that KV
     assert choose() is ws[0]
 
 
