@@ -353,8 +353,8 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // tenants preset: charged, an empty worker lacking the public prefix every prompt starts
     // with got none of 240 requests while the others queued). Only idle: with "no one
     // waiting" alone, multi-round QA at 9 req/s lost 7 points of hit ratio and its mean TTFT
-    // went 0.43 -> 0.66-0.69 s (two runs against one), copies into free KV a moment before
-    // the sessions there grew into it.
+    // went 0.43 -> 0.66-0.69 s (two runs against one): free KV on a busy worker is likely
+    // the room its running sessions are about to grow into.
     double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
     if (h) {  // a hot prefix with copies enough: one more only displaces other cache
         int64_t copies = 0;

@@ -81,8 +81,8 @@ def test_a_hot_prefix_does_not_move_into_a_full_cache() -> None:
 
 def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it() -> None:
     """A copy into an idle worker's free KV evicts nothing and holds up no one: it costs its
-    own TTFT only (the tenants preset: charged, an empty worker lacking the
-    public prefix every prompt starts with got none of 240 requests)."""
+    own TTFT only (the tenants preset: charged, an empty worker lacking the public prefix
+    every prompt starts with got none of 240 requests)."""
     trees = PromptTrees(page_size=16)
     tokens = list(range(3000))
     ws = [Worker(f"http://127.0.0.1:{9000 + i}") for i in range(2)]
@@ -96,7 +96,7 @@ def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it(
         clock.now += 1.0
         return policy.select(RouteRequest(tokens, "", None), ws).worker
 
-    ws[1].free_tokens = 3000  # the copy fits, and nothing waits there: 0.12 s against 0.2 s
+    ws[1].free_tokens = 3000  # idle, and the copy fits: 0.12 s against 0.2 s
     assert choose() is ws[1]
     ws[1].free_tokens = 500  # most of the copy evicts other cache: 0.12 s, paid once more
     assert choose() is ws[0]
@@ -104,7 +104,7 @@ def test_a_cold_prefix_leaves_a_busy_holder_for_an_idle_worker_with_room_for_it(
     assert choose() is ws[0]
     ws[1].free_tokens, ws[1].reported_waiting = 3000, 1  # it would hold up one waiting there
     assert choose() is ws[0]
-    ws[1].reported_waiting, ws[1].in_flight = 0, 1  # busy: its sessions grow into that KV
+    ws[1].reported_waiting, ws[1].in_flight = 0, 1  # not idle: what runs there grows into that KV
     assert choose() is ws[0]
 
 
