@@ -21,7 +21,7 @@ import random
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mempool._radix import Decider, Heat
@@ -425,7 +425,7 @@ class PromptTree(Policy):
         before = None
         if adapter is not None:  # its load, where the adapter is not in memory
             before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
-        limit = pull_limit(request.namespace, self.trees.page_size)
+        limit = pull_limit(request.namespace)
         if self._native:
             tree = self.trees.trees[request.type]
             choice, reason, cached, longer, pull, work = self.core.decide(
@@ -447,18 +447,14 @@ class PromptTree(Policy):
         return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
 
 
-def pull_limit(namespace: CacheNamespace | None, page: int) -> int:
-    """The most of a request's prefix a worker would pull from a peer (-1: all of it). Peers'
-    pages are keyed by token ids alone, so a worker pulls only a namespace's open part: the
-    public tokens before its salt, none under an extra_key or an adapter
-    (connector.worker.pull). The decision prices a pull of that part with the rest computed,
-    or it would send the request where the whole prefix is then recomputed. (A model's key
-    is the router's own, never a worker's.)"""
-    if namespace is None:
-        return -1
-    engine_side = replace(namespace, model="") if namespace.model else namespace
-    open_tokens = engine_side.open_tokens(page)
-    return -1 if open_tokens is None else open_tokens
+def pull_limit(namespace: CacheNamespace | None) -> int:
+    """The most of a request's prefix a worker would pull from a peer (-1: all of it). A
+    worker pulls a namespaced prefix by its index key, which its peers key alike (its own
+    namespace's pages and the public ones before its salt; connector.worker.pull), except an
+    adapter's: keyed by each worker's own load of it, none is pulled. The decision prices
+    no pull for such a request, or it would send it where the whole prefix is then
+    recomputed. (A model's key is the router's own, never a worker's: it pulls as any.)"""
+    return 0 if namespace is not None and namespace.lora_id else -1
 
 
 class Cost(PromptTree):

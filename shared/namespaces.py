@@ -74,14 +74,6 @@ class CacheNamespace:
             return None
         return self.shared_prefix_tokens // page
 
-    def open_tokens(self, page: int) -> int | None:
-        """Tokens keyed as plain token ids (shareable with un-namespaced requests): all
-        (None) without a namespace or salt, else those before the first derived page."""
-        if self.keyed:
-            return 0
-        salt = self.salt_page(page)
-        return None if salt is None else salt * page
-
     def _tags(self, page: int) -> dict[int, bytes]:
         """Page index -> what its derived key is seeded with."""
         tags: dict[int, list[bytes]] = {}

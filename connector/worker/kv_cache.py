@@ -363,17 +363,28 @@ class KVCache:
         return result
 
     def note_inserted(
-        self, tokens: Tokens[int], first_page: int, num_pages: int, written_back: bool = False
+        self,
+        tokens: Tokens[int],
+        first_page: int,
+        num_pages: int,
+        written_back: bool = False,
+        ns: CacheNamespace | None = None,
     ) -> None:
         """Pages `first_page`.. of `tokens` entered the index by another path (a transfer or
-        pull inserted them): learn their blocks and publish them, so that their later moves
-        and drops are published too. `written_back`: a decode instance sent them (counted
-        apart when a request reuses them, until they are dropped)."""
+        pull inserted them, keyed in namespace `ns`): learn their blocks and publish them, so
+        that their later moves and drops are published too, and charge a salt's pages to its
+        group's share as a computed insert is. `written_back`: a decode instance sent them
+        (counted apart when a request reuses them, until they are dropped)."""
         if num_pages <= 0:
             return
-        addrs = self.pool.match(tokens[: (first_page + num_pages) * self.page]).addrs
+        key = self.key(tokens[: (first_page + num_pages) * self.page], ns)
+        addrs = self.pool.match(key).addrs
         first_page = min(first_page, len(addrs) // self.bpp)  # (evicted since: none to learn)
-        self._learn(tokens, first_page, addrs[first_page * self.bpp :])
+        salt = ns.cache_salt if ns is not None else None
+        if self.salt_shares is not None and salt:
+            stored = len(addrs) // self.bpp - first_page
+            self.salt_shares.charge("kv", salt.split(":", 1)[0], key, stored, self)
+        self._learn(tokens, first_page, addrs[first_page * self.bpp :], ns)
         if written_back:
             hashes = map(self._hash_of_block.get, addrs[first_page * self.bpp :: self.bpp])
             self._written_back.update(h for h in hashes if h is not None)

@@ -15,6 +15,12 @@ A pull is bounded by `timeout_s`: a holder that refuses, times out, dies or cann
 authenticated costs a recompute, never a failed request, and whatever the pull allocated or
 locked, here or at the holder, is released. The same agent serves this instance's cached
 prefixes to its peers' pulls.
+
+A request in a cache namespace (`shared/namespaces.py`: a `cache_salt`, an `extra_key`) pulls
+by its index key, which the holder's index keyed alike: it gets its own namespace's pages and
+the public ones before its salt, never another namespace's (their keys differ from the first
+salted page on). An adapter's pages are keyed by each worker's own load of the adapter (a new
+id each time), which no peer shares: such a request pulls nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from mempool.transfer.agent import PullResult, TransferAgent
 from mempool.transfer.base import PeerInfo
 from mempool.transfer.membership import ClusterManager
 from mempool.transfer.receiver import Received
+from shared.namespaces import key_tokens
 
 log = logging.getLogger(__name__)
 
@@ -244,15 +251,13 @@ class PullHooks(RequestHooks):
     def _plan(self, seq: Sequence, holders: list[Holder]) -> Plan | None:
         """The holder to pull from, or None: no holder has more than we do, or the pull is
         expected to be slower than recomputing (counted)."""
-        page, prompt = self.page, seq.prompt_ids
+        page, prompt, ns = self.page, seq.prompt_ids, seq.namespace
+        if ns is not None and ns.lora_id:  # keyed by this worker's load of the adapter
+            return None
         limit = (len(prompt) - 1) // page * page  # the last token is computed anyway
-        if seq.namespace is not None:  # a peer's pages are keyed by tokens alone: pull only
-            open_tokens = seq.namespace.open_tokens(page)  # what is shared with no namespace
-            if open_tokens is not None:
-                limit = min(limit, open_tokens)
         if limit <= 0:
             return None
-        have = len(self.kv.lookup(prompt[:limit])) // self.pool.blocks_per_page * page
+        have = len(self.kv.lookup(prompt[:limit], ns)) // self.pool.blocks_per_page * page
         me = self.pool.instance_id
         holder = next((h for h in holders if h.instance_id != me), None)
         if holder is None:
@@ -287,9 +292,8 @@ class PullHooks(RequestHooks):
                         await asyncio.sleep(sleep)
 
                 agent = await self._peer(holder)
-                result = await agent.pull(
-                    holder.instance_id, seq.prompt_ids[: plan.limit], before_read=on_the_wire
-                )
+                key = key_tokens(seq.prompt_ids[: plan.limit], seq.namespace, self.page)
+                result = await agent.pull(holder.instance_id, key, before_read=on_the_wire)
         except asyncio.CancelledError:  # the worker is stopping: the client hears it now
             seq.finish_reason = {"type": "abort", "message": "the worker is shutting down"}
             seq.events.put_nowait(DONE)
@@ -327,7 +331,7 @@ class PullHooks(RequestHooks):
             self.stats.empty += 1
             return
         first = result.pages_skipped
-        self.kv.note_inserted(seq.prompt_ids, first, result.pages_pulled)
+        self.kv.note_inserted(seq.prompt_ids, first, result.pages_pulled, ns=seq.namespace)
         seq.pulled_from, seq.pulled_to = first * self.page, result.num_tokens
         stats = self.stats
         stats.pulls += 1

@@ -120,11 +120,12 @@ def warm(holder: Server, seed: int, n: int = 1000) -> tuple[list[int], int]:
 def pair(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Server, Server]]:
-    """A holder and a puller, both with pulls on (time not slept)."""
+    """A holder and a puller, both with pulls on (time not slept) and adapter `lora-a`."""
     logs = tmp_path_factory.mktemp("pull-pair")
+    args = sim_args(model_dir, "--lora-paths", "lora-a=/adapters/a")
     with (
-        running("connector.worker", sim_args(model_dir), logs) as holder,
-        running("connector.worker", sim_args(model_dir), logs) as puller,
+        running("connector.worker", args, logs) as holder,
+        running("connector.worker", args, logs) as puller,
     ):
         yield holder, puller
 
@@ -224,6 +225,91 @@ def test_a_stale_hint_costs_a_recompute(pair: tuple[Server, Server]) -> None:
     after = pull_stats(puller)
     assert after["empty"] - before["empty"] == 1 and after["failures"] == before["failures"]
     no_leak(holder)
+    no_leak(puller)
+
+
+def test_a_salted_prompt_pulls_its_own_namespaces_pages_and_never_anothers(
+    pair: tuple[Server, Server],
+) -> None:
+    """A pull asks by the request's index key: tenant B, named the holder of tenant A's
+    identical prompt, gets nothing (the pull finds no page, B computes it all); tenant A's
+    own next request on the other worker pulls it, and the pulled pages stay in A's
+    namespace there (a request without the salt finds none)."""
+    holder, puller = pair
+    ids = prompt_ids(21, 1000)
+    first = generate(holder, ids, cache_salt="tenant-a")
+    held = cached_after(len(ids), len(first["output_ids"]))
+    asked = ids + prompt_ids(22, 60)
+    before = pull_stats(puller)
+    other = generate(puller, asked, cache_salt="tenant-b", memserve=hint(holder, held))
+    assert other["meta_info"]["pulled_tokens"] == 0 == other["meta_info"]["cached_tokens"]
+    assert pull_stats(puller)["empty"] - before["empty"] == 1
+    own = generate(puller, asked, cache_salt="tenant-a", memserve=hint(holder, held))
+    assert own["meta_info"]["pulled_tokens"] == held
+    assert own["meta_info"]["cached_tokens"] == 0
+    again = generate(puller, asked, cache_salt="tenant-a")
+    assert again["meta_info"]["cached_tokens"] == cached_after(len(asked), 4)
+    assert generate(puller, asked)["meta_info"]["cached_tokens"] == 0
+    no_leak(holder)
+    no_leak(puller)
+
+
+def test_a_public_prefix_is_pulled_across_tenants_and_the_text_after_it_is_not(
+    pair: tuple[Server, Server],
+) -> None:
+    holder, puller = pair
+    ids = prompt_ids(23, 1000)
+    public = {"shared_prefix_tokens": 480}  # 30 pages, shared by every salt
+    first = generate(holder, ids, cache_salt="tenant-a", **public)
+    held = cached_after(len(ids), len(first["output_ids"]))
+    asked = ids + prompt_ids(24, 60)
+    got = generate(puller, asked, cache_salt="tenant-b", memserve=hint(holder, held), **public)
+    assert got["meta_info"]["pulled_tokens"] == 480
+    assert got["meta_info"]["cached_tokens"] == 0
+    own = generate(puller, asked, cache_salt="tenant-a", memserve=hint(holder, held), **public)
+    assert own["meta_info"]["cached_tokens"] == 480  # the public part, pulled for B
+    assert own["meta_info"]["pulled_tokens"] == held - 480  # A's own text after it
+    no_leak(holder)
+    no_leak(puller)
+
+
+def test_pulled_salted_pages_count_toward_the_salts_share(
+    model_dir: Path, tmp_path: Path, pair: tuple[Server, Server]
+) -> None:
+    """A worker holding each salt group to 768 tokens of its KV (`--max-cached-tokens-per-
+    salt`) pulls two 512-token prompts of tenant A: the second puts A over its share, so the
+    first goes, as if it had been computed there (uncharged, a pull would let a tenant hold
+    any share of a worker's cache)."""
+    holder = pair[0]
+    capped = sim_args(model_dir, "--max-cached-tokens-per-salt", "768")
+    with running("connector.worker", capped, tmp_path) as puller:
+        first, second = prompt_ids(27, 512), prompt_ids(28, 512)
+        for ids in (first, second):
+            held = cached_after(len(ids), len(generate(holder, ids, cache_salt="a")["output_ids"]))
+            got = generate(puller, ids + [7], cache_salt="a", memserve=hint(holder, held))
+            assert got["meta_info"]["pulled_tokens"] == held
+        again = generate(puller, second + [7], max_new=1, cache_salt="a")["meta_info"]
+        assert again["cached_tokens"] == 512
+        again = generate(puller, first + [7], max_new=1, cache_salt="a")["meta_info"]
+        assert again["cached_tokens"] == 0  # over the share: the oldest path went
+
+
+def test_an_adapters_prompt_is_never_pulled(pair: tuple[Server, Server]) -> None:
+    """An adapter's pages are keyed by each worker's own load of it: a hint naming a holder
+    of the same adapter's prompt is ignored (no pull tried), the prompt computed."""
+    holder, puller = pair
+    ids = prompt_ids(25, 1000)
+    first = generate(holder, ids, lora_path="lora-a")
+    held = cached_after(len(ids), len(first["output_ids"]))
+    before = pull_stats(puller)
+    got = generate(
+        puller, ids + prompt_ids(26, 60), lora_path="lora-a", memserve=hint(holder, held)
+    )
+    assert got["meta_info"]["pulled_tokens"] == 0 == got["meta_info"]["cached_tokens"]
+    after = pull_stats(puller)
+    assert {k: after[k] - before[k] for k in ("pulls", "empty", "failures")} == dict.fromkeys(
+        ("pulls", "empty", "failures"), 0
+    )
     no_leak(puller)
 
 
