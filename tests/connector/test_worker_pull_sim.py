@@ -79,12 +79,13 @@ def protected(worker: Server) -> int:
     return pages
 
 
-def no_leak(worker: Server) -> None:
-    """Every allocated block is indexed cache, and nothing is pinned: no request, pull or
-    peer holds anything."""
-    used, cached = used_pages(worker)
-    assert used == cached, (used, cached)
-    assert protected(worker) == 0
+def no_leak(*workers: Server) -> None:
+    """On each worker, every allocated block is indexed cache, and nothing is pinned: no
+    request, pull or peer holds anything."""
+    for worker in workers:
+        used, cached = used_pages(worker)
+        assert used == cached, (worker.url, used, cached)
+        assert protected(worker) == 0, worker.url
 
 
 def idle(worker: Server) -> bool:
@@ -165,8 +166,7 @@ def test_a_puller_reads_what_it_lacks_and_computes_only_the_rest(
     assert again["meta_info"]["cached_tokens"] == cached_after(len(asked), 4)
     assert again["output_ids"] == got["output_ids"]
     assert pull_stats(puller)["pulls"] == after_p["pulls"]
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_only_the_missing_pages_move_when_part_is_cached_locally(
@@ -182,8 +182,7 @@ def test_only_the_missing_pages_move_when_part_is_cached_locally(
     assert meta["cached_tokens"] == 496  # its own pages
     assert meta["pulled_tokens"] == held - 496  # the holder's, after them
     assert pull_stats(puller)["bytes"] - before["bytes"] == (held - 496) // PAGE * 256
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_openai_usage_reports_pulled_tokens_apart_from_cached(
@@ -211,8 +210,7 @@ def test_concurrent_pulls_of_one_prefix_all_answer(pair: tuple[Server, Server]) 
         meta = answer["meta_info"]
         assert meta["pulled_tokens"] + meta["cached_tokens"] == held, meta
     assert sum(a["meta_info"]["pulled_tokens"] for a in answers) >= held
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_a_stale_hint_costs_a_recompute(pair: tuple[Server, Server]) -> None:
@@ -224,8 +222,7 @@ def test_a_stale_hint_costs_a_recompute(pair: tuple[Server, Server]) -> None:
     assert got["meta_info"]["pulled_tokens"] == 0 == got["meta_info"]["cached_tokens"]
     after = pull_stats(puller)
     assert after["empty"] - before["empty"] == 1 and after["failures"] == before["failures"]
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_a_salted_prompt_pulls_its_own_namespaces_pages_and_never_anothers(
@@ -250,8 +247,7 @@ def test_a_salted_prompt_pulls_its_own_namespaces_pages_and_never_anothers(
     again = generate(puller, asked, cache_salt="tenant-a")
     assert again["meta_info"]["cached_tokens"] == cached_after(len(asked), 4)
     assert generate(puller, asked)["meta_info"]["cached_tokens"] == 0
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_a_public_prefix_is_pulled_across_tenants_and_the_text_after_it_is_not(
@@ -269,8 +265,7 @@ def test_a_public_prefix_is_pulled_across_tenants_and_the_text_after_it_is_not(
     own = generate(puller, asked, cache_salt="tenant-a", memserve=hint(holder, held), **public)
     assert own["meta_info"]["cached_tokens"] == 480  # the public part, pulled for B
     assert own["meta_info"]["pulled_tokens"] == held - 480  # A's own text after it
-    no_leak(holder)
-    no_leak(puller)
+    no_leak(holder, puller)
 
 
 def test_pulled_salted_pages_count_toward_the_salts_share(
