@@ -162,7 +162,7 @@ class ReferencePolicy:
             if (held[w.url], -loads[w.url]) > best_key:
                 best, best_key = w, (held[w.url], -loads[w.url])
         most = held[best.url]
-        limit = pull_limit(request.namespace)
+        limit = pull_limit(request.namespace, page)
         pullable = most if limit < 0 else min(most, limit)
         source = best if self.pulls and pullable and best.agent is not None else None
         plans = {

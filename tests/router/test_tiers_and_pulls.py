@@ -101,22 +101,21 @@ def test_an_overloaded_holder_hands_its_prefix_on_by_a_pull() -> None:
                 assert d.worker is ws[1] and d.reason == "overload" and d.holders == []
 
 
-def test_a_salted_request_is_planned_a_pull_and_an_adapters_no_pull() -> None:
-    """A worker pulls a namespaced prefix by its index key, which its peers key alike
-    (salted, after a public part or not, or under an extra_key), so such a request that
-    leaves an overloaded holder is planned as a pull. An adapter's pages are keyed by each
-    worker's own load of it: its request is planned as a recompute with no holders named
-    (planned as a pull, it went to a worker that then recomputed the whole prefix). A
-    model's key, the router's own, leaves pulls alone."""
+def test_a_namespaced_request_is_priced_a_pull_behind_a_public_prefix_only() -> None:
+    """A request salted from its first token, under an extra_key or an adapter, that leaves
+    an overloaded holder is planned as a recompute with no holders named; a salt after a
+    public prefix is planned as a pull (router.policies.pull_limit says why: priced as
+    pulls, one tenant's whole private prompt was copied wherever it waited less, and full
+    isolation collapsed). A model's key, the router's own, leaves pulls alone."""
     trees = PromptTrees(page_size=16)
     history = list(range(20_000))
     tokens = history + list(range(900_000, 900_120))
     for namespace, pulls in (
-        (CacheNamespace(cache_salt="tenant-a"), True),
-        (CacheNamespace(extra_key="team-b"), True),
-        (CacheNamespace(cache_salt="t", shared_prefix_tokens=16_000), True),
+        (CacheNamespace(cache_salt="tenant-a"), False),
+        (CacheNamespace(extra_key="team-b"), False),
         (CacheNamespace.named("", "lora03", None, 0), False),
-        (CacheNamespace.named("", "lora03", "tenant-a", 0), False),
+        (CacheNamespace.named("", "lora03", "tenant-a", 16_000), False),
+        (CacheNamespace(cache_salt="t", shared_prefix_tokens=16_000), True),
         (CacheNamespace(model="beta"), True),
         (None, True),
     ):

@@ -95,10 +95,11 @@ def test_prompt_tree_prefers_the_holder_and_names_longer_holders() -> None:
     assert d.holders[0] == (ws[1], 32) and d.pull_from is ws[1]  # the holder, to pull from
 
 
-def test_a_salted_request_is_planned_a_pull_of_its_own_prefix_and_never_anothers() -> None:
-    """A peer keys a tenant's prefix under the tenant's salt (after a public part or from
-    the first token), and a worker pulls by that key: a move off a busy holder is priced as a
-    pull of the whole prefix. Another tenant's identical prompt finds no holder to name."""
+def test_a_salted_request_is_priced_a_pull_behind_a_public_prefix_only() -> None:
+    """Behind a public prefix, a move off a busy holder is priced as a pull of the tenant's
+    whole prefix (the worker pulls it by its key); salted from the first token, as a
+    recompute, with no holder named (router.policies.pull_limit says why). Another tenant's
+    identical prompt finds the public part only."""
     trees = PromptTrees(page_size=4)
     ws = workers(3)
     for i, w in enumerate(ws):
@@ -113,14 +114,15 @@ def test_a_salted_request_is_planned_a_pull_of_its_own_prefix_and_never_anothers
         ws[1].in_flight = 200  # far beyond the others: the guard moves the request
         decided[shared] = policy.select(request, ws)
         ws[1].in_flight = 0
-    for shared, d in decided.items():
-        assert d.reason == "overload_pull" and d.pull_from is ws[1], shared
-        assert d.holders == [(ws[1], 396)], shared
-        assert d.work == decided[None].work, shared
-    other = RouteRequest(tokens, "", None, namespace=CacheNamespace(cache_salt="u"))
+    whole, public, private = decided[None], decided[160], decided[0]
+    for d in (whole, public):
+        assert d.reason == "overload_pull" and d.pull_from is ws[1]
+        assert d.holders == [(ws[1], 396)] and d.work == whole.work
+    assert private.reason == "overload" and private.pull_from is None and private.holders == []
+    other = CacheNamespace(cache_salt="u", shared_prefix_tokens=160)
     ws[1].in_flight = 200
-    d = policy.select(other, ws)
-    assert d.reason == "cache_miss" and d.pull_from is None and d.holders == []
+    d = policy.select(RouteRequest(tokens, "", None, namespace=other), ws)
+    assert d.holders == [(ws[1], 160)]  # the public part, nothing of tenant t's
 
 
 def test_a_shared_short_prefix_does_not_pull_all_traffic_to_its_holder() -> None:
