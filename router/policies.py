@@ -461,12 +461,9 @@ def pull_limit(namespace: CacheNamespace | None, page: int) -> int:
     went from 0.9-1.2x to 0.8-1.0x. (A model's key is the router's own, never a worker's.)"""
     if namespace is None:
         return -1
-    if namespace.lora_id:
+    if namespace.lora_id or namespace.extra_key or namespace.salt_page(page) == 0:
         return 0
-    if namespace.extra_key:
-        return 0
-    public = namespace.salt_page(page)
-    return 0 if public == 0 else -1
+    return -1
 
 
 class Cost(PromptTree):

@@ -183,8 +183,8 @@ struct Settings {
 // prompt_tree rule. `now`: time.monotonic, for measured waits; `heat_now`: the heat's clock.
 // `before` (or null): seconds each worker would spend on this request before its prefill
 // that the cost model does not price (a LoRA adapter to load: router.adapters).
-// `pull_limit`: the most of the prefix a pull may cover (-1: all of it; 0: none, as for an
-// adapter's request, whose pages each worker keys by its own load of it: router.policies).
+// `pull_limit`: the most of the prefix a pull may cover (-1: all of it; 0: none, and no
+// holders named: router.policies.pull_limit says for which namespaced requests).
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& workers,
               const std::vector<Held>& held, const uint32_t* tokens, size_t n,
               int64_t num_tokens, Heat* heat, double now, double heat_now,
