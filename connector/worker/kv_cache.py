@@ -250,6 +250,13 @@ class KVCache:
 
     # ----------------------------------------------------------------- salt shares
 
+    def _charge_salt(self, ns: CacheNamespace | None, key: Tokens[int], added: int) -> None:
+        """`added` new pages on path `key` (index keys) of a salted request, counted to its
+        salt group (the salt up to its first ':'), whose oldest paths go over its share."""
+        salt = ns.cache_salt if ns is not None else None
+        if self.salt_shares is not None and salt:
+            self.salt_shares.charge("kv", salt.split(":", 1)[0], key, added, self)
+
     def remove(self, tokens: array[int]) -> int:
         """A salt group over its share: its path `tokens` (index keys) goes, as far as no
         other path uses it and no request holds it; the pages freed (shared.path_shares)."""
@@ -355,9 +362,7 @@ class KVCache:
             self._publish_moves(self.pool.promote(key, addrs), MemType.HOST, MemType.DEVICE)
         result = self.pool.insert(key, addrs, flags)  # validates before it changes anything
         stored = result.new_tokens // self.page
-        salt = seq.namespace.cache_salt if seq.namespace is not None else None
-        if self.salt_shares is not None and salt:  # the group: the salt up to its first ':'
-            self.salt_shares.charge("kv", salt.split(":", 1)[0], key, stored, self)
+        self._charge_salt(seq.namespace, key, stored)
         if stored:
             self._learn(tokens, full - stored, addrs[(full - stored) * self.bpp :], seq.namespace)
         return result
@@ -380,10 +385,7 @@ class KVCache:
         key = self.key(tokens[: (first_page + num_pages) * self.page], ns)
         addrs = self.pool.match(key).addrs
         first_page = min(first_page, len(addrs) // self.bpp)  # (evicted since: none to learn)
-        salt = ns.cache_salt if ns is not None else None
-        if self.salt_shares is not None and salt:
-            stored = len(addrs) // self.bpp - first_page
-            self.salt_shares.charge("kv", salt.split(":", 1)[0], key, stored, self)
+        self._charge_salt(ns, key, len(addrs) // self.bpp - first_page)
         self._learn(tokens, first_page, addrs[first_page * self.bpp :], ns)
         if written_back:
             hashes = map(self._hash_of_block.get, addrs[first_page * self.bpp :: self.bpp])
