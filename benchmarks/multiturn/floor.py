@@ -55,21 +55,36 @@ class Floor:
     model: LatencyModel
     chunk: int
     time_scale: float
+    lora_load_s: float = 0.0  # one LoRA adapter's load, wall seconds (adapter_floor)
 
     @classmethod
     def of_worker(cls, info: dict[str, Any]) -> Floor:
-        scale = (info.get("backend") or {}).get("time_scale")
-        return cls(model_from_info(info), chunk_from_info(info), float(scale or 0.0))
+        backend = info.get("backend") or {}
+        scale = float(backend.get("time_scale") or 0.0)
+        model = model_from_info(info)
+        size = backend.get("lora_bytes")
+        load = model.lora_load_s(float(size)) * scale if isinstance(size, int | float) else 0.0
+        return cls(model, chunk_from_info(info), scale, load)
 
     def ttft_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         return floor_ttft_s(self.model, prompt_tokens, cached_tokens, self.chunk, self.time_scale)
 
     def stats(
-        self, hits: Sequence[int | None], lengths: Sequence[int | None], rids: Sequence[int]
+        self,
+        hits: Sequence[int | None],
+        lengths: Sequence[int | None],
+        rids: Sequence[int],
+        before_s: Sequence[float] | None = None,
     ) -> dict[str, float | None]:
         """`floor_ttft_mean_s`, `_p50_s`, `_p99_s` over the requests `rids` (the measured
-        ones that were answered), from the oracle's hits and prompt lengths."""
-        floors = [self.ttft_s(n, hits[rid] or 0) for rid in rids if (n := lengths[rid]) is not None]
+        ones that were answered), from the oracle's hits and prompt lengths, plus per rid
+        what it pays before its prefill wherever it runs (`before_s`: an adapter's first
+        load, `adapter_floor`)."""
+        floors = [
+            self.ttft_s(n, hits[rid] or 0) + (before_s[rid] if before_s else 0.0)
+            for rid in rids
+            if (n := lengths[rid]) is not None
+        ]
         if not floors:
             return {"floor_ttft_mean_s": None, "floor_ttft_p50_s": None, "floor_ttft_p99_s": None}
         return {

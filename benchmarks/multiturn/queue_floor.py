@@ -13,6 +13,9 @@ at their size, evicting as SGLang does, perfect locality) is the queued floor at
 cluster's caches (`lru_queue_floor_*`): what is left of the wait once the caches' size is
 counted too.
 
+In a run whose requests name LoRA adapters, the queue also pays the adapters' loads, placing
+each request where it starts soonest counting its load (`adapter_floor`).
+
 It is a reference, not a proof: an engine that batches a short prompt beside a long one's
 chunk can answer the short one sooner than a FIFO queue would, so a system can beat it on
 some requests; but a p99 well above it is lost to routing, to misses or to the engines, and a
@@ -25,6 +28,7 @@ import heapq
 from collections.abc import Sequence
 
 from benchmarks.harness import percentile
+from benchmarks.multiturn.adapter_floor import RunAdapters, adapter_fcfs_ttfts
 from benchmarks.multiturn.floor import Floor
 
 PREFILL_ROLES = ("colocated", "prefill")
@@ -59,15 +63,23 @@ def queued_floor_stats(
     measured: Sequence[int],
     servers: int,
     name: str = "queue_floor",
+    adapters: RunAdapters | None = None,
 ) -> dict[str, float | None]:
     """`{name}_ttft_mean_s` and `_p99_s` over the requests `measured`: every request sent
     (warm-ups too: they hold a worker as long) queues, per rid, at `sent[rid]` for its floor
-    TTFT (with `hits`, the oracle's or the LRU reference's, prompt lengths `lengths`)."""
+    TTFT (with `hits`, the oracle's or the LRU reference's, prompt lengths `lengths`); with
+    `adapters`, on the workers' adapter slots (their loads paid in the queue)."""
     pairs = enumerate(zip(sent, lengths, strict=True))
     rids = [rid for rid, (at, n) in pairs if at is not None and n]
     services = [floor.ttft_s(lengths[rid] or 0, hits[rid] or 0) for rid in rids]
-    waits = fcfs_waits([sent[rid] or 0.0 for rid in rids], services, servers)
-    ttft = {rid: wait + service for rid, wait, service in zip(rids, waits, services, strict=True)}
+    arrivals = [sent[rid] or 0.0 for rid in rids]
+    if adapters is None:
+        waits = fcfs_waits(arrivals, services, servers)
+        ttfts = [wait + service for wait, service in zip(waits, services, strict=True)]
+    else:
+        named = [adapters.named[rid] for rid in rids]
+        ttfts = adapter_fcfs_ttfts(arrivals, services, named, adapters.slots())
+    ttft = dict(zip(rids, ttfts, strict=True))
     mine = [ttft[rid] for rid in measured if rid in ttft]
     if not mine:
         return {f"{name}_ttft_mean_s": None, f"{name}_ttft_p99_s": None}
@@ -84,13 +96,15 @@ def lru_reference(
     sent: Sequence[float | None],
     measured: Sequence[int],
     servers: int,
+    adapters: RunAdapters | None = None,
 ) -> dict[str, float | None]:
     """The LRU reference's hit ratio over `measured` (`lru_hit_ratio`) and the queued floor
     with its hits (`lru_queue_floor_ttft_mean_s` / `_p99_s`)."""
     prompt = sum(lengths[rid] or 0 for rid in measured)
     reused = sum(lru_hits[rid] or 0 for rid in measured)
     out: dict[str, float | None] = {"lru_hit_ratio": reused / prompt if prompt else None}
-    out.update(
-        queued_floor_stats(floor, lru_hits, lengths, sent, measured, servers, "lru_queue_floor")
+    queued = queued_floor_stats(
+        floor, lru_hits, lengths, sent, measured, servers, "lru_queue_floor", adapters
     )
+    out.update(queued)
     return out

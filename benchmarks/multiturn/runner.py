@@ -19,13 +19,19 @@ from benchmarks.harness import step as advance
 from benchmarks.load.bodies import served_model
 from benchmarks.load.causal import run_workload
 from benchmarks.load.record import Record
+from benchmarks.multiturn.adapter_floor import RunAdapters
 from benchmarks.multiturn.cluster import RouterSpec, start_router, sync_events
 from benchmarks.multiturn.floor import Floor
 from benchmarks.multiturn.metrics import active_span, summarize
 from benchmarks.multiturn.oracle import LruCaches, replay
 from benchmarks.multiturn.per_tenant import fairness, per_tenant
 from benchmarks.multiturn.plan import Plan, Step
-from benchmarks.multiturn.queue_floor import lru_reference, prefill_servers, queued_floor_stats
+from benchmarks.multiturn.queue_floor import (
+    PREFILL_ROLES,
+    lru_reference,
+    prefill_servers,
+    queued_floor_stats,
+)
 from benchmarks.multiturn.replicas import propagation, replica_metrics, start_replicated
 from benchmarks.multiturn.text import Vocab
 from benchmarks.multiturn.workloads import Workload
@@ -228,14 +234,23 @@ def run_one(
     measured = [o for o in result.records if not workload.requests[o.rid].warmup]
     record.update(summarize(measured, hits, lengths, result.wall_s))
     answered = [o.rid for o in measured if o.ok]
-    record.update(floor.stats(hits, lengths, answered))
     sent: list[float | None] = [None] * len(workload.requests)
     for o in result.records:
         sent[o.rid] = o.sent_s
-    record.update(queued_floor_stats(floor, hits, lengths, sent, answered, servers))
+    adapters = run_adapters(cluster, workload, floor)
+    before = adapters.unavoidable_s(sent) if adapters else None
+    record.update(floor.stats(hits, lengths, answered, before))
+    record.update(
+        queued_floor_stats(floor, hits, lengths, sent, answered, servers, adapters=adapters)
+    )
     if oracle.lru_hits is not None:
-        record.update(lru_reference(floor, oracle.lru_hits, lengths, sent, answered, servers))
-    record["floor_model"] = {"chunked_prefill_size": floor.chunk, "time_scale": floor.time_scale}
+        lru_hits = oracle.lru_hits
+        record.update(lru_reference(floor, lru_hits, lengths, sent, answered, servers, adapters))
+    record["floor_model"] = {
+        "chunked_prefill_size": floor.chunk,
+        "time_scale": floor.time_scale,
+        "lora_load_s": floor.lora_load_s if adapters else 0.0,  # adapter_floor: paid in floors
+    }
     tenants = per_tenant(workload.requests, result.records)
     if tenants is not None:  # requests sent for tenants: their figures, their fair shares
         record["per_tenant"] = tenants
@@ -323,3 +338,20 @@ def decisions(metrics: dict[str, float]) -> dict[str, float] | None:
                 term = labels.split('term="', 1)[1].split('"', 1)[0] if "term=" in labels else ""
                 out[f"speed:{worker}:{term or 'overhead_s'}"] = value
     return out
+
+
+def run_adapters(cluster: Cluster, workload: Workload, floor: Floor) -> RunAdapters | None:
+    """What the floors need of a run's LoRA adapters (`adapter_floor`): None unless its
+    requests name adapters that its workers registered."""
+    named = [r.lora for r in workload.requests]
+    if not cluster.adapters_at_start or not any(named):
+        return None
+    workers = [w for w in cluster.workers if w.role in PREFILL_ROLES]
+    lora = cluster.server_info()[0].get("lora") or {}
+    capacity = lora.get("max_loaded_loras")
+    return RunAdapters(
+        named,
+        [list(cluster.adapters_at_start.get(w.url, ())) for w in workers],
+        capacity if isinstance(capacity, int) and capacity > 0 else None,
+        floor.lora_load_s,
+    )

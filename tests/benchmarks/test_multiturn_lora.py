@@ -45,6 +45,10 @@ def test_lora_quick(lora_dir: Path) -> None:
         for worker in run["per_worker"]:
             assert worker["lora_loads"] >= 0 and worker["lora_evictions"] >= 0
         loads += sum(w["lora_loads"] for w in run["per_worker"])
+        # the floors pay the adapter loads no router avoids (the sim's, time-scaled)
+        load_s = run["floor_model"]["lora_load_s"]
+        assert load_s == pytest.approx(0.052 * run["time_scale"], rel=0.01)
+        assert run["queue_floor_ttft_p99_s"] >= run["floor_ttft_p99_s"]
         # every run but the first starts from the adapters the workers loaded at start: the
         # run before left others, which were unloaded and the start's loaded again
         assert run["lora_reloads"] >= 0
