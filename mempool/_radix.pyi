@@ -192,6 +192,7 @@ class WorkerState:
     has_agent: bool
     can_pull: bool
     free_tokens: int  # device KV free, from its KV events (-1: not known)
+    in_flight_fixed_s: float  # loads this router's requests not begun wait for (adapters)
     overhead_s: float
     queue_x: float
     token_x: float

@@ -119,6 +119,9 @@ class Decision:
     # the work ahead of its first token at the cost model's constants, by term (Plan.work;
     # None: the policy has no cost model): the worker's speed is fitted to its measured time
     work: Work | None = None
+    # an adapter's load it waits for before its prefill (router.adapters): the engine loads
+    # it in the step that prefills it, so the requests queued behind it wait as long
+    load_s: float = 0.0
 
     @property
     def planned_pull(self) -> int:
@@ -440,11 +443,17 @@ class PromptTree(Policy):
             choice, reason, cached, longer, pull, work = self.core.decide_view(
                 held, tokens, request.num_tokens, states, before, limit
             )
+        planned, load_s = Work(*work), 0.0
         if adapter is not None:
-            workers[choice].adapters.sent(adapter)
+            slots = workers[choice].adapters
+            if before is not None:  # the fit subtracts only the part this request waits for
+                paid = slots.paid_s(adapter, self.cost.lora_load_s)
+                planned = planned._replace(fixed_s=planned.fixed_s - before[choice] + paid)
+                load_s = 0.0 if adapter in slots.resident else self.cost.lora_load_s
+            slots.sent(adapter)
         holders = [(workers[i], n) for i, n in longer]
         pull_from = workers[pull] if pull is not None else None
-        return Decision(workers[choice], cached, holders, reason, pull_from, Work(*work))
+        return Decision(workers[choice], cached, holders, reason, pull_from, planned, load_s)
 
 
 def pull_limit(namespace: CacheNamespace | None, page: int) -> int:

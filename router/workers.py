@@ -127,6 +127,9 @@ class Worker:
     in_flight_tokens = delegated(
         "state", "in_flight_tokens", "their prompt tokens not prefilled yet"
     )
+    in_flight_fixed_s = delegated(
+        "state", "in_flight_fixed_s", "the adapter loads those not begun wait for, seconds"
+    )
     reported_reqs = delegated("state", "reported_reqs", "requests it reported running")
     reported_waiting = delegated("state", "reported_waiting", "requests it reported waiting")
     reported_pending_tokens = delegated(
@@ -217,11 +220,14 @@ class Worker:
             cm.reschedule(now)
         return len(pending)
 
-    def request(self, prefill_tokens: int, begins_at_first_byte: bool = False) -> InFlight:
+    def request(
+        self, prefill_tokens: int, begins_at_first_byte: bool = False, fixed_s: float = 0.0
+    ) -> InFlight:
         """Count one request against this worker while it runs (`with worker.request(n):`);
         `begins_at_first_byte`: its first byte comes when the worker begins it (a streamed
-        answer, a prefill), so until then it is counted as waiting."""
-        return InFlight(self, prefill_tokens, begins_at_first_byte)
+        answer, a prefill), so until then it is counted as waiting; `fixed_s`: a load it
+        waits for before its prefill (an adapter's), queued work until its first byte."""
+        return InFlight(self, prefill_tokens, begins_at_first_byte, fixed_s)
 
     def ask_load(self) -> None:
         """A report is being asked for: of the requests in flight now, those answered from
@@ -248,15 +254,19 @@ class Worker:
 
 class InFlight:
     """One request in flight on a worker: counted until it ends, its prompt tokens still to
-    compute counted as queued prefill work until its first byte (`prefill_done`), and, when
-    its first byte marks its beginning, counted as waiting until then."""
+    compute (and a load it waits for) counted as queued prefill work until its first byte
+    (`prefill_done`), and, when its first byte marks its beginning, counted as waiting until
+    then."""
 
-    __slots__ = ("_asks", "_state", "_tokens", "_waiting", "worker")
+    __slots__ = ("_asks", "_fixed", "_state", "_tokens", "_waiting", "worker")
 
-    def __init__(self, worker: Worker, prefill_tokens: int, waiting: bool = False) -> None:
+    def __init__(
+        self, worker: Worker, prefill_tokens: int, waiting: bool = False, fixed_s: float = 0.0
+    ) -> None:
         self.worker = worker
         self._state = worker.state
         self._tokens = max(prefill_tokens, 0)
+        self._fixed = max(fixed_s, 0.0)
         self._waiting = waiting
         self._asks = self._state.report_asks  # a report asked for later may count it
 
@@ -264,24 +274,30 @@ class InFlight:
         state = self._state
         state.in_flight += 1
         state.in_flight_tokens += self._tokens
+        state.in_flight_fixed_s += self._fixed
         state.unstarted += self._waiting
         self.worker.changed()
         return self
 
+    def _begun(self) -> None:
+        """Its prompt and load are no longer queued work, nor is it waiting."""
+        state = self._state
+        state.in_flight_tokens -= self._tokens
+        if self._fixed:  # (a sum of floats: none left is exactly none)
+            left = state.in_flight_fixed_s - self._fixed
+            state.in_flight_fixed_s = left if left > 1e-9 else 0.0
+        state.unstarted -= self._waiting
+        self._tokens, self._fixed, self._waiting = 0, 0.0, False
+
     def prefill_done(self) -> None:
         """The worker has begun answering: its prompt is no longer queued work."""
-        if self._tokens or self._waiting:
-            state = self._state
-            state.in_flight_tokens -= self._tokens
-            state.unstarted -= self._waiting
-            self._tokens, self._waiting = 0, False
+        if self._tokens or self._fixed or self._waiting:
+            self._begun()
             self.worker.changed()
 
     def __exit__(self, *exc: object) -> None:
         state = self._state
-        state.in_flight_tokens -= self._tokens
-        state.unstarted -= self._waiting
-        self._tokens, self._waiting = 0, False
+        self._begun()
         state.in_flight -= 1
         self.worker.processed += 1
         if not exc or exc[0] is None:  # a failure is not service (it may be instant)

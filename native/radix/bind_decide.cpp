@@ -264,6 +264,7 @@ void radix_py::bind_decide(nb::module_& m) {
         MEMSERVE_FIELD(has_agent)
         MEMSERVE_FIELD(can_pull)
         MEMSERVE_FIELD(free_tokens)
+        MEMSERVE_FIELD(in_flight_fixed_s)
         MEMSERVE_FIELD(overhead_s)
         MEMSERVE_FIELD(queue_x)
         MEMSERVE_FIELD(token_x)

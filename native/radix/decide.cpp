@@ -32,7 +32,8 @@ Plan plan(const Costs& c, const WorkerState& w, int64_t n, int64_t cached, int64
           const WorkerState* source, int64_t best, int64_t load, double now) {
     double work = 0;
     double queue = queue_s(c, w, host, load, now, &work);
-    double loading = static_cast<double>(host) * c.host_load_s_per_token;
+    // modelled, not learned: its own host-tier load, and the loads queued ahead of it
+    double loading = static_cast<double>(host) * c.host_load_s_per_token + w.in_flight_fixed_s;
     Terms own_t = prefill_terms(c, n - cached, cached);
     Plan own{queue + w.prefill_s(own_t.tokens_s, own_t.pairs_s), n - cached, false,
              {work, own_t.tokens_s, own_t.pairs_s, 0.0, loading}};
@@ -121,7 +122,7 @@ double queue_s(const Costs& c, const WorkerState& w, int64_t host, int64_t load,
                double* work_out) {
     double work = static_cast<double>(w.queued_tokens()) * c.prefill_s_per_token +
                   static_cast<double>(load) * c.busy_s_per_request;
-    double modelled = work * w.queue_x;
+    double modelled = work * w.queue_x + w.in_flight_fixed_s;
     if (!w.prefill && w.waiting()) modelled = std::max(modelled, w.measured_wait_s(now));
     if (work_out) *work_out = work;
     return modelled + static_cast<double>(host) * c.host_load_s_per_token;

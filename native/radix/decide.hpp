@@ -35,6 +35,9 @@ struct WorkerState {
     bool has_agent = false;    // serves MemPool pulls
     bool can_pull = false;     // pulls a longer prefix when a request names one
     int64_t free_tokens = -1;  // device KV it has free, as its KV events tell (-1: not known)
+    // Seconds this router's requests not begun wait before their prefills, modelled and not
+    // learned (an adapter's load): the requests queued behind them wait as long.
+    double in_flight_fixed_s = 0.0;
     double overhead_s = 0.0, queue_x = 1.0, token_x = 1.0, pair_x = 1.0;
     double transfer_x = 1.0;  // x the constants' transfer time of a pull into it
     // Prompt tokens the prompt_tree rule sent it to compute, decayed with a half-life of

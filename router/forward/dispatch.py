@@ -184,7 +184,9 @@ class Sender:
             with (
                 pulling,
                 holding,
-                worker.request(self.pending(call.prompt, decision), begins) as flight,
+                worker.request(
+                    self.pending(call.prompt, decision), begins, decision.load_s
+                ) as flight,
             ):
                 first_byte = flight.prefill_done
                 if begins and side != "decode" and decision.work is not None:

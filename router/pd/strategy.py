@@ -102,7 +102,8 @@ class PrefillDecode(Strategy):
         counted = contextlib.ExitStack()
         if p_dec.pull_from is not None:
             counted.enter_context(p_dec.pull_from.serving_pull())
-        counted.enter_context(prefill.request(sender.pending(call.prompt, p_dec), True))
+        pending = sender.pending(call.prompt, p_dec)
+        counted.enter_context(prefill.request(pending, True, p_dec.load_s))
         p_task = asyncio.create_task(self._prefill(call, payload, p_dec, keep_prefill))
         p_task.add_done_callback(lambda _: counted.close())
         if caching.prefill_caches:

@@ -74,7 +74,7 @@ class Plan:
 
 def _queue(c: CostModel, worker: Worker, host: int, load: int) -> tuple[float, float]:
     work = worker.queued_tokens * c.prefill_s_per_token + load * c.busy_s_per_request
-    modelled = work * worker.speed.queue_x
+    modelled = work * worker.speed.queue_x + worker.in_flight_fixed_s
     if worker.type is not WorkerType.PREFILL and worker.waiting:
         modelled = max(modelled, worker.measured_wait_s())
     return modelled + host * c.host_load_s_per_token, work
@@ -96,7 +96,7 @@ def plan(
 ) -> Plan:
     queue, work = _queue(c, worker, host, load)
     speed = worker.speed
-    loading = host * c.host_load_s_per_token
+    loading = host * c.host_load_s_per_token + worker.in_flight_fixed_s
     tokens_s, pairs_s = _terms(c, tokens - cached, cached)
     own = Plan(
         queue + speed.prefill_s(tokens_s, pairs_s),
@@ -124,6 +124,8 @@ class Options:
     loads: dict[str, int]
     before: dict[str, float]  # an adapter's load or wait, paid before the prefill
     pullable: int  # of the longest prefix, what a pull may cover
+    # of `before`, an adapter's load the engine runs for it (the requests behind it wait too)
+    load_s: dict[str, float]
 
 
 class ReferencePolicy:
@@ -180,14 +182,21 @@ class ReferencePolicy:
         }
         adapter = request.namespace.lora_name if request.namespace is not None else None
         before = {w.url: 0.0 for w in workers}
+        loading = {w.url: 0.0 for w in workers}
         if adapter is not None:  # an adapter to load first, where it is not in memory
+            lora_s = self.cost.lora_load_s
             for w in workers:
-                p, load_s = plans[w.url], w.adapters.seconds(adapter, self.cost.lora_load_s)
+                p, load_s = plans[w.url], w.adapters.seconds(adapter, lora_s)
                 assert p.work is not None
                 p.seconds += load_s
-                p.work = p.work._replace(fixed_s=p.work.fixed_s + load_s)
+                # the speed fit's fixed part: what this request waits for, not the evicted
+                # adapter's next load
+                p.work = p.work._replace(
+                    fixed_s=p.work.fixed_s + w.adapters.paid_s(adapter, lora_s)
+                )
                 before[w.url] = load_s
-        return Options(workers, view, held, plans, best, loads, before, pullable)
+                loading[w.url] = 0.0 if adapter in w.adapters.resident else lora_s
+        return Options(workers, view, held, plans, best, loads, before, pullable, loading)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
         o = self._options(request, workers)
@@ -266,4 +275,5 @@ class ReferencePolicy:
                 if w is not choice and w.agent is not None and o.held[w.url] > mine
             )
             holders = sorted(longer, key=lambda x: -x[1])
-        return Decision(choice, mine, holders, reason, o.best if p.pull else None, p.work)
+        pull_from = o.best if p.pull else None
+        return Decision(choice, mine, holders, reason, pull_from, p.work, o.load_s[choice.url])

@@ -70,6 +70,53 @@ def test_a_full_worker_whose_adapters_are_all_in_use_prices_the_wait_for_one() -
         assert pinned.seconds("c", LOAD_S) == pytest.approx(2 * LOAD_S + 0.5)
 
 
+def test_a_request_pays_its_own_load_and_wait_not_the_evicted_adapters_next_load() -> None:
+    w = WorkerAdapters(capacity=1)
+    assert w.paid_s("a", LOAD_S) == LOAD_S  # a free slot: the load is all of it
+    w.sent("a")
+    assert w.paid_s("a", LOAD_S) == 0.0
+    assert w.seconds("b", LOAD_S) == 2 * LOAD_S
+    assert w.paid_s("b", LOAD_S) == LOAD_S  # the evicted a's reload is a later request's
+    w.hold_s = 1.0
+    with w.serving("a"):  # and the wait for a to be done is this request's own
+        assert w.paid_s("b", LOAD_S) == pytest.approx(LOAD_S + 0.5)
+
+
+def test_the_speed_fit_subtracts_only_what_the_request_waits_for() -> None:
+    """The decision prices an evicting load twice (its load and the evicted adapter's
+    next); the measured TTFT holds one, so the fit's fixed part is one load."""
+    policy, a, b = _one_slot_pair()
+    a.adapters.sent("alpha")
+    b.adapters.sent("beta")
+    d = policy.select(_request("gamma"), [a, b])
+    assert d.work is not None and d.work.fixed_s == pytest.approx(LOAD_S)
+    d = policy.select(_request("gamma"), [a, b])  # loaded where the first one went
+    assert d.work is not None and d.work.fixed_s == 0.0
+
+
+def test_a_queued_adapter_load_delays_the_requests_behind_it_until_its_first_byte() -> None:
+    """The engine loads an adapter in the step that prefills its request: a request queued
+    behind that one waits for the load too, so the next cold request goes to the other
+    worker, and once the first byte came the load is no longer ahead of anyone."""
+    policy, a, b = _one_slot_pair()
+    cost = policy.cost
+    first = policy.select(_request("alpha"), [a, b])
+    assert first.worker is a and first.load_s == LOAD_S  # a free slot: one load
+    b.in_flight_tokens = 500  # 20 ms of queued prefill on b, against the 50 ms load on a
+    with a.request(0, True, first.load_s) as flight:
+        running = cost.busy_s_per_request  # its share of the steps it runs in
+        assert cost.queue_s(a) == pytest.approx(LOAD_S + running)
+        assert policy.select(_request(None), [a, b]).worker is b
+        flight.prefill_done()
+        assert cost.queue_s(a) == pytest.approx(running) and a.in_flight_fixed_s == 0.0
+        assert policy.select(_request(None), [a, b]).worker is a
+    again = policy.select(_request("alpha"), [a, b])
+    assert again.worker is a and again.load_s == 0.0  # loaded now: nothing to wait for
+    with a.request(0, True, 0.3):
+        pass  # ended before its first byte (a failure, a whole answer): nothing left queued
+    assert a.in_flight_fixed_s == 0.0 and a.in_flight == 0
+
+
 def test_the_adapter_in_use_is_not_the_one_counted_out() -> None:
     w = WorkerAdapters(capacity=2)
     w.sent("a")

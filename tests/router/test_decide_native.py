@@ -45,6 +45,7 @@ worker_st = st.fixed_dictionaries(
         "agent": st.sampled_from([None, True, True, False]),  # None, pulls, serves only
         "finished": st.integers(0, 8),
         "free_tokens": st.one_of(st.just(-1), st.integers(0, 48)),  # -1: not known
+        "in_flight_fixed_s": st.sampled_from([0.0, 0.0, 0.05, 0.4]),  # adapter loads queued
         # LoRA adapters loaded (router.adapters) and how many it holds (None: not known)
         "adapters": st.tuples(st.sets(st.sampled_from("ab")), st.sampled_from([None, 1, 2])),
         "x": st.tuples(*[st.floats(0.2, 5.0)] * 3, st.floats(0.0, 0.05), st.floats(0.2, 5.0)),
@@ -65,6 +66,7 @@ def make_worker(i: int, spec: dict) -> Worker:
         "unstarted",
         "pulls_served",
         "free_tokens",
+        "in_flight_fixed_s",
     ):
         setattr(w, name, spec[name])
     if spec["agent"] is not None:
@@ -88,6 +90,7 @@ def same(a, b) -> None:
     assert [(w.url, n) for w, n in a.holders] == [(w.url, n) for w, n in b.holders]
     assert (a.pull_from and a.pull_from.url) == (b.pull_from and b.pull_from.url)
     assert a.work == pytest.approx(b.work, rel=1e-9, abs=1e-15)
+    assert a.load_s == b.load_s
 
 
 doc_st = st.lists(st.integers(0, 1000), min_size=8, max_size=48)
