@@ -70,9 +70,8 @@ class WorkerAdapters:
         """Of `seconds`, what this request itself waits for: its load and, past the limit,
         the wait for an adapter to be done, but not the evicted adapter's next load, which a
         later request pays (the speed fit subtracts this part of a measured TTFT: the whole
-        price fitted the LoRA preset's equal workers at 0.53-0.74x the constants over its
-        first 40 requests, their queues priced at two thirds of what they were; this part,
-        0.73-1.07x)."""
+        price fitted three of the LoRA preset's four equal workers' queues at 0.53-0.76x the
+        constants within its first 40 requests; this part, 0.73-1.07x)."""
         seconds = self.seconds(adapter, load_s)
         if adapter in self.resident or self.has_room():
             return seconds
