@@ -221,9 +221,8 @@ def run_one(
     ctx.progress.refresh()
     servers = prefill_servers([w.role for w in cluster.workers])
     # the workers' device KV: the record's, and the LRU reference's capacity
-    capacity = record["worker_capacity_tokens"] = cluster.server_info()[0].get(
-        "max_total_num_tokens"
-    )
+    info = cluster.server_info()[0]
+    capacity = record["worker_capacity_tokens"] = info.get("max_total_num_tokens")
     # the LRU reference models device caches alone: none where a host tier holds more
     lru = None
     if capacity and not cluster.spec.hicache_ratio:
@@ -237,7 +236,7 @@ def run_one(
     sent: list[float | None] = [None] * len(workload.requests)
     for o in result.records:
         sent[o.rid] = o.sent_s
-    adapters = run_adapters(cluster, workload, floor)
+    adapters = run_adapters(cluster, workload, floor, info)
     before = adapters.unavoidable_s(sent) if adapters else None
     record.update(floor.stats(hits, lengths, answered, before))
     record.update(
@@ -340,14 +339,16 @@ def decisions(metrics: dict[str, float]) -> dict[str, float] | None:
     return out
 
 
-def run_adapters(cluster: Cluster, workload: Workload, floor: Floor) -> RunAdapters | None:
-    """What the floors need of a run's LoRA adapters (`adapter_floor`): None unless its
-    requests name adapters that its workers registered."""
+def run_adapters(
+    cluster: Cluster, workload: Workload, floor: Floor, info: dict[str, Any]
+) -> RunAdapters | None:
+    """What the floors need of a run's LoRA adapters (`adapter_floor`; `info`: a worker's
+    server info): None unless its requests name adapters that its workers registered."""
     named = [r.lora for r in workload.requests]
     if not cluster.adapters_at_start or not any(named):
         return None
     workers = [w for w in cluster.workers if w.role in PREFILL_ROLES]
-    lora = cluster.server_info()[0].get("lora") or {}
+    lora = info.get("lora") or {}
     capacity = lora.get("max_loaded_loras")
     return RunAdapters(
         named,
