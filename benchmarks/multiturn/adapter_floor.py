@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.adapters import WorkerAdapters
+
 
 @dataclass(frozen=True)
 class RunAdapters:
@@ -54,11 +56,11 @@ class RunAdapters:
 
 @dataclass
 class AdapterSlots:
-    """Each worker's loaded adapters in a modelled cluster (least recently used first), at
-    most `capacity` a worker (None: no limit); a load costs `load_s` seconds."""
+    """Each worker's loaded adapters in a modelled cluster, kept as the router keeps them
+    (`router.adapters.WorkerAdapters`: least recently used evicted past `capacity`, None: no
+    limit; no request holds one here); a load costs `load_s` seconds."""
 
-    resident: list[OrderedDict[str, None]]
-    capacity: int | None
+    workers: list[WorkerAdapters]
     load_s: float
 
     @classmethod
@@ -70,22 +72,21 @@ class AdapterSlots:
             raise ValueError("adapter slots need at least one worker")
         if capacity is not None and capacity < 1:
             raise ValueError(f"a worker holds at least one adapter, got a limit of {capacity}")
-        return cls([OrderedDict.fromkeys(names) for names in at_start], capacity, load_s)
+        workers = [
+            WorkerAdapters(OrderedDict.fromkeys(names), capacity=capacity) for names in at_start
+        ]
+        return cls(workers, load_s)
 
     def cost_s(self, worker: int, adapter: str | None) -> float:
         """What a request for `adapter` pays on `worker` before its prefill."""
-        return 0.0 if adapter is None or adapter in self.resident[worker] else self.load_s
+        held = adapter is None or adapter in self.workers[worker].resident
+        return 0.0 if held else self.load_s
 
     def use(self, worker: int, adapter: str | None) -> None:
         """A request for `adapter` runs on `worker`: loaded there, most recently used, and
         past the limit the least recently used adapter evicted."""
-        if adapter is None:
-            return
-        slots = self.resident[worker]
-        slots[adapter] = None
-        slots.move_to_end(adapter)
-        while self.capacity is not None and len(slots) > self.capacity:
-            slots.popitem(last=False)
+        if adapter is not None:
+            self.workers[worker].sent(adapter)
 
 
 def adapter_fcfs_ttfts(
@@ -101,7 +102,7 @@ def adapter_fcfs_ttfts(
         raise ValueError(
             f"{len(arrivals)} arrivals, {len(services)} services, {len(adapters)} adapters"
         )
-    free_at = [0.0] * len(slots.resident)
+    free_at = [0.0] * len(slots.workers)
     ttfts = [0.0] * len(arrivals)
     for i in sorted(range(len(arrivals)), key=lambda j: (arrivals[j], j)):
 

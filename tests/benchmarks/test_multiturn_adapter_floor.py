@@ -27,7 +27,7 @@ def test_a_request_goes_where_it_starts_soonest_counting_its_load() -> None:
     # rid 2 ("a") waits for worker 0 (free at 1.0) rather than load "a" on worker 1
     ttfts = adapter_fcfs_ttfts([0.0, 0.0, 0.1], [1.0, 1.0, 1.0], ["a", "b", "a"], slots)
     assert ttfts == pytest.approx([1.0, 1.0 + LOAD, 1.9])
-    assert list(slots.resident[1]) == ["b"]
+    assert list(slots.workers[1].resident) == ["b"]
 
 
 def test_past_the_limit_the_least_recently_used_adapter_gives_way() -> None:
@@ -35,7 +35,7 @@ def test_past_the_limit_the_least_recently_used_adapter_gives_way() -> None:
     # "a" used, then "c" evicts "b" (least recently used), so "b" loads again
     ttfts = adapter_fcfs_ttfts([0.0, 10.0, 20.0], [1.0, 1.0, 1.0], ["a", "c", "b"], slots)
     assert ttfts == pytest.approx([1.0, 1.0 + LOAD, 1.0 + LOAD])
-    assert list(slots.resident[0]) == ["c", "b"]
+    assert list(slots.workers[0].resident) == ["c", "b"]
 
 
 @pytest.mark.parametrize(
