@@ -267,12 +267,16 @@ class Decider:
         ttl: float | None = None,
         before: Sequence[float] | None = None,
         pull_limit: int = -1,
+        stall: Sequence[float] | None = None,
     ) -> _Choice:
         """(worker index, reason, predicted cached tokens, longer holders as (index, tokens)
         longest first, index pulled from or None, work terms at the constants). `before`:
-        seconds each worker spends on the request before its prefill (an adapter to load),
-        finite and not negative, one per worker. `pull_limit`: the most of the prefix a pull
-        may cover (-1: all; 0: no pull, and no holders named), else ValueError."""
+        seconds each worker spends on the request before its prefill (an adapter to load, or
+        a slot to wait for), finite and not negative, one per worker. `pull_limit`: the most
+        of the prefix a pull may cover (-1: all; 0: no pull, and no holders named), else
+        ValueError. `stall`: of `before`, the seconds each worker's engine spends on it in
+        the step that prefills it (an adapter's load), which the requests waiting there wait
+        too; checked as `before`."""
     def decide_view(
         self,
         view: Sequence[tuple[int, int, int]],
@@ -281,6 +285,7 @@ class Decider:
         workers: Sequence[WorkerState],
         before: Sequence[float] | None = None,
         pull_limit: int = -1,
+        stall: Sequence[float] | None = None,
     ) -> _Choice:
         """`decide` over a view given per worker as (any tier, device, home), -1 for none."""
     def plan(

@@ -15,6 +15,8 @@ An engine evicts only an adapter no running request uses: on a worker whose ever
 an adapter in use, a request for another one waits until one of them is done (SGLang's
 scheduler leaves it in the queue). Under load that wait, a request's whole decode, dwarfs
 the load itself; the router counts its own requests in flight per adapter and prices it.
+The wait is that request's alone: the engine skips it for the requests behind it, which wait
+only for the load itself, in the step that prefills it (`stall_s`).
 
 What is known: the adapters a worker loaded at start (its server info: ours lists them with
 their residency, SGLang's has `lora_paths` and `max_loaded_loras`), then every request the
@@ -76,6 +78,12 @@ class WorkerAdapters:
         if adapter in self.resident or self.has_room():
             return seconds
         return max(seconds - load_s, 0.0)
+
+    def stall_s(self, adapter: str, load_s: float) -> float:
+        """Of `seconds`, what the engine spends in the step that prefills the request, which
+        every request queued here waits for too: its load, where `adapter` is not in memory
+        (not a wait for a slot, while which the engine runs the others)."""
+        return 0.0 if adapter in self.resident else load_s
 
     @contextmanager
     def serving(self, adapter: str) -> Iterator[None]:

@@ -425,14 +425,16 @@ class PromptTree(Policy):
         tokens = request.tree_key(request.tokens or (), self.trees.page_size)
         states = [w.state for w in workers]
         adapter = request.adapter
-        before = None
+        before = stall = None
         if adapter is not None:  # its load, where the adapter is not in memory
-            before = [w.adapters.seconds(adapter, self.cost.lora_load_s) for w in workers]
+            lora_s = self.cost.lora_load_s
+            before = [w.adapters.seconds(adapter, lora_s) for w in workers]
+            stall = [w.adapters.stall_s(adapter, lora_s) for w in workers]
         limit = pull_limit(request.namespace, self.trees.page_size)
         if self._native:
             tree = self.trees.trees[request.type]
             choice, reason, cached, longer, pull, work = self.core.decide(
-                tree, tokens, request.num_tokens, states, self.trees.ttl_s, before, limit
+                tree, tokens, request.num_tokens, states, self.trees.ttl_s, before, limit, stall
             )
         else:
             view = self.trees.match(request.type, tokens)
@@ -441,15 +443,16 @@ class PromptTree(Policy):
                 for w in workers
             ]
             choice, reason, cached, longer, pull, work = self.core.decide_view(
-                held, tokens, request.num_tokens, states, before, limit
+                held, tokens, request.num_tokens, states, before, limit, stall
             )
         planned, load_s = Work(*work), 0.0
         if adapter is not None:
             slots = workers[choice].adapters
-            if before is not None:  # the fit subtracts only the part this request waits for
+            if before is not None and stall is not None:
+                # the fit subtracts only the part this request waits for
                 paid = slots.paid_s(adapter, self.cost.lora_load_s)
                 planned = planned._replace(fixed_s=planned.fixed_s - before[choice] + paid)
-                load_s = 0.0 if adapter in slots.resident else self.cost.lora_load_s
+                load_s = stall[choice]
             slots.sent(adapter)
         holders = [(workers[i], n) for i, n in longer]
         pull_from = workers[pull] if pull is not None else None

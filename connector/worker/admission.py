@@ -148,10 +148,14 @@ class Admission:
                 return out
         busy = bool(running) or chunked is not None
         adapters = self._adapters(running, chunked)
+        skipped: list[Sequence] = []
         while waiting and len(running) + len(out.prefills) < self.max_running_requests:
             seq = waiting[0]
             if not self._adapter_fits(seq, adapters):
-                break  # its adapter has no slot in this batch, or cannot be loaded yet
+                # its adapter has no slot in this batch, or cannot be loaded yet: SGLang
+                # skips it for the requests behind it and tries it again next step
+                skipped.append(waiting.popleft())
+                continue
             prefix = self.prefix(seq)
             rest = self._rest(seq, prefix)
             if out.prefills and rest > budget:
@@ -179,6 +183,7 @@ class Admission:
                 out.refused.append(waiting.popleft())
                 continue
             break  # memory held by running requests, transfers or pulls in flight: wait
+        waiting.extendleft(reversed(skipped))  # at the front again, in their order
         return out
 
     def _adapters(self, running: list[Sequence], chunked: Sequence | None) -> set[str]:

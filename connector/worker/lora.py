@@ -12,10 +12,11 @@ endpoint; a request naming any other gets a 400) and, of those, the *resident* o
 weights are in memory, at most `--max-loaded-loras`. A request for a registered adapter that
 is not resident loads it before its prefill, evicting a resident one that no running request
 uses (least recently used, or first loaded with `fifo`; pinned adapters never); while none
-can be evicted it waits. A running batch holds at most `--max-loras-per-batch` different
-adapters. Each registration gets a new `lora_id` (SGLang's uuid), which keys the cache
-namespace: KV computed under an adapter is never reused by another, nor by the same name
-loaded again from another path.
+can be evicted it waits, and the requests behind it go ahead (SGLang's scheduler skips it,
+`continue`, rather than stop the queue there). A running batch holds at most
+`--max-loras-per-batch` different adapters. Each registration gets a new `lora_id`
+(SGLang's uuid), which keys the cache namespace: KV computed under an adapter is never
+reused by another, nor by the same name loaded again from another path.
 
 Weights: no backend applies real LoRA weights (`hf` runs the base model, keyed per adapter
 all the same; `sim` models only the time). Loading costs the sim `LatencyModel.lora_load_s`

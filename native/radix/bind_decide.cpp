@@ -106,21 +106,22 @@ struct Decider {
         return ws;
     }
 
-    // Seconds per worker paid before its prefill (None: none), checked.
-    static std::vector<double> seconds_before(nb::handle before, size_t k) {
+    // Seconds per worker (None: none), checked; `name` is the argument's, for the errors.
+    static std::vector<double> seconds_each(nb::handle seconds, size_t k, const std::string& name) {
         std::vector<double> out;
-        if (before.is_none()) return out;
-        nb::object seq = nb::steal(PySequence_Fast(before.ptr(), "before must be a list"));
+        if (seconds.is_none()) return out;
+        std::string must = name + " must be a list";
+        nb::object seq = nb::steal(PySequence_Fast(seconds.ptr(), must.c_str()));
         if (!seq.is_valid()) throw nb::python_error();
         if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())) != k) {
-            raise(PyExc_ValueError, "before needs one number of seconds per worker");
+            raise(PyExc_ValueError, name + " needs one number of seconds per worker");
         }
         out.resize(k);
         for (size_t i = 0; i < k; i++) {
             double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq.ptr(), i));
             if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
             if (!std::isfinite(v) || v < 0) {
-                raise(PyExc_ValueError, "before: seconds must be finite and not negative");
+                raise(PyExc_ValueError, name + ": seconds must be finite and not negative");
             }
             out[i] = v;
         }
@@ -130,7 +131,8 @@ struct Decider {
     nb::tuple run(const std::vector<PyWorkerState*>& py,
                   const std::vector<const route::WorkerState*>& ws,
                   const std::vector<route::Held>& held, const uint32_t* tokens, size_t n,
-                  int64_t num_tokens, const std::vector<double>& before, int64_t pull_limit) {
+                  int64_t num_tokens, const std::vector<double>& before, int64_t pull_limit,
+                  const std::vector<double>& stall) {
         if (num_tokens < 0) raise(PyExc_ValueError, "num_tokens must not be negative");
         if (pull_limit < -1) {
             raise(PyExc_ValueError, "pull_limit must be -1 (no limit) or a number of tokens >= 0");
@@ -139,7 +141,8 @@ struct Decider {
         double heat_now = h ? h->clock() : 0.0;
         route::Choice c = route::decide(settings, ws, held, tokens, n, num_tokens,
                                         h ? &h->heat : nullptr, monotonic_now(), heat_now,
-                                        before.empty() ? nullptr : &before, pull_limit);
+                                        before.empty() ? nullptr : &before, pull_limit,
+                                        stall.empty() ? nullptr : &stall);
         if (settings.rule == route::Rule::PromptTree) py[c.worker]->s.draw(c.computed, heat_now);
         nb::list holders;
         for (const auto& [i, tokens_held] : c.holders) {
@@ -153,7 +156,8 @@ struct Decider {
 
     // One walk of `tree` for every candidate, then the rule.
     nb::tuple decide(nb::handle tree, nb::handle tokens, int64_t num_tokens, nb::handle workers,
-                     nb::handle ttl, nb::handle before_s, int64_t pull_limit) {
+                     nb::handle ttl, nb::handle before_s, int64_t pull_limit,
+                     nb::handle stall_s) {
         std::shared_ptr<Core> core = tree_core(tree);
         if (core->tree.page_size() != settings.page_size) {
             raise(PyExc_ValueError, "the tree's page size is not the decider's");
@@ -161,10 +165,11 @@ struct Decider {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         std::vector<route::Held> held(ws.size());
-        std::vector<double> before = seconds_before(before_s, ws.size());
+        std::vector<double> before = seconds_each(before_s, ws.size(), "before");
+        std::vector<double> stall = seconds_each(stall_s, ws.size(), "stall");
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
         Tokens t(tokens, core->scratch, core->tree.page_size());
         double now = core->now();
         double cutoff = -std::numeric_limits<double>::infinity();
@@ -188,13 +193,14 @@ struct Decider {
             }
         }
         // every id, for the heat
-        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit);
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit, stall);
     }
 
     // The same rule over a view given per worker as (held in any tier, on device, home),
     // -1 for none: trees that are not a RadixTree (a replay's exact caches).
     nb::tuple decide_view(nb::handle view, nb::handle tokens, int64_t num_tokens,
-                          nb::handle workers, nb::handle before_s, int64_t pull_limit) {
+                          nb::handle workers, nb::handle before_s, int64_t pull_limit,
+                          nb::handle stall_s) {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         nb::object seq = nb::steal(PySequence_Fast(view.ptr(), "view must be a list"));
@@ -208,12 +214,13 @@ struct Decider {
                 nb::handle(PySequence_Fast_GET_ITEM(seq.ptr(), i)));
             held[i] = route::Held{std::get<0>(entry), std::get<1>(entry), std::get<2>(entry)};
         }
-        std::vector<double> before = seconds_before(before_s, ws.size());
+        std::vector<double> before = seconds_each(before_s, ws.size(), "before");
+        std::vector<double> stall = seconds_each(stall_s, ws.size(), "stall");
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit);
+        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
         Tokens t(tokens, scratch, 1);
-        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit);
+        return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit, stall);
     }
 };
 
@@ -387,10 +394,11 @@ void radix_py::bind_decide(nb::module_& m) {
         .def_prop_ro("page_size", [](Decider& d) { return d.settings.page_size; })
         .def("decide", &Decider::decide, nb::arg("tree"), nb::arg("tokens"),
              nb::arg("num_tokens"), nb::arg("workers"), nb::arg("ttl") = nb::none(),
-             nb::arg("before") = nb::none(), nb::arg("pull_limit") = -1)
+             nb::arg("before") = nb::none(), nb::arg("pull_limit") = -1,
+             nb::arg("stall") = nb::none())
         .def("decide_view", &Decider::decide_view, nb::arg("view"), nb::arg("tokens"),
              nb::arg("num_tokens"), nb::arg("workers"), nb::arg("before") = nb::none(),
-             nb::arg("pull_limit") = -1)
+             nb::arg("pull_limit") = -1, nb::arg("stall") = nb::none())
         .def(
             "plan",
             [](Decider& d, PyWorkerState& w, int64_t num_tokens, int64_t cached, int64_t host,

@@ -297,7 +297,8 @@ size_t fresh(const std::vector<const WorkerState*>& ws, const std::vector<int64_
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
               const std::vector<Held>& view, const uint32_t* tokens, size_t n,
               int64_t num_tokens, Heat* heat, double now, double heat_now,
-              const std::vector<double>* before, int64_t pull_limit) {
+              const std::vector<double>* before, int64_t pull_limit,
+              const std::vector<double>* stall) {
     Options o = options(s, ws, view, num_tokens, now, before, pull_limit);
     size_t k = ws.size();
     if (s.rule == Rule::Cost) {
@@ -346,9 +347,12 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // copy that fits in the worker's free KV: the rest evicts cache as hot as what the
     // eviction order keeps (measured: with caches half the hot set, heat-discounted pulls
     // into full caches evicted the other hot prefixes, hit ratio 0.92 -> 0.77-0.87).
-    // Likewise an adapter's load (`before`): the engine loads it in the step that prefills
+    // Likewise an adapter's load (`stall`): the engine loads it in the step that prefills
     // the request, which holds up every request waiting there too (measured on the LoRA
-    // preset: 15% fewer loads a request, mean TTFT 5% lower, over 3 seeds twice).
+    // preset: 15% fewer loads a request, mean TTFT 5% lower, over 3 seeds twice). Only the
+    // load: charged the whole `before`, a wait for a busy worker's adapter slot (seconds
+    // in a cold start) was charged once per request waiting there, as no one else waits for
+    // it, and a hot adapter's requests piled on its one holder.
     // But a copy into an idle worker (nothing in flight, nothing waiting) whose free KV holds
     // it displaces no cache and holds up no one: it costs its own TTFT only (measured on the
     // tenants preset: charged, an empty worker lacking the public prefix every prompt starts
@@ -374,7 +378,7 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
             seconds += paid * s.costs.prefill_s_per_token * ws[i]->token_x *
                        static_cast<double>(1 + ws[i]->waiting());
         }
-        if (before) seconds += (*before)[i] * static_cast<double>(ws[i]->waiting());
+        if (stall) seconds += (*stall)[i] * static_cast<double>(ws[i]->waiting());
         placement[i] = seconds;
         if (i == 0 || seconds < placement[soonest] ||
             (seconds == placement[soonest] && o.loads[i] < o.loads[soonest])) {

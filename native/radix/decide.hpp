@@ -188,9 +188,13 @@ struct Settings {
 // that the cost model does not price (a LoRA adapter to load: router.adapters).
 // `pull_limit`: the most of the prefix a pull may cover (-1: all of it; 0: none, and no
 // holders named: router.policies.pull_limit says for which namespaced requests).
+// `stall` (or null): of `before`, the seconds the engine spends on the request's behalf in
+// the step that prefills it (an adapter's load), which every request waiting there waits too;
+// not a wait for an adapter slot (the engine runs the others meanwhile).
 Choice decide(const Settings& s, const std::vector<const WorkerState*>& workers,
               const std::vector<Held>& held, const uint32_t* tokens, size_t n,
               int64_t num_tokens, Heat* heat, double now, double heat_now,
-              const std::vector<double>* before = nullptr, int64_t pull_limit = -1);
+              const std::vector<double>* before = nullptr, int64_t pull_limit = -1,
+              const std::vector<double>* stall = nullptr);
 
 }  // namespace route

@@ -195,7 +195,7 @@ class ReferencePolicy:
                     fixed_s=p.work.fixed_s + w.adapters.paid_s(adapter, lora_s)
                 )
                 before[w.url] = load_s
-                loading[w.url] = 0.0 if adapter in w.adapters.resident else lora_s
+                loading[w.url] = w.adapters.stall_s(adapter, lora_s)
         return Options(workers, view, held, plans, best, loads, before, pullable, loading)
 
     def select(self, request: RouteRequest, workers: list[Worker]) -> Decision:
@@ -231,7 +231,7 @@ class ReferencePolicy:
                 evicts = 0 if free < 0 else min(max(lacks - free, 0), lacks)
                 paid = evicts + (lacks - evicts) / (1 + heat)
                 seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)
-            seconds += o.before[w.url] * w.waiting  # the load holds up those waiting there
+            seconds += o.load_s[w.url] * w.waiting  # the load holds up those waiting there
             placement[w.url] = seconds
         soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
         if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn

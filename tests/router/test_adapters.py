@@ -219,6 +219,30 @@ def test_a_load_elsewhere_is_priced_for_the_requests_waiting_behind_it() -> None
     assert policy.select(request, [a, b]).worker is b
 
 
+def test_a_wait_for_an_adapter_slot_holds_up_no_one_but_its_request() -> None:
+    """Where every adapter slot is in use, a request waits for one while the engine runs the
+    requests behind it (SGLang skips it): of its price, only the load holds those up. Charged
+    once per request waiting there, such a wait (seconds in a cold start) sent a hot
+    adapter's requests to its one holder whatever that one's queue (the LoRA preset)."""
+    policy, a, b = _one_slot_pair()
+    request = _request("beta")
+    history = list(range(48))  # held by both: the choice is between their queues
+    for w in (a, b):
+        policy.trees.record(WorkerType.COLOCATED, w.url, request.tree_key(history, 16))
+        w.in_flight = w.unstarted = 3  # three waiting on each
+    a.adapters.hold_s = 0.2
+    a.adapters.sent("alpha")
+    b.adapters.capacity = 2
+    b.adapters.sent("beta")
+    b.in_flight_tokens = 12_500  # 0.5 s of queued prefill on b
+    with a.adapters.serving("alpha"):  # a's one slot is busy: beta waits 0.1 s, then loads
+        assert a.adapters.seconds("beta", LOAD_S) == pytest.approx(0.1 + 2 * LOAD_S)
+        assert a.adapters.stall_s("beta", LOAD_S) == LOAD_S
+        # a: 0.2 s for itself and 3 x 50 ms for those waiting, against b's 0.5 s queue
+        decision = policy.select(request, [a, b])
+    assert decision.worker is a and decision.load_s == LOAD_S
+
+
 def test_lora_affinity_scores_loaded_then_free_slot_then_evict_ties_by_load() -> None:
     """llm-d's scorer: 1.0 loaded, 0.8 a free slot, 0 a load that evicts; prefix-blind."""
     assert WorkerAdapters(OrderedDict(a=None), capacity=2).affinity("a") == 1.0

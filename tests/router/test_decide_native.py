@@ -224,8 +224,14 @@ def test_bad_input_raises_a_clear_error() -> None:
     ):
         with pytest.raises(ValueError, match=error):
             core.decide(tree, [1, 2, 3, 4], 4, [state], None, before)
-    with pytest.raises(TypeError, match="must be a list"):
+        with pytest.raises(ValueError, match=f"stall.*{error}"):
+            core.decide(tree, [1, 2, 3, 4], 4, [state], None, None, -1, before)
+        with pytest.raises(ValueError, match=error):
+            core.decide_view([(-1, -1, -1)], [1], 1, [state], None, -1, before)
+    with pytest.raises(TypeError, match="before must be a list"):
         core.decide(tree, [1, 2, 3, 4], 4, [state], None, 0.1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="stall must be a list"):
+        core.decide(tree, [1, 2, 3, 4], 4, [state], stall=0.1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         core.decide_view([(-1, -1, -1)], [1], 1, [state], ["soon"])  # type: ignore[list-item]
     assert isinstance(Decider, type)
