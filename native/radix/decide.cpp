@@ -350,9 +350,9 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // Likewise an adapter's load (`stall`): the engine loads it in the step that prefills
     // the request, which holds up every request waiting there too (measured on the LoRA
     // preset: 15% fewer loads a request, mean TTFT 5% lower, over 3 seeds twice). Only the
-    // load: charged the whole `before`, a wait for a busy worker's adapter slot (seconds
-    // in a cold start) was charged once per request waiting there, as no one else waits for
-    // it, and a hot adapter's requests piled on its one holder.
+    // load: a wait for a busy worker's adapter slot is the request's alone (the engine runs
+    // the others meanwhile); charged once per request waiting there too (seconds each in the
+    // LoRA preset's cold start), it sent a hot adapter's requests to its one holder.
     // But a copy into an idle worker (nothing in flight, nothing waiting) whose free KV holds
     // it displaces no cache and holds up no one: it costs its own TTFT only (measured on the
     // tenants preset: charged, an empty worker lacking the public prefix every prompt starts
