@@ -106,22 +106,25 @@ struct Decider {
         return ws;
     }
 
-    // Seconds per worker (None: none), checked; `name` is the argument's, for the errors.
-    static std::vector<double> seconds_each(nb::handle seconds, size_t k, const std::string& name) {
+    // Seconds per worker (None: none), checked; `name` is the argument's, for the errors
+    // (`not_list`: the TypeError's message, a literal: built on every call, it would cost a
+    // decision an allocation).
+    static std::vector<double> seconds_each(nb::handle seconds, size_t k, const char* name,
+                                            const char* not_list) {
         std::vector<double> out;
         if (seconds.is_none()) return out;
-        std::string must = name + " must be a list";
-        nb::object seq = nb::steal(PySequence_Fast(seconds.ptr(), must.c_str()));
+        nb::object seq = nb::steal(PySequence_Fast(seconds.ptr(), not_list));
         if (!seq.is_valid()) throw nb::python_error();
         if (static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr())) != k) {
-            raise(PyExc_ValueError, name + " needs one number of seconds per worker");
+            raise(PyExc_ValueError, std::string(name) + " needs one number of seconds per worker");
         }
         out.resize(k);
         for (size_t i = 0; i < k; i++) {
             double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq.ptr(), i));
             if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
             if (!std::isfinite(v) || v < 0) {
-                raise(PyExc_ValueError, name + ": seconds must be finite and not negative");
+                raise(PyExc_ValueError,
+                      std::string(name) + ": seconds must be finite and not negative");
             }
             out[i] = v;
         }
@@ -165,11 +168,15 @@ struct Decider {
         std::vector<PyWorkerState*> py;
         std::vector<const route::WorkerState*> ws = states(workers, py);
         std::vector<route::Held> held(ws.size());
-        std::vector<double> before = seconds_each(before_s, ws.size(), "before");
-        std::vector<double> stall = seconds_each(stall_s, ws.size(), "stall");
+        std::vector<double> before =
+            seconds_each(before_s, ws.size(), "before", "before must be a list");
+        std::vector<double> stall =
+            seconds_each(stall_s, ws.size(), "stall", "stall must be a list");
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
+        if (len == 0) {
+            return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
+        }
         Tokens t(tokens, core->scratch, core->tree.page_size());
         double now = core->now();
         double cutoff = -std::numeric_limits<double>::infinity();
@@ -214,11 +221,15 @@ struct Decider {
                 nb::handle(PySequence_Fast_GET_ITEM(seq.ptr(), i)));
             held[i] = route::Held{std::get<0>(entry), std::get<1>(entry), std::get<2>(entry)};
         }
-        std::vector<double> before = seconds_each(before_s, ws.size(), "before");
-        std::vector<double> stall = seconds_each(stall_s, ws.size(), "stall");
+        std::vector<double> before =
+            seconds_each(before_s, ws.size(), "before", "before must be a list");
+        std::vector<double> stall =
+            seconds_each(stall_s, ws.size(), "stall", "stall must be a list");
         Py_ssize_t len = PyObject_Length(tokens.ptr());
         if (len < 0) PyErr_Clear();
-        if (len == 0) return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
+        if (len == 0) {
+            return run(py, ws, held, nullptr, 0, num_tokens, before, pull_limit, stall);
+        }
         Tokens t(tokens, scratch, 1);
         return run(py, ws, held, t.data(), t.size(), num_tokens, before, pull_limit, stall);
     }
