@@ -1,6 +1,7 @@
 """Tenants kept apart through a router with `--tenants`: the shared-prefix-cache attacks
-timing audits found at API providers (Gu et al., ICML 2025), a tenant's fresh salt on every
-request against another's hit ratio, and flooding tenants against their configured shares."""
+timing audits found at API providers (Gu et al., ICML 2025), also through two router replicas
+and a MemPool pull off a busy worker, a tenant's fresh salt on every request against
+another's hit ratio, and flooding tenants against their configured shares."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import hmac
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +28,9 @@ from benchmarks.reliability.tenant_shares import (
     hit_ratio,
     within_share,
 )
-from localrun.processes import Server, auth_headers
+from localrun.processes import Server, auth_headers, redis_url, start_redis
 from router.tenants import hash_key
+from shared.tokenizer import ChatTokenizer
 
 SECRET = "reliability-tenant-secret"
 KEYS = {"a": "sk-reliability-a", "b": "sk-reliability-b"}
@@ -38,6 +41,10 @@ PUBLIC = (
     "invoices and parcels in short sentences and never invent an order number. "
 ) * 4
 PAGE = 16  # the worker's default page
+# The replicas row's workers: 20x slower than the modelled H100, so that a long prompt keeps
+# its worker busy for seconds (3,800 tokens: about 3 s) while other requests are routed.
+SLOW_SCALE = 20.0
+LONG_WORDS = 3000  # a private text that fills most of the workers' 4,096-token context
 
 
 def unbroken(scenario: str, injected: str, expected: str) -> FaultResult:
@@ -167,6 +174,117 @@ def tenants_isolated(c: Cluster, s: Settings) -> FaultResult:
     return finish(result, [worker])
 
 
+def meta(seen: Seen) -> dict[str, Any] | None:
+    """A /generate answer's meta_info (None for anything else)."""
+    body = seen.body
+    if seen.status != 200 or not isinstance(body, dict) or "meta_info" not in body:
+        return None
+    return dict(body["meta_info"])
+
+
+def public_tokens(c: Cluster, prompt: str) -> int:
+    """How many of `prompt`'s tokens (the worker's tokenizer) are PUBLIC's: the tokens the
+    two encodings share."""
+    tokenizer = ChatTokenizer(c.model_dir)
+    full, alone = tokenizer.encode(prompt), tokenizer.encode(PUBLIC)
+    return next(
+        (i for i, (x, y) in enumerate(zip(full, alone, strict=False)) if x != y),
+        min(len(full), len(alone)),
+    )
+
+
+def tenants_across_replicas(c: Cluster, s: Settings) -> FaultResult:
+    """The same attacks through two router replicas that share their prompt trees (redis),
+    and a move off a busy worker by a MemPool pull: what the pull brings each tenant."""
+    result = unbroken(
+        "tenants kept apart through replicas and pulls",
+        "two router replicas share one redis and two pulling workers; while the worker "
+        "holding tenant A's prompt (a public prefix, then A's text) is busy with A's long "
+        "prompt, B and then A send that prompt through the other replica; then B sends A's "
+        "prompts on every route, and with A's salt copied, through the replica A did not use",
+        "moved off the busy worker, B pulls the public prefix only and A its whole prompt; "
+        "B's copies report 0 cached tokens through either replica, A's repeats hit through "
+        "the other one",
+    )
+    redis = start_redis(c.logs / "tenants-redis.log")
+    c.servers.append(redis)
+    workers = c.workers(2, "--enable-mempool-pull", time_scale=SLOW_SCALE)
+    tenants = [
+        {"id": "a", "keys": [hash_key(KEYS["a"])]},
+        {"id": "b", "keys": [hash_key(KEYS["b"])]},
+    ]
+    doc = {"tenants": tenants, "public_prefixes": [PUBLIC]}
+    shared = ("--redis-url", redis_url(redis))
+    r1 = router_with(c, workers, doc, *shared, "--replica-id", "r1")
+    r2 = router_with(c, workers, doc, *shared, "--replica-id", "r2")
+    failures: list[str] = []
+
+    def generate(router: Server, key: str, text: str, **fields: Any) -> dict[str, Any]:
+        body = {"text": text, "sampling_params": {"max_new_tokens": 2}, **fields}
+        got = meta(counted(result, router.url + "/generate", body, key))
+        if got is None:
+            failures.append(f"no answer for {text[:40]!r}")
+            return {"cached_tokens": -1, "pulled_tokens": -1}
+        return got
+
+    # A's prompt, then A's long one on the same worker (the holder of the public prefix)
+    private = " ".join(f"parcel {i} of order 1234," for i in range(12))
+    prompt = f"{PUBLIC}{uuid.uuid4().hex} A's {private} due on Monday."
+    first = generate(r1, KEYS["a"], prompt)
+    long = f"{PUBLIC}{uuid.uuid4().hex} " + " ".join(["parcel"] * LONG_WORDS)
+    busy = threading.Thread(target=generate, args=(r1, KEYS["a"], long))
+    busy.start()
+    time.sleep(0.5)  # sent: both replicas count it in flight on the holder
+    moved_b = generate(r2, KEYS["b"], prompt)  # A's text after the public prefix, as B
+    moved_a = generate(r2, KEYS["a"], prompt)
+    busy.join()
+    public = public_tokens(c, prompt)
+    if first["cached_tokens"] != 0:
+        failures.append(f"A's first prompt: {first['cached_tokens']} cached")
+    # the public prefix's whole pages, pulled; not a token of A's text after it
+    b_pulled = moved_b["pulled_tokens"]
+    if moved_b["cached_tokens"] != 0 or not public - 2 * PAGE < b_pulled <= public:
+        failures.append(
+            f"B moved: {moved_b['pulled_tokens']} pulled, {moved_b['cached_tokens']} cached "
+            f"(the public prefix: {public} tokens)"
+        )
+    if not moved_a["pulled_tokens"] + moved_a["cached_tokens"] > public + PAGE:
+        failures.append(
+            f"A moved: {moved_a['pulled_tokens']} pulled, {moved_a['cached_tokens']} cached"
+        )
+    for name in bodies(""):
+        route, body = bodies(f"{uuid.uuid4().hex} {PUBLIC[:300]}")[name]
+        for name_r, router, key, least in (
+            ("r1", r1, "a", 0),
+            ("r2", r2, "b", 0),
+            ("r2", r2, "a", PAGE),
+        ):
+            got = cached(counted(result, router.url + route, body, KEYS[key]))
+            if got is None or (got < least if least else got != 0):
+                failures.append(f"{name}, {key} through {name_r}: {got}")
+        route, body = bodies(f"{uuid.uuid4().hex} {PUBLIC[:300]}")[name]
+        counted(result, r1.url + route, body, KEYS["a"])  # A's alone, then B with A's salt
+        copied = {**body, "cache_salt": minted("a")}
+        got = cached(counted(result, r2.url + route, copied, KEYS["b"]))
+        if got != 0:
+            failures.append(f"{name}, B with A's salt: {got}")
+    result.measured = {
+        "b_pulled": float(moved_b["pulled_tokens"]),
+        "a_pulled": float(moved_a["pulled_tokens"]),
+        "a_cached": float(moved_a["cached_tokens"]),
+    }
+    result.client_saw = (
+        f"{result.answered}/{result.requests} answered; off the busy worker B pulled "
+        f"{moved_b['pulled_tokens']} tokens (the public prefix) and A "
+        f"{moved_a['pulled_tokens']} pulled + {moved_a['cached_tokens']} cached (its whole "
+        "prompt); B's copies 0 cached through either replica, A's repeats hit"
+        if not failures
+        else "; ".join(failures[:4])
+    )
+    result.expectation_met = not failures and result.answered == result.requests
+    return finish(result, workers)
+
+
 def tenant_fresh_salts(c: Cluster, s: Settings) -> FaultResult:
     """A tenant's fresh salt on every request against another tenant's hit ratio (its
     paths in the prompt trees, bounded by the flooder's max_tree_pages)."""
@@ -223,6 +341,7 @@ def tenant_fair_admission(c: Cluster, s: Settings) -> FaultResult:
 
 SCENARIOS: list[Scenario] = [
     tenants_isolated,
+    tenants_across_replicas,
     tenant_fresh_salts,
     tenant_fair_admission,
 ]

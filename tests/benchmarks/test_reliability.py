@@ -29,6 +29,7 @@ SCENARIOS = {
     *RETRACTION_ROWS,
     "overloaded cluster",
     "tenants kept apart",
+    "tenants kept apart through replicas and pulls",
     "a tenant's fresh salt on every request",
     "tenants' fair share at saturation",
 }
