@@ -232,6 +232,8 @@ class ReferencePolicy:
                 paid = evicts + (lacks - evicts) / (1 + heat)
                 seconds += paid * per_token * w.speed.token_x * (1 + w.waiting)
             seconds += o.load_s[w.url] * w.waiting  # the load holds up those waiting there
+            own = (n - min(most, n)) * self.cost.prefill_s_per_token * w.speed.token_x
+            seconds += own * max(w.waiting - 1, 0)  # in the step of those queued there
             placement[w.url] = seconds
         soonest = min(workers, key=lambda w: (placement[w.url], loads[w.url]))
         if most == 0:  # a new prefix: near the soonest start, the fewest waiting, the least drawn

@@ -322,3 +322,24 @@ def test_leaving_a_holder_costs_more_where_requests_wait() -> None:
     # a fresh policy: the first choice made the prefix warmer (Heat, tested apart)
     policy = PromptTree(trees, Thresholds(balance_abs=1000), CostModel())
     assert policy.select(RouteRequest(tokens, "", None), ws).worker is ws[0]
+
+
+def test_a_long_fresh_prompt_avoids_a_worker_where_requests_queue_for_the_next_step() -> None:
+    """The engine prefills the requests waiting for its next step together: a request's
+    uncached part, sent where three wait behind the one being prefilled, delays the two
+    others' first tokens by all of it. So a 4K-token fresh part goes to the holder with one
+    long prefill running (0.24 s of work) rather than the one with three short prompts
+    waiting (12 ms); a short fresh part still goes where it starts soonest."""
+    trees = PromptTrees(page_size=4)
+    ws = workers(2)
+    shared = list(range(400))
+    for w in ws:
+        trees.record(C, w.url, shared)
+    ws[0].in_flight, ws[0].unstarted, ws[0].in_flight_tokens = 3, 3, 300
+    ws[1].in_flight, ws[1].unstarted, ws[1].in_flight_tokens = 1, 1, 6000
+    long = RouteRequest(shared + list(range(10_000, 14_000)), "", None)
+    d = PromptTree(trees, Thresholds(), CostModel()).select(long, ws)
+    assert d.worker is ws[1] and d.reason == "cache_hit" and d.predicted_cached == 400
+    short = RouteRequest(shared + list(range(10_000, 10_040)), "", None)
+    d = PromptTree(trees, Thresholds(), CostModel()).select(short, ws)
+    assert d.worker is ws[0] and d.reason == "cache_hit"
