@@ -363,10 +363,10 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     // And the part of the prompt no worker holds, where requests queue behind the one being
     // prefilled: the engine prefills them together in its next step, so each of them waits
     // for that compute too (the first of those counted as waiting is taken as the one being
-    // prefilled). Measured on the LoRA preset, our router alone: seed 2's p99 went from
-    // 1.26-1.37 s in five runs to 1.11 s in four of five (2.08 s in one), seed 1's from
-    // 0.94-1.08 to 0.81-0.98 s; a cold prompt's first token no longer waits for a long one
-    // sent to the same worker after it.
+    // prefilled). Measured on the LoRA preset: seed 2's p99 went from 1.26-1.37 s in five
+    // runs to 1.11-1.12 s in six of seven (2.08 s in one), seed 1's from 0.94-1.08 to
+    // 0.81-0.98 s; a cached prompt's first token no longer waits for a long cold one sent to
+    // the same worker after it.
     double h = heat ? heat->bump(tokens, n, most, heat_now) : 0.0;
     if (h) {  // a hot prefix with copies enough: one more only displaces other cache
         int64_t copies = 0;
