@@ -375,6 +375,8 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
     }
     std::vector<double> placement(k);
     size_t soonest = 0;
+    double fresh_s = static_cast<double>(num_tokens - std::min(most, num_tokens)) *
+                     s.costs.prefill_s_per_token;  // the part no worker holds, at the constants
     for (size_t i = 0; i < k; i++) {
         int64_t lacks = most - affinity[i];
         double seconds = o.plans[i].seconds;
@@ -388,8 +390,7 @@ Choice decide(const Settings& s, const std::vector<const WorkerState*>& ws,
         if (stall) seconds += (*stall)[i] * static_cast<double>(ws[i]->waiting());
         // its fresh part joins the next prefill step of the requests queued there (above)
         int64_t queued = std::max<int64_t>(ws[i]->waiting() - 1, 0);
-        seconds += static_cast<double>(num_tokens - std::min(most, num_tokens)) *
-                   s.costs.prefill_s_per_token * ws[i]->token_x * static_cast<double>(queued);
+        seconds += fresh_s * ws[i]->token_x * static_cast<double>(queued);
         placement[i] = seconds;
         if (i == 0 || seconds < placement[soonest] ||
             (seconds == placement[soonest] && o.loads[i] < o.loads[soonest])) {
